@@ -1,0 +1,27 @@
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt -e ".[bench,hf,dev]"
+	# The GPT-2 BPE vocabulary ships inside openai-whisper; its own dependencies are not needed.
+	$(PIP) install -q --no-deps openai-whisper || echo "openai-whisper unavailable: byte-level tokenizer will be used"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/remat bench --out results/demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) results

@@ -1,0 +1,119 @@
+"""The CostTable: plain data describing what each block of a chain costs in seconds and bytes.
+
+Rows are produced by :func:`remat.profile` (measured on the real device) or by :mod:`remat.estimate`
+(meta device / analytic). Planners and the simulator in :mod:`remat.plan` read them; nothing here touches
+torch.
+
+Memory terms, all in bytes, for block ``i`` run on its own with its input already alive:
+
+* ``saved_bytes[action]``: bytes still alive after the block's forward under ``action`` (``"keep"``,
+  ``"checkpoint"``, ``"selective:<policy>"``, ``"offload"``). This includes the block's output and what
+  autograd saved for backward, but not the block's input (which belongs to the block before).
+* ``fwd_temp_bytes``: extra bytes alive for a moment during the forward, above ``saved_bytes["keep"]``.
+* ``bwd_temp_bytes``: extra bytes alive during the block's backward above what was saved (gradients in
+  flight, workspace), measured under ``"keep"``.
+
+Time terms, in seconds: ``fwd_s`` and ``bwd_s`` under ``"keep"``; ``recompute_s[action]`` is the extra time
+spent in backward re-running work under that action (0 for ``"keep"``; for ``"offload"`` it is the copy
+time).
+
+Table-wide: ``stem_bytes`` are activation bytes alive before the first block (embeddings and the like),
+``head_bytes`` the peak above the chain while the part after the last block (final norm, logits, loss)
+runs forward and backward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+KEEP = "keep"
+CHECKPOINT = "checkpoint"
+OFFLOAD = "offload"
+SELECTIVE_PREFIX = "selective:"
+
+
+@dataclass
+class BlockCost:
+    """Measured or estimated costs of one block of the chain."""
+
+    fqn: str
+    fwd_s: float
+    bwd_s: float
+    input_bytes: int
+    output_bytes: int
+    saved_bytes: dict[str, int]
+    recompute_s: dict[str, float]
+    fwd_temp_bytes: int = 0
+    bwd_temp_bytes: int = 0
+
+    @property
+    def actions(self) -> list[str]:
+        """Single-block actions this row has costs for."""
+        return [a for a in self.saved_bytes if a in self.recompute_s]
+
+    def saved(self, action: str) -> int:
+        try:
+            return self.saved_bytes[action]
+        except KeyError:
+            raise KeyError(
+                f"block {self.fqn!r} has no cost for action {action!r}; it has {sorted(self.saved_bytes)}. "
+                "Profile with that action included (remat.profile(..., policies=...))."
+            ) from None
+
+
+@dataclass
+class CostTable:
+    """One row per block, in chain order, plus the chain-independent stem and head terms."""
+
+    blocks: list[BlockCost]
+    stem_bytes: int = 0
+    head_bytes: int = 0
+    device: str = "cpu"
+    source: str = "measured"
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def fqns(self) -> list[str]:
+        return [b.fqn for b in self.blocks]
+
+    def index(self, fqn: str) -> int:
+        for i, block in enumerate(self.blocks):
+            if block.fqn == fqn:
+                return i
+        raise KeyError(f"no block named {fqn!r}; the chain has {self.fqns}")
+
+    def common_actions(self) -> list[str]:
+        """Single-block actions every row has costs for, in a stable order."""
+        if not self.blocks:
+            return []
+        common = set(self.blocks[0].actions)
+        for block in self.blocks[1:]:
+            common &= set(block.actions)
+        return [a for a in self.blocks[0].actions if a in common]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostTable:
+        blocks = [BlockCost(**row) for row in data["blocks"]]
+        return cls(
+            blocks=blocks,
+            stem_bytes=data.get("stem_bytes", 0),
+            head_bytes=data.get("head_bytes", 0),
+            device=data.get("device", "cpu"),
+            source=data.get("source", "measured"),
+            info=data.get("info", {}),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostTable:
+        return cls.from_dict(json.loads(text))

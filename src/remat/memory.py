@@ -1,0 +1,189 @@
+"""Peak-memory meters: a live-tensor tracker (any device, exact per storage) and CUDA allocator statistics.
+
+``measure()`` wraps a training step. On CPU it runs a :class:`LiveTensorTracker`, a ``TorchDispatchMode``
+that records every storage created by an operator and when it dies. Its figures:
+
+* ``peak_bytes``: the most bytes created inside the region that were alive at once;
+* ``activation_bytes``: the same, counting only storages that died before the region ended, i.e. the
+  transient memory of the step (saved activations, gradients in flight), not the parameter gradients or
+  outputs that outlive it.
+
+On CUDA ``peak_bytes`` comes from ``torch.cuda.max_memory_allocated`` (it sees everything, compiled code
+included) and ``activation_bytes`` from the tracker unless ``tracker=False``.
+
+The tracker does not see allocations made inside ``torch.compile``d graphs; measure those with a
+whole-process meter (see DESIGN.md) or on CUDA.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Records allocation and death of every storage an operator creates while the mode is active.
+
+    Events are kept so that peaks can be computed afterwards excluding storages that outlive the region;
+    ``mark(label)`` notes the current position so figures at that moment can be read after the run.
+    """
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        super().__init__()
+        self.device_type = torch.device(device).type if device is not None else None
+        self._paused = 0
+        self._live: dict[int, int] = {}
+        self._events: list[tuple[int, int]] = []  # (storage key, +nbytes on alloc / -nbytes on free)
+        self._marks: list[tuple[str, int]] = []
+        self._next_key = 0
+        self._finalizers: list[weakref.finalize] = []
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self._closed = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        if not self._closed and not self._paused:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        if self.device_type is not None and t.device.type != self.device_type:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        if getattr(storage, "_remat_tracked", None) is self:
+            return
+        nbytes = storage.nbytes()
+        key = self._next_key
+        self._next_key += 1
+        try:
+            storage._remat_tracked = self  # type: ignore[attr-defined]
+        except AttributeError:
+            return
+        self._live[key] = nbytes
+        self._events.append((key, nbytes))
+        self.live_bytes += nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        self._finalizers.append(weakref.finalize(storage, self._free, key))
+
+    def _free(self, key: int) -> None:
+        nbytes = self._live.pop(key, None)
+        if nbytes is None or self._closed:
+            return
+        self._events.append((key, -nbytes))
+        self.live_bytes -= nbytes
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ignore allocations made inside (e.g. a measurement nested in the measured step)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def mark(self, label: str) -> None:
+        """Remember this moment under ``label``; read it later with :meth:`bytes_at`."""
+        self._marks.append((label, len(self._events)))
+
+    def close(self) -> None:
+        """Stop recording; storages still alive now are the survivors of the region."""
+        self._closed = True
+        for fin in self._finalizers:
+            fin.detach()
+        self._finalizers.clear()
+
+    @property
+    def survivors(self) -> set[int]:
+        return set(self._live)
+
+    def _series(self, exclude_survivors: bool) -> list[int]:
+        """Live bytes after each event (index i = after i events)."""
+        skip = self.survivors if exclude_survivors else set()
+        live, series = 0, [0]
+        for key, delta in self._events:
+            if key not in skip:
+                live += delta
+            series.append(live)
+        return series
+
+    def peak(self, exclude_survivors: bool = True) -> int:
+        return max(self._series(exclude_survivors))
+
+    def bytes_at(self, label: str, exclude_survivors: bool = True) -> int:
+        series = self._series(exclude_survivors)
+        for name, index in reversed(self._marks):
+            if name == label:
+                return series[index]
+        raise KeyError(f"no mark named {label!r}")
+
+    def peak_between(self, start: str, end: str, exclude_survivors: bool = True) -> int:
+        series = self._series(exclude_survivors)
+        index = {name: i for name, i in self._marks}
+        return max(series[index[start] : index[end] + 1])
+
+    def timeline(self, exclude_survivors: bool = True) -> list[int]:
+        """Live bytes after every allocation or free, for plots of memory over one step."""
+        return self._series(exclude_survivors)
+
+
+@dataclass
+class MemoryReport:
+    """Figures of one measured region, in bytes."""
+
+    device: str = "cpu"
+    peak_bytes: int = 0
+    activation_bytes: int = 0
+    timeline: list[int] = field(default_factory=list)
+    source: str = "tracker"
+
+
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+@contextmanager
+def measure(device: str | torch.device | None = None, *, tracker: bool = True) -> Iterator[MemoryReport]:
+    """Measure peak memory and peak activation memory of the code inside the ``with`` block.
+
+    >>> with remat.measure() as m:
+    ...     model(x).sum().backward()
+    >>> m.activation_bytes, m.peak_bytes
+    """
+    dev = torch.device(device) if device is not None else torch.device("cuda" if _cuda_in_use() else "cpu")
+    report = MemoryReport(device=str(dev))
+    start_allocated = 0
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        start_allocated = torch.cuda.memory_allocated(dev)
+    mode = LiveTensorTracker(dev) if (tracker or dev.type != "cuda") else None
+    try:
+        if mode is not None:
+            with mode:
+                yield report
+        else:
+            yield report
+    finally:
+        if mode is not None:
+            mode.close()
+            report.activation_bytes = mode.peak(exclude_survivors=True)
+            report.peak_bytes = mode.peak(exclude_survivors=False)
+            report.timeline = mode.timeline()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            report.peak_bytes = torch.cuda.max_memory_allocated(dev) - start_allocated
+            report.source = "cuda-allocator" + ("+tracker" if mode is not None else "")
+            if mode is None:
+                report.activation_bytes = report.peak_bytes

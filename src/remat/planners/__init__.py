@@ -1,0 +1,83 @@
+"""Planner registry and the ``remat.plan`` entry point.
+
+Each planner is a pure function ``(CostTable, budget_bytes, **options) -> Plan``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..costs import CostTable
+from ..plan import Plan, resolve_budget
+from ..sizes import format_bytes
+from . import static
+
+
+class BudgetError(ValueError):
+    """No plan of the requested kind fits the byte budget."""
+
+
+def _optimal(costs: CostTable, budget: int | None = None, **options: Any) -> Plan:
+    from .optimal import optimal
+
+    return optimal(costs, budget, **options)
+
+
+STRATEGIES: dict[str, Callable[..., Plan]] = {
+    "none": static.none,
+    "full": static.full,
+    "every_k": static.every_k,
+    "sqrt": static.sqrt,
+    "memory_poor": static.memory_poor,
+    "random": static.random,
+    "optimal": _optimal,
+}
+
+
+def minimum_peak_bytes(costs: CostTable) -> int:
+    """The least predicted peak activation memory any plan reaches on ``costs``."""
+    try:
+        from .optimal import min_peak_bytes
+    except ImportError:
+        candidates = [static.memory_poor(costs), static.full(costs), static.sqrt(costs)]
+        candidates += [static.every_k(costs, k=k) for k in range(2, len(costs) + 1)]
+        return min(p.predicted_peak_bytes for p in candidates)
+    return min_peak_bytes(costs)
+
+
+def plan(
+    costs: CostTable,
+    strategy: str = "optimal",
+    budget: int | float | str | None = None,
+    *,
+    strict: bool = True,
+    **options: Any,
+) -> Plan:
+    """Make a :class:`Plan` for ``costs`` with ``strategy``.
+
+    ``budget`` is bytes, a string like "1.5GiB", or a float in (0, 1] meaning a fraction of the
+    no-checkpoint activation memory. With ``strict`` (the default) a plan whose predicted peak exceeds the
+    budget raises :class:`BudgetError`, which names the minimum any plan reaches.
+    """
+    if strategy not in STRATEGIES:
+        known = ", ".join(sorted(STRATEGIES))
+        raise ValueError(f"unknown strategy {strategy!r}; known strategies: {known}")
+    if len(costs) == 0:
+        raise ValueError("the cost table has no blocks; profile a model with at least one block")
+    budget_bytes = resolve_budget(budget, costs)
+    if strategy == "optimal" and budget_bytes is None:
+        raise ValueError("strategy 'optimal' needs a budget (bytes, a string like '2GiB' or a fraction)")
+    result = STRATEGIES[strategy](costs, budget_bytes, **options)
+    if strict and not result.fits:
+        floor = minimum_peak_bytes(costs)
+        raise BudgetError(
+            f"strategy {strategy!r} predicts a peak of {format_bytes(result.predicted_peak_bytes)} of "
+            f"activations, above the budget of {format_bytes(budget_bytes)}. The minimum any plan reaches on "
+            f"this model and batch is {format_bytes(floor)}"
+            + (" (budget below the feasible minimum)." if budget_bytes < floor else "; try strategy='optimal'.")
+        )
+    return result
+
+
+__all__ = ["STRATEGIES", "BudgetError", "minimum_peak_bytes", "plan"]

@@ -1,0 +1,128 @@
+"""Per-operator save/recompute policies, named as in JAX, on top of PyTorch's selective checkpointing.
+
+A policy decides, for each operator run inside a checkpointed region, whether its output is saved (no
+recompute in backward) or recomputed. Use one with ``remat.checkpoint(fn, x, policy=...)``,
+``remat.Checkpoint(module, policy=...)`` or a plan action ``"selective:<name>"``.
+
+* ``everything_saveable``: save every output (as without checkpointing, but inside the region).
+* ``nothing_saveable``: recompute everything (plain checkpointing).
+* ``dots_saveable``: save the outputs of matmuls, convolutions and attention; recompute elementwise ops.
+* ``save_only(*ops)``, ``save_all_but(*ops)``: name operators as ``torch.ops.aten.mm``, ``"aten.mm"`` or
+  ``"mm"``.
+* any callable ``(ctx, op, *args, **kwargs) -> bool | CheckpointPolicy`` (True = save).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+aten = torch.ops.aten
+
+DOT_OPS: frozenset[Any] = frozenset(
+    op
+    for op in (
+        aten.mm,
+        aten.addmm,
+        aten.bmm,
+        aten.baddbmm,
+        aten.matmul,
+        aten.linear,
+        aten.convolution,
+        aten._convolution,
+        aten.cudnn_convolution,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_cudnn_attention,
+        getattr(aten, "_flash_attention_forward", None),
+        getattr(aten, "_efficient_attention_forward", None),
+    )
+    if op is not None
+)
+
+
+def _packet(op: Any) -> Any:
+    """The overload packet of an op overload (aten.mm.default -> aten.mm); packets pass through."""
+    return getattr(op, "overloadpacket", op)
+
+
+def resolve_op(op: Any) -> Any:
+    """Turn ``torch.ops.aten.mm``, ``aten.mm.default``, ``"aten.mm"`` or ``"mm"`` into an overload packet."""
+    if isinstance(op, str):
+        name = op.split(".", 1)[1] if op.startswith("aten.") else op
+        name = name.split(".")[0]
+        if not hasattr(aten, name):
+            raise ValueError(f"unknown operator {op!r}: torch.ops.aten has no {name!r}")
+        return getattr(aten, name)
+    return _packet(op)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A named per-operator policy; ``context_fn()`` gives the contexts ``torch.utils.checkpoint`` takes."""
+
+    name: str
+    save: Callable[..., bool | CheckpointPolicy]
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        decision = self.save(ctx, op, *args, **kwargs)
+        if isinstance(decision, CheckpointPolicy):
+            return decision
+        return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context_fn(self) -> Any:
+        return create_selective_checkpoint_contexts(self)
+
+
+everything_saveable = Policy("everything_saveable", lambda ctx, op, *a, **k: True)
+nothing_saveable = Policy("nothing_saveable", lambda ctx, op, *a, **k: False)
+dots_saveable = Policy("dots_saveable", lambda ctx, op, *a, **k: _packet(op) in DOT_OPS)
+
+
+def save_only(*ops: Any, name: str | None = None) -> Policy:
+    """Save only the outputs of ``ops``; recompute everything else."""
+    chosen = frozenset(resolve_op(o) for o in ops)
+    label = name or "save_only(" + ",".join(sorted(str(o).split(".")[-1] for o in chosen)) + ")"
+    return Policy(label, lambda ctx, op, *a, **k: _packet(op) in chosen)
+
+
+def save_all_but(*ops: Any, name: str | None = None) -> Policy:
+    """Save every output except those of ``ops`` (which are recomputed)."""
+    chosen = frozenset(resolve_op(o) for o in ops)
+    label = name or "save_all_but(" + ",".join(sorted(str(o).split(".")[-1] for o in chosen)) + ")"
+    return Policy(label, lambda ctx, op, *a, **k: _packet(op) not in chosen)
+
+
+_REGISTRY: dict[str, Policy] = {p.name: p for p in (everything_saveable, nothing_saveable, dots_saveable)}
+
+
+def register(policy: Policy) -> Policy:
+    """Make ``policy`` usable by name in plan actions (``"selective:<name>"``)."""
+    _REGISTRY[policy.name] = policy
+    return policy
+
+
+def get(name_or_policy: str | Policy | Callable[..., Any]) -> Policy:
+    """A :class:`Policy` from a registered name, a Policy, or a user callable."""
+    if isinstance(name_or_policy, Policy):
+        return name_or_policy
+    if isinstance(name_or_policy, str):
+        try:
+            return _REGISTRY[name_or_policy]
+        except KeyError:
+            raise ValueError(
+                f"unknown policy {name_or_policy!r}; registered: {sorted(_REGISTRY)}. "
+                "Register your own with remat.policies.register(Policy(name, fn))."
+            ) from None
+    if callable(name_or_policy):
+        return Policy(getattr(name_or_policy, "__name__", "custom"), name_or_policy)
+    raise TypeError(f"a policy is a name, a remat.policies.Policy or a callable, got {type(name_or_policy)}")
+
+
+def names() -> Iterable[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,325 @@
+"""Measuring a CostTable on the real device: each block run in isolation under each action.
+
+:class:`BlockProfiler` hooks the chain's blocks for one forward/backward step. When a block is first called it
+takes the block's real inputs and, aside from the step (RNG forked, gradients restored, other remat hooks
+suspended), runs the block alone under every action: a live-tensor tracker gives the bytes kept after the
+forward, the forward and backward transients; timed repeats give forward, backward and recompute seconds.
+The step itself is tracked too, for the memory before the chain (stem) and after it (head).
+
+It serves both :func:`profile` (one step on a sample batch) and in-training profiling: the dynamic controllers
+wrap the first real training step in a ``BlockProfiler``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import policies as _policies
+from .checkpointing import checkpoint
+from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
+from .memory import LiveTensorTracker
+from .runtime import _get_slot, _main_input_slot, _resolve_blocks, _with_slot, main_tensor, suspend_all
+
+Batch = torch.Tensor | tuple[Any, ...] | list[Any] | dict[str, Any]
+
+
+def default_actions(device: torch.device, policies: Iterable[str] = ("dots_saveable",)) -> list[str]:
+    actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + _policies.get(p).name for p in policies]
+    if device.type == "cuda":
+        actions.append(OFFLOAD)
+    return actions
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_action(module: nn.Module, action: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if action == KEEP:
+        return module(*args, **kwargs)
+    if action == CHECKPOINT:
+        return checkpoint(module, *args, **kwargs)
+    if action.startswith(SELECTIVE_PREFIX):
+        return checkpoint(module, *args, policy=action[len(SELECTIVE_PREFIX) :], **kwargs)
+    if action == OFFLOAD:
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return module(*args, **kwargs)
+    raise ValueError(f"cannot profile action {action!r}")
+
+
+class _GradsRestored:
+    """Set parameter gradients aside while a measurement runs, and put them back afterwards."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+
+    def __enter__(self) -> None:
+        self.saved = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def __exit__(self, *exc: Any) -> None:
+        for p, g in zip(self.params, self.saved):
+            p.grad = g
+
+
+def measure_block(
+    fqn: str,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    actions: Sequence[str],
+    *,
+    repeats: int = 3,
+) -> BlockCost:
+    """Costs of one block on these inputs, under each of ``actions`` (``"keep"`` must be among them)."""
+    slot = _main_input_slot(args, kwargs)
+    source = _get_slot(args, kwargs, slot)
+    device = source.device
+    main = source.detach().requires_grad_(True)
+    args, kwargs = _with_slot(args, kwargs, slot, main)
+    saved: dict[str, int] = {}
+    fwd_temp = bwd_temp = 0
+    output_bytes = 0
+    times: dict[str, tuple[float, float]] = {}
+    identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    with suspend_all(), identity, _GradsRestored(module), torch.random.fork_rng(
+        devices=rng_devices, device_type=device.type
+    ):
+        for action in actions:
+            tracker = LiveTensorTracker(device)
+            with tracker:
+                tracker.mark("start")
+                out = main_tensor(_run_action(module, action, args, kwargs))
+                tracker.mark("fwd_end")
+                grad = torch.ones_like(out)
+                tracker.mark("bwd_start")
+                torch.autograd.backward(out, grad)
+                tracker.mark("bwd_end")
+                output_bytes = out.numel() * out.element_size()
+                del out, grad
+                main.grad = None
+                for p in module.parameters():
+                    p.grad = None
+            tracker.close()
+            saved[action] = tracker.bytes_at("fwd_end")
+            if action == KEEP:
+                fwd_temp = max(0, tracker.peak_between("start", "fwd_end") - saved[KEEP])
+                bwd_temp = max(0, tracker.peak_between("bwd_start", "bwd_end") - saved[KEEP])
+            times[action] = _time_action(module, action, args, kwargs, main, device, repeats)
+    fwd_s, bwd_s = times[KEEP]
+    recompute: dict[str, float] = {}
+    for action in actions:
+        if action == KEEP:
+            recompute[action] = 0.0
+        elif action == CHECKPOINT:
+            recompute[action] = fwd_s
+        else:
+            a_fwd, a_bwd = times[action]
+            extra = (a_fwd - fwd_s) + (a_bwd - bwd_s) if action == OFFLOAD else a_bwd - bwd_s
+            recompute[action] = min(max(extra, 0.0), fwd_s) if action != OFFLOAD else max(extra, 0.0)
+    return BlockCost(
+        fqn=fqn,
+        fwd_s=fwd_s,
+        bwd_s=bwd_s,
+        input_bytes=main.numel() * main.element_size(),
+        output_bytes=output_bytes,
+        saved_bytes=saved,
+        recompute_s=recompute,
+        fwd_temp_bytes=fwd_temp,
+        bwd_temp_bytes=bwd_temp,
+    )
+
+
+def _time_action(
+    module: nn.Module,
+    action: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    main: torch.Tensor,
+    device: torch.device,
+    repeats: int,
+) -> tuple[float, float]:
+    """Median forward and backward seconds of the block under ``action`` (after one warm-up)."""
+    fwd, bwd = [], []
+    for i in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = main_tensor(_run_action(module, action, args, kwargs))
+        _sync(device)
+        t1 = time.perf_counter()
+        torch.autograd.backward(out, torch.ones_like(out))
+        _sync(device)
+        t2 = time.perf_counter()
+        del out
+        main.grad = None
+        for p in module.parameters():
+            p.grad = None
+        if i:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+class BlockProfiler:
+    """Profile every block of the chain during one real forward/backward step.
+
+    >>> with BlockProfiler(model) as prof:
+    ...     loss_fn(model(**batch)).backward()
+    >>> costs = prof.cost_table()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None = None,
+        *,
+        policies: Iterable[str] = ("dots_saveable",),
+        actions: Sequence[str] | None = None,
+        repeats: int = 3,
+    ) -> None:
+        self.model = model
+        self.chain = _resolve_blocks(model, blocks)
+        self.policies = tuple(policies)
+        self.actions = list(actions) if actions is not None else None
+        self.repeats = repeats
+        self.rows: dict[int, BlockCost] = {}
+        self._hooks: list[Any] = []
+        self._tracker: LiveTensorTracker | None = None
+        self._busy = False
+        self._device: torch.device | None = None
+
+    def __enter__(self) -> BlockProfiler:
+        for i, (fqn, module) in enumerate(self.chain):
+            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(i, fqn), with_kwargs=True))
+        last = len(self.chain) - 1
+        self._hooks.append(self.chain[last][1].register_forward_hook(self._chain_end_hook))
+        self._tracker = LiveTensorTracker()
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self._tracker is not None:
+            self._tracker.__exit__(*exc)
+            self._tracker.close()
+
+    def _pre_hook(self, i: int, fqn: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._busy or i in self.rows or not torch.is_grad_enabled():
+                return
+            tracker = self._tracker
+            if i == 0 and tracker is not None:
+                tracker.mark("stem")
+            main = _get_slot(args, kwargs, _main_input_slot(args, kwargs))
+            self._device = main.device
+            actions = self.actions or default_actions(main.device, self.policies)
+            self._busy = True
+            try:
+                if tracker is not None:
+                    with tracker.paused():
+                        self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats)
+                else:
+                    self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats)
+            finally:
+                self._busy = False
+
+        return hook
+
+    def _chain_end_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        tracker = self._tracker
+        out = main_tensor(output)
+        if tracker is None or self._busy or out is None or not out.requires_grad or "chain_end" in self._marks():
+            return
+        tracker.mark("chain_end")
+        out.register_hook(lambda grad: tracker.mark("head_end"))
+
+    def _marks(self) -> set[str]:
+        return {name for name, _ in self._tracker._marks} if self._tracker is not None else set()
+
+    def cost_table(self) -> CostTable:
+        """The measured table; raises if the step did not run every block with grad enabled."""
+        missing = [self.chain[i][0] for i in range(len(self.chain)) if i not in self.rows]
+        if missing:
+            raise RuntimeError(
+                f"blocks {missing} did not run during the profiled step (with grad enabled); "
+                "profile a full forward and backward of the model"
+            )
+        marks = self._marks()
+        stem = head = 0
+        if self._tracker is not None and "stem" in marks:
+            stem = self._tracker.bytes_at("stem")
+        if self._tracker is not None and {"chain_end", "head_end"} <= marks:
+            end = self._tracker.bytes_at("chain_end")
+            head = max(0, self._tracker.peak_between("chain_end", "head_end") - end)
+        device = self._device or torch.device("cpu")
+        return CostTable(
+            blocks=[self.rows[i] for i in range(len(self.chain))],
+            stem_bytes=stem,
+            head_bytes=head,
+            device=device.type,
+            source="measured",
+            info={"torch": torch.__version__, "device_name": _device_name(device)},
+        )
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def run_step(model: nn.Module, batch: Batch, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
+    """One forward and backward of ``model`` on ``batch``; returns the loss (detached)."""
+    if isinstance(batch, dict):
+        output = model(**batch)
+    elif isinstance(batch, tuple | list):
+        output = model(*batch)
+    else:
+        output = model(batch)
+    loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+    loss.backward()
+    return loss.detach()
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output.loss`` when the model returns one, else the sum of the (first) output tensor."""
+    loss = getattr(output, "loss", None)
+    if isinstance(output, dict) and output.get("loss") is not None:
+        loss = output["loss"]
+    if loss is not None:
+        return loss
+    tensor = main_tensor(output)
+    if tensor is None:
+        raise ValueError("the model output has no tensor; pass loss_fn=... to remat.profile")
+    return tensor.float().sum()
+
+
+def profile(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None = None,
+    policies: Iterable[str] = ("dots_saveable",),
+    repeats: int = 3,
+) -> CostTable:
+    """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
+    dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
+    Parameter gradients are left as they were."""
+    profiler = BlockProfiler(model, blocks, policies=policies, repeats=repeats)
+    with _GradsRestored(model), profiler:
+        run_step(model, batch, loss_fn)
+    return profiler.cost_table()
