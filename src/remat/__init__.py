@@ -16,13 +16,12 @@ from .checkpointing import Checkpoint, checkpoint, checkpoint_fn, checkpointed
 from .costs import BlockCost, CostTable
 from .memory import measure
 from .plan import Plan, simulate
-from .planners import STRATEGIES, BudgetError
+
+# ``plan`` and ``profile`` are bound after their same-named submodules were imported: the names are functions.
+from .planners import STRATEGIES, BudgetError, plan
 from .profile import profile
 from .runtime import apply
 from .sizes import format_bytes, parse_bytes
-
-# Bound after the submodules of the same names were imported, so these names are the functions.
-from .planners import plan  # noqa: I001  (must come after ``from .plan import ...``)
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,278 @@
+"""The ``remat`` command: ``bench``, ``plan``, ``profile``, ``estimate`` and ``advise``.
+
+Each sub-command prints a human-readable table and, with ``--json PATH``, writes machine-readable results.
+Models come from :mod:`remat.bench.models` (GPT-2, BERT, ViT built from their configs, and an MLP chain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .sizes import format_bytes, parse_bytes
+
+
+def _write_json(path: str | None, payload: Any) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2, default=str))
+        print(f"wrote {path}")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt2", help="gpt2, bert, vit or mlp (or e.g. gpt2-medium)")
+    p.add_argument("--preset", default=None, help="tiny, small, medium, base... (default tiny)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (text models)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--hidden", type=int, default=None, help="override the hidden size")
+    p.add_argument("--heads", type=int, default=None, help="override the number of attention heads")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or meta (estimate without running)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--policies", default="dots_saveable", help="selective policies to cost, comma-separated")
+    p.add_argument("--json", default=None, metavar="PATH", help="write machine-readable results here")
+
+
+def _build(args: argparse.Namespace):  # noqa: ANN202
+    from .bench.models import build_model, parse_model_id
+
+    name, preset = (parse_model_id(args.model) if "-" in args.model else (args.model, args.preset or "tiny"))
+    if args.preset and "-" not in args.model:
+        preset = args.preset
+    overrides = {
+        k: v
+        for k, v in {"num_layers": args.layers, "hidden_size": args.hidden, "num_heads": args.heads}.items()
+        if v is not None
+    }
+    if name in ("gpt2", "bert"):
+        overrides.setdefault("max_positions", max(args.seq_len, 8))
+    spec = build_model(name, preset, device=args.device if args.device == "meta" else None, **overrides)
+    if name == "gpt2" and hasattr(spec.module.config, "use_cache"):
+        spec.module.config.use_cache = False
+    dtype = getattr(torch, args.dtype)
+    if args.device != "meta":
+        spec.module.to(device=args.device, dtype=dtype)
+    elif dtype != torch.float32:
+        spec.module.to(dtype=dtype)
+    return spec
+
+
+def example_batch(spec: Any, batch_size: int, seq_len: int, device: str) -> dict[str, torch.Tensor]:
+    """A batch of the right shapes for ``spec`` (random tokens or pixels; costs do not depend on values)."""
+    cfg = spec.config
+    gen = torch.Generator().manual_seed(0)
+    if spec.kind in ("lm", "mlm"):
+        vocab = int(cfg.get("vocab_size", 256))
+        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
+        return {"input_ids": ids.to(device), "labels": ids.to(device)}
+    channels = int(cfg.get("num_channels", 1))
+    size = int(cfg.get("image_size", 28))
+    dtype = next(spec.module.parameters()).dtype
+    pixels = torch.randn(batch_size, channels, size, size, generator=gen).to(device=device, dtype=dtype)
+    labels = torch.randint(0, int(cfg.get("num_labels", 10)), (batch_size,), generator=gen)
+    return {"pixel_values": pixels, "labels": labels.to(device)}
+
+
+def _costs(args: argparse.Namespace, batch_size: int | None = None):  # noqa: ANN202
+    spec = _build(args)
+    batch = example_batch(spec, batch_size or args.batch_size, args.seq_len, args.device)
+    policies = [p for p in args.policies.split(",") if p]
+    if args.device == "meta":
+        from .estimate import meta_cost_table
+
+        costs = meta_cost_table(spec.module, batch, blocks=spec.blocks(), loss_fn=spec.loss_fn, policies=policies)
+    else:
+        from .profile import profile
+
+        costs = profile(spec.module, batch, loss_fn=spec.loss_fn, blocks=spec.blocks(), policies=policies)
+    return spec, batch, costs
+
+
+def _print_costs(costs: Any) -> None:
+    actions = costs.common_actions()
+    head = f"{'block':<24}{'fwd ms':>9}{'bwd ms':>9}" + "".join(f"{a[:22]:>24}" for a in actions)
+    print(head)
+    for b in costs.blocks:
+        row = f"{b.fqn:<24}{b.fwd_s * 1e3:>9.2f}{b.bwd_s * 1e3:>9.2f}"
+        row += "".join(f"{format_bytes(b.saved_bytes[a]):>24}" for a in actions)
+        print(row)
+    print(f"stem {format_bytes(costs.stem_bytes)}, head {format_bytes(costs.head_bytes)}, source {costs.source}")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    spec, _, costs = _costs(args)
+    print(f"{spec.name}-{spec.preset}: {spec.num_params:,} parameters, batch {args.batch_size}x{args.seq_len}")
+    _print_costs(costs)
+    _write_json(args.json, costs.to_dict())
+    return 0
+
+
+def _budget_arg(text: str | None) -> int | float | str | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return value if value <= 1.0 else int(value)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .planners import plan
+
+    start = time.perf_counter()
+    spec, _, costs = _costs(args)
+    options: dict[str, Any] = {}
+    if args.k is not None:
+        options["k"] = args.k
+    if args.fraction is not None:
+        options["fraction"] = args.fraction
+    result = plan(costs, args.strategy, _budget_arg(args.budget), **options)
+    print(f"{spec.name}-{spec.preset}: {spec.num_params:,} parameters, batch {args.batch_size}x{args.seq_len}, "
+          f"costs from {costs.source} ({costs.device})")
+    print(result.table(costs))
+    print(f"planned in {time.perf_counter() - start:.1f} s")
+    _write_json(args.json, {"plan": json.loads(result.to_json()), "costs": costs.to_dict()})
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from .estimate import transformer_layer_activation_bytes
+
+    bytes_per_element = 4 if args.dtype == "float32" else 2
+    common = dict(
+        bytes_per_element=bytes_per_element,
+        dropout=not args.no_dropout,
+        flash_attention=args.flash,
+        activation=args.activation,
+    )
+    s, b, h, a = args.seq_len, args.batch_size, args.hidden, args.heads
+    per_layer = transformer_layer_activation_bytes(s, b, h, a, **common)
+    recompute = transformer_layer_activation_bytes(s, b, h, a, **common, full_recompute=True)
+    print(f"transformer layer, s={s} b={b} h={h} a={a}, {args.dtype}, dropout={not args.no_dropout}, "
+          f"flash={args.flash}, {args.activation}")
+    print(f"  activations per layer:            {format_bytes(per_layer)}")
+    print(f"  per layer with full recompute:    {format_bytes(recompute)}")
+    print(f"  {args.layers} layers:                       {format_bytes(per_layer * args.layers)}")
+    print(f"  {args.layers} layers, full recompute:       {format_bytes(recompute * args.layers)}")
+    _write_json(
+        args.json,
+        {"per_layer_bytes": per_layer, "per_layer_full_recompute_bytes": recompute, "layers": args.layers,
+         "total_bytes": per_layer * args.layers, "total_full_recompute_bytes": recompute * args.layers},
+    )
+    return 0
+
+
+def _time_step(spec: Any, batch: dict[str, torch.Tensor], repeats: int = 3) -> float:
+    from .profile import run_step
+
+    times = []
+    for _ in range(repeats + 1):
+        if batch["labels"].is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run_step(spec.module, batch, spec.loss_fn)
+        if batch["labels"].is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        spec.module.zero_grad(set_to_none=True)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from .advise import advise, model_state_bytes
+
+    spec, batch, costs = _costs(args)
+    state = model_state_bytes(spec.num_params, args.optimizer, args.dtype != "float32")
+    step_times = None
+    if args.device != "meta":
+        double = example_batch(spec, 2 * args.batch_size, args.seq_len, args.device)
+        step_times = {args.batch_size: _time_step(spec, batch), 2 * args.batch_size: _time_step(spec, double)}
+    result = advise(
+        costs,
+        batch_size=args.batch_size,
+        device_memory=parse_bytes(args.device_memory),
+        state_bytes=state,
+        step_time_at=step_times,
+    )
+    print(f"{spec.name}-{spec.preset}: {spec.num_params:,} parameters, batch {args.batch_size}x{args.seq_len}")
+    print(result.text())
+    _write_json(
+        args.json,
+        {
+            "needs_checkpointing": result.needs_checkpointing,
+            "available_bytes": result.available_bytes,
+            "no_checkpoint_bytes": result.no_checkpoint_bytes,
+            "minimum_bytes": result.minimum_bytes,
+            "plan": json.loads(result.plan.to_json()) if result.plan else None,
+            "overhead": result.overhead,
+            "batch_options": [
+                {"batch_size": o.batch_size, "fits": o.plan is not None, "step_s": o.step_s,
+                 "throughput": o.throughput}
+                for o in result.batch_options
+            ],
+        },
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="remat", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from .bench import runner
+
+    bench = sub.add_parser("bench", help="run the strategy comparison experiment and write a report")
+    runner.add_arguments(bench)
+    bench.set_defaults(func=runner.run_from_args)
+
+    p = sub.add_parser("plan", help="plan which blocks to keep, checkpoint or recompute under a budget")
+    _add_model_args(p)
+    p.add_argument("--strategy", default="optimal")
+    p.add_argument("--budget", default=None, help="bytes, a size like 20GiB, or a fraction like 0.5")
+    p.add_argument("-k", type=int, default=None, help="segment length for every_k")
+    p.add_argument("--fraction", type=float, default=None, help="fraction checkpointed for random")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("profile", help="measure per-block costs (time, saved bytes per action)")
+    _add_model_args(p)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("estimate", help="analytic activation memory of a transformer layer")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-dropout", action="store_true")
+    p.add_argument("--flash", action="store_true", help="fused attention: no s*s scores stored")
+    p.add_argument("--activation", default="gelu", choices=["gelu", "relu"])
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("advise", help="is checkpointing needed, which plan fits, is a larger batch worth it")
+    _add_model_args(p)
+    p.add_argument("--device-memory", default="80GiB", help="memory of the training device")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    p.set_defaults(func=cmd_advise)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, KeyError, RuntimeError) as err:
+        print(f"remat {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
