@@ -12,10 +12,7 @@ from ..costs import CostTable
 from ..plan import Plan, resolve_budget
 from ..sizes import format_bytes
 from . import static
-
-
-class BudgetError(ValueError):
-    """No plan of the requested kind fits the byte budget."""
+from .errors import BudgetError
 
 
 def _optimal(costs: CostTable, budget: int | None = None, **options: Any) -> Plan:

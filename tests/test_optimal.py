@@ -1,0 +1,230 @@
+"""The optimal planner against brute force over every plan of small random chains, and its behaviour on
+long chains (within budget, no worse than the static strategies, deterministic)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from functools import cache
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import remat
+from remat.costs import BlockCost, CostTable
+from remat.plan import Simulation, no_checkpoint_peak, simulate, units_from_actions
+from remat.planners import BudgetError, minimum_peak_bytes, static
+from remat.planners.optimal import min_peak_bytes, optimal
+from remat.sizes import format_bytes
+
+SELECTIVE = "selective:dots_saveable"
+# Times are multiples of 1/1024 s: their sums are exact in floating point, so ties are real ties.
+TICK = 1 / 1024
+
+
+@st.composite
+def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
+    """Random heterogeneous chains: every block has its own sizes, temporaries and recompute times."""
+    with_offload = draw(st.booleans())
+    n = draw(st.integers(1, 6 if with_offload else max_blocks))
+    small = st.integers(0, 12)
+    blocks = []
+    for i in range(n):
+        out = draw(st.integers(1, 8))
+        checkpointed = out + draw(st.integers(0, 2))
+        keep = checkpointed + draw(st.integers(0, 40))
+        saved = {
+            "keep": keep,
+            "checkpoint": checkpointed,
+            SELECTIVE: draw(st.integers(checkpointed, keep)),
+        }
+        rerun = draw(st.integers(1, 20)) * TICK
+        recompute = {"keep": 0.0, "checkpoint": rerun, SELECTIVE: draw(st.integers(0, 20)) * TICK}
+        if with_offload:
+            saved["offload"] = out + draw(st.integers(0, 3))
+            recompute["offload"] = draw(st.integers(0, 20)) * TICK
+        blocks.append(BlockCost(f"layers.{i}", rerun, 2 * rerun, out, out, saved, recompute, draw(small), draw(small)))
+    return CostTable(blocks, stem_bytes=draw(st.integers(0, 5)), head_bytes=draw(st.integers(0, 30)))
+
+
+def every_plan(n: int, singles: list[str], groups: tuple[str, ...] = ("segment", "nested"), longest: int = 0):
+    """Every assignment of the blocks to units: a single action per block, or a group of 2+ blocks."""
+    longest = longest or n
+
+    def plans_from(i: int, group_id: int) -> Iterator[list[str]]:
+        if i == n:
+            yield []
+            return
+        for action in singles:
+            for rest in plans_from(i + 1, group_id):
+                yield [action, *rest]
+        for length in range(2, min(longest, n - i) + 1):
+            for kind in groups:
+                for rest in plans_from(i + length, group_id + 1):
+                    yield [f"{kind}:{group_id}"] * length + rest
+
+    yield from plans_from(0, 0)
+
+
+def brute_force(costs: CostTable, **restrict) -> list[tuple[Simulation, list[str]]]:
+    singles = restrict.get("singles", costs.common_actions())
+    plans = every_plan(len(costs), singles, restrict.get("groups", ("segment", "nested")), restrict.get("longest", 0))
+    return [(simulate(costs, actions), actions) for actions in plans]
+
+
+def rank(sim: Simulation) -> tuple[float, int, int]:
+    """The planner's order: least recompute time, then fewest re-executions, then lowest peak."""
+    return sim.recompute_s, sum(sim.reexecutions), sim.peak_bytes
+
+
+def budgets_to_try(sims: list[Simulation], rng: random.Random) -> list[int]:
+    peaks = sorted({s.peak_bytes for s in sims})
+    chosen = {peaks[0] - 1, peaks[0], peaks[-1], *rng.sample(peaks, min(4, len(peaks)))}
+    chosen |= {p + 1 for p in rng.sample(peaks, min(2, len(peaks)))}
+    return sorted(b for b in chosen if b >= 0)
+
+
+def check_against(costs: CostTable, sims: list[Simulation], budget: int, **options) -> None:
+    fitting = [s for s in sims if s.peak_bytes <= budget]
+    if not fitting:
+        with pytest.raises(BudgetError) as caught:
+            optimal(costs, budget, **options)
+        least = min(s.peak_bytes for s in sims)
+        assert format_bytes(least) in str(caught.value) and f"({least} bytes)" in str(caught.value)
+        return
+    plan = optimal(costs, budget, **options)
+    sim = simulate(costs, plan.actions)
+    assert sim.peak_bytes <= budget
+    assert (plan.predicted_peak_bytes, plan.predicted_recompute_s) == (sim.peak_bytes, sim.recompute_s)
+    assert rank(sim) == min(rank(s) for s in fitting), plan.actions
+    assert plan.options["exact"]
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(costs=cost_tables(), seed=st.integers(0, 2**16))
+def test_least_recompute_time_and_min_peak_equal_brute_force(costs: CostTable, seed: int) -> None:
+    sims = [s for s, _ in brute_force(costs)]
+    least = min(s.peak_bytes for s in sims)
+    assert min_peak_bytes(costs) == least
+    assert minimum_peak_bytes(costs) == least
+    for budget in budgets_to_try(sims, random.Random(seed)):
+        check_against(costs, sims, budget)
+
+
+@settings(max_examples=20, deadline=None)
+@given(costs=cost_tables(max_blocks=7), seed=st.integers(0, 2**16))
+def test_restricted_choices_equal_brute_force_over_them(costs: CostTable, seed: int) -> None:
+    rng = random.Random(seed)
+    singles_only = brute_force(costs, singles=["keep", "checkpoint"], groups=())
+    sims = [s for s, _ in singles_only]
+    for budget in budgets_to_try(sims, rng):
+        check_against(costs, sims, budget, actions=["keep", "checkpoint"])
+    segments_only = [s for s, _ in brute_force(costs, singles=["keep"], groups=("segment",))]
+    for budget in budgets_to_try(segments_only, rng):
+        check_against(costs, segments_only, budget, actions=["keep", "segment"])
+    short_groups = [s for s, _ in brute_force(costs, longest=2)]
+    for budget in budgets_to_try(short_groups, rng):
+        check_against(costs, short_groups, budget, max_segment=2)
+
+
+def test_ties_go_to_fewer_reexecutions_then_lower_peak() -> None:
+    blocks = [
+        BlockCost(f"b{i}", 0.5, 1.0, 4, 4, {"keep": 40, "checkpoint": 4}, {"keep": 0.0, "checkpoint": 0.5})
+        for i in range(4)
+    ]
+    costs = CostTable(blocks)
+    # Two blocks must be recomputed: as two checkpoints (peak 88) or as one segment of two (peak 84), same
+    # time and same re-executions, so the segment wins; a nested group of two would re-run more.
+    budget = 100
+    plan = optimal(costs, budget)
+    fitting = [s for s, _ in brute_force(costs) if s.peak_bytes <= budget]
+    assert rank(simulate(costs, plan.actions)) == min(rank(s) for s in fitting)
+    assert list(plan.actions.values()) == ["segment:0", "segment:0", "keep", "keep"]
+    assert plan.predicted_peak_bytes == 84
+    assert plan.actions == optimal(costs, budget).actions  # deterministic
+
+
+def chain(n: int, seed: int = 0) -> CostTable:
+    """A long heterogeneous chain with transformer-like proportions (bytes in MiB-scale, times in ms)."""
+    rng = random.Random(seed)
+    blocks = []
+    for i in range(n):
+        scale = rng.choice([0.5, 1, 1, 2, 4]) * rng.uniform(0.8, 1.25)
+        out = int(8e6 * scale)
+        fwd = 1e-3 * scale * rng.uniform(0.8, 1.2)
+        keep, selective = int(out * rng.uniform(10, 20)), int(out * rng.uniform(3, 8))
+        saved = {"keep": keep, "checkpoint": out + 64, SELECTIVE: selective}
+        recompute = {"keep": 0.0, "checkpoint": fwd, SELECTIVE: fwd * rng.uniform(0.1, 0.3)}
+        blocks.append(BlockCost(f"h.{i}", fwd, 2 * fwd, out, out, saved, recompute, 2 * out, 3 * out))
+    return CostTable(blocks, stem_bytes=int(8e6), head_bytes=int(100e6))
+
+
+@cache
+def long_chain(n: int) -> CostTable:
+    return chain(n)
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.3, 0.7])
+def test_long_chain_fits_and_beats_static_strategies(fraction: float) -> None:
+    costs = long_chain(120)
+    budget = int(fraction * no_checkpoint_peak(costs))
+    plan = remat.plan(costs, "optimal", budget=budget)
+    assert plan.predicted_peak_bytes <= budget
+    statics = [static.none(costs), static.full(costs), static.sqrt(costs), static.memory_poor(costs)]
+    statics += [static.every_k(costs, k=k) for k in range(2, 13)]
+    statics += [static.random(costs, fraction=f, seed=s) for f in (0.3, 0.6) for s in range(3)]
+    for other in statics:
+        if other.predicted_peak_bytes <= budget:
+            assert plan.predicted_recompute_s <= other.predicted_recompute_s * (1 + 1e-12), other.strategy
+
+
+def test_thousand_blocks_plan_within_budget() -> None:
+    costs = long_chain(1000)
+    budget = int(0.3 * no_checkpoint_peak(costs))
+    plan = optimal(costs, budget)
+    assert plan.predicted_peak_bytes <= budget
+    assert static.full(costs).predicted_recompute_s > plan.predicted_recompute_s
+    assert not plan.options["exact"]  # a front this size is thinned, and says so
+    groups = [u for u in units_from_actions(list(plan.actions.values())) if u.kind != "single"]
+    assert all(u.size <= plan.options["max_segment"] for u in groups)
+
+
+def test_budgets_near_the_minimum_get_long_groups() -> None:
+    costs = long_chain(200)
+    least = min_peak_bytes(costs)
+    assert optimal(costs, least).predicted_peak_bytes <= least
+    with pytest.raises(BudgetError, match="raise max_segment"):
+        optimal(costs, least, max_segment=4)
+
+
+def test_resolution_never_exceeds_budget() -> None:
+    costs = long_chain(60)
+    budget = int(0.25 * no_checkpoint_peak(costs))
+    exact = optimal(costs, budget, resolution=1)
+    for resolution in (2**20, 2**24, 2**28):
+        coarse = optimal(costs, budget, resolution=resolution)
+        assert coarse.predicted_peak_bytes <= budget
+        assert coarse.predicted_recompute_s >= exact.predicted_recompute_s - 1e-12
+
+
+def test_registry_accepts_strings_and_fractions() -> None:
+    costs = long_chain(30)
+    by_fraction = remat.plan(costs, "optimal", budget=0.4)
+    assert by_fraction.predicted_peak_bytes <= 0.4 * no_checkpoint_peak(costs)
+    by_string = remat.plan(costs, budget=f"{by_fraction.budget_bytes}B")
+    assert by_string.actions == by_fraction.actions
+    with pytest.raises(BudgetError, match="minimum feasible peak"):
+        remat.plan(costs, "optimal", budget=min_peak_bytes(costs) - 1)
+
+
+def test_bad_arguments_say_what_to_do() -> None:
+    costs = long_chain(4)
+    with pytest.raises(ValueError, match="needs a budget"):
+        optimal(costs, None)
+    with pytest.raises(ValueError, match="choose among"):
+        optimal(costs, 10**9, actions=["keep", "offload"])
+    with pytest.raises(ValueError, match="include at least 'keep'"):
+        optimal(costs, 10**9, actions=["segment"])
+    with pytest.raises(ValueError, match="resolution"):
+        optimal(costs, 10**9, resolution=0)
