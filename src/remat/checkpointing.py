@@ -26,6 +26,14 @@ _CHECKPOINT_OPTIONS = frozenset(
 )
 
 
+def _context_fn(policy: PolicyLike) -> Callable[[], Any]:
+    """The ``context_fn`` torch's checkpoint takes for ``policy``. A ``functools.partial``, not the bound method
+    ``policy.context_fn``: under ``torch.compile`` a bound method loses its ``self`` (dynamo keeps only the
+    function), while a partial is kept whole."""
+    p = _policies.get(policy)
+    return functools.partial(type(p).context_fn, p)
+
+
 def checkpoint(
     fn: Callable[..., Any],
     *args: Any,
@@ -42,7 +50,7 @@ def checkpoint(
         return fn(*args, **kwargs)
     options: dict[str, Any] = {}
     if policy is not None:
-        options["context_fn"] = _policies.get(policy).context_fn
+        options["context_fn"] = _context_fn(policy)
     return _torch_checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs
     )
@@ -75,7 +83,7 @@ def checkpoint_fn(function: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         return function(*args, **kwargs)
     extra: dict[str, Any] = {}
     if options.get("policy") is not None:
-        extra["context_fn"] = _policies.get(options["policy"]).context_fn
+        extra["context_fn"] = _context_fn(options["policy"])
     elif options.get("context_fn") is not None:
         extra["context_fn"] = options["context_fn"]
     for name in ("determinism_check", "debug", "early_stop"):

@@ -3,7 +3,8 @@
 ``measure()`` wraps a training step. On CPU it runs a :class:`LiveTensorTracker`, a ``TorchDispatchMode``
 that records every storage created by an operator and when it dies. Its figures:
 
-* ``peak_bytes``: the most bytes created inside the region that were alive at once;
+* ``peak_bytes``: the most bytes created inside the region that were alive at once (views, ``detach`` and
+  in-place results share an existing storage and create none);
 * ``activation_bytes``: the same, counting only storages that died before the region ended, i.e. the
   transient memory of the step (saved activations, gradients in flight), not the parameter gradients or
   outputs that outlive it.
@@ -25,6 +26,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """Address of ``t``'s storage (``None`` when it has none, or no data yet)."""
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -50,8 +59,10 @@ class LiveTensorTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
         if not self._closed and not self._paused:
+            # Outputs that share an input's storage (views, in-place results, detach) were not created here.
+            inputs = {_storage_ptr(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and _storage_ptr(t) not in inputs:
                     self._track(t)
         return out
 

@@ -10,6 +10,12 @@ recompute in backward) or recomputed. Use one with ``remat.checkpoint(fn, x, pol
 * ``save_only(*ops)``, ``save_all_but(*ops)``: name operators as ``torch.ops.aten.mm``, ``"aten.mm"`` or
   ``"mm"``.
 * any callable ``(ctx, op, *args, **kwargs) -> bool | CheckpointPolicy`` (True = save).
+
+Whatever the policy, outputs of fresh-buffer ops (``empty_like``, ``zeros``...) and of ops that mutate their
+inputs (``bernoulli_``, ``add_``...) are recomputed, never saved: saving them costs memory for no work and
+breaks when the buffer is filled in place afterwards (CPU dropout). A region that mutates in place the
+output of an op its policy saves (``Linear`` then ``ReLU(inplace=True)`` under ``dots_saveable``) still fails
+in backward (torch refuses a mutated cache entry): use an out-of-place op or plain checkpointing there.
 """
 
 from __future__ import annotations
@@ -46,6 +52,28 @@ DOT_OPS: frozenset[Any] = frozenset(
 )
 
 
+# Fresh buffers (uninitialised or constant): free to recompute, and often filled in place right after
+# (CPU dropout is ``empty_like(x).bernoulli_()``), which would invalidate a saved copy.
+FRESH_BUFFER_OPS: frozenset[Any] = frozenset(
+    getattr(aten, name)
+    for name in (
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
+        "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "scalar_tensor",
+    )
+    if hasattr(aten, name)
+)
+
+
+def _never_saved(op: Any) -> bool:
+    """Ops whose outputs a policy never saves, whatever it says: fresh buffers, and ops that mutate their
+    inputs (their output is a mutated input; a saved entry that is mutated again makes torch's selective
+    checkpoint fail in backward, and recomputing them replays the same mutation)."""
+    if _packet(op) in FRESH_BUFFER_OPS:
+        return True
+    schema = getattr(op, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
 def _packet(op: Any) -> Any:
     """The overload packet of an op overload (aten.mm.default -> aten.mm); packets pass through."""
     return getattr(op, "overloadpacket", op)
@@ -70,6 +98,8 @@ class Policy:
     save: Callable[..., bool | CheckpointPolicy]
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if _never_saved(op):
+            return CheckpointPolicy.PREFER_RECOMPUTE
         decision = self.save(ctx, op, *args, **kwargs)
         if isinstance(decision, CheckpointPolicy):
             return decision

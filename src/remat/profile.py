@@ -89,6 +89,7 @@ def measure_block(
     fwd_temp = bwd_temp = 0
     output_bytes = 0
     times: dict[str, tuple[float, float]] = {}
+    _edge_backward_supported()  # probe once here, not inside a tracked region
     identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     with suspend_all(), identity, _GradsRestored(module), torch.random.fork_rng(
@@ -101,15 +102,19 @@ def measure_block(
                 out = main_tensor(_run_action(module, action, args, kwargs))
                 tracker.mark("fwd_end")
                 grad = torch.ones_like(out)
-                tracker.mark("bwd_start")
-                torch.autograd.backward(out, grad)
-                tracker.mark("bwd_end")
                 output_bytes = out.numel() * out.element_size()
-                del out, grad
+                holder = [out]
+                del out
+                tracker.mark("bwd_start")
+                _backward_releasing_output(holder, grad)
+                tracker.mark("bwd_end")
+                del grad
                 main.grad = None
-                for p in module.parameters():
-                    p.grad = None
+            # Close while the parameter gradients are alive: like in a real step they outlive the region, so
+            # they are survivors, not activations, and stay out of the backward transient.
             tracker.close()
+            for p in module.parameters():
+                p.grad = None
             saved[action] = tracker.bytes_at("fwd_end")
             if action == KEEP:
                 fwd_temp = max(0, tracker.peak_between("start", "fwd_end") - saved[KEEP])
@@ -137,6 +142,42 @@ def measure_block(
         fwd_temp_bytes=fwd_temp,
         bwd_temp_bytes=bwd_temp,
     )
+
+
+def _edge_backward_supported() -> bool:
+    """Whether this torch's ``autograd.backward`` accepts a ``GradientEdge`` (torch >= 2.7)."""
+    global _EDGE_BACKWARD
+    if _EDGE_BACKWARD is None:
+        try:
+            from torch.autograd.graph import get_gradient_edge
+
+            probe = torch.zeros(1, requires_grad=True)
+            torch.autograd.backward(get_gradient_edge(probe * 2), torch.ones(1))
+            _EDGE_BACKWARD = True
+        except (ImportError, TypeError, RuntimeError, AttributeError):
+            _EDGE_BACKWARD = False
+    return _EDGE_BACKWARD
+
+
+_EDGE_BACKWARD: bool | None = None
+
+
+def _backward_releasing_output(holder: list[torch.Tensor], grad: torch.Tensor) -> None:
+    """Backward from the tensor in ``holder`` (which is emptied) without keeping it alive during backward.
+
+    In a real step a block's output is freed once the next block's backward has run, before the block's own
+    backward starts (unless the block's own graph saved it). Backing out of the output's gradient edge
+    reproduces that, so the measured backward transient does not count the output on top of the saved bytes.
+    """
+    out = holder.pop()
+    if not _edge_backward_supported():
+        torch.autograd.backward(out, grad)
+        return
+    from torch.autograd.graph import get_gradient_edge
+
+    edge = get_gradient_edge(out)
+    del out
+    torch.autograd.backward(edge, grad)
 
 
 def _time_action(

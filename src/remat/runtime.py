@@ -70,6 +70,22 @@ def main_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, never traced by ``torch.compile`` (as FSDP2 does with its hooks): with compiled blocks
+    (``block.compile()``) the checkpoint regions open and close in eager code around the compiled forward."""
+    return torch.compiler.disable(hook)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` is ``b``, or ``b`` passed through an identity autograd function (a new tensor object on the
+    same memory, as FSDP2's pre-forward hook makes of every block input): what segments need to hold."""
+    if a is b:
+        return True
+    if b is None or a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
+        return False
+    return a.data_ptr() == b.data_ptr() and a.device == b.device
+
+
 def _main_input_slot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any]:
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
@@ -250,7 +266,7 @@ class RematHandle:
             else:
                 self._enter_nested_block(i, unit, args, kwargs)
 
-        return hook
+        return _eager(hook)
 
     def _make_post_hook(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -270,7 +286,7 @@ class RematHandle:
                 for observer in self._observers:
                     observer(i, out, False)
 
-        return hook
+        return _eager(hook)
 
     def _close(self, key: int) -> None:
         region = self._open.pop(key)
@@ -373,7 +389,7 @@ class RematHandle:
                 f"block {self.fqns[i]!r} ran without the start of its segment {self.fqns[unit.start]!r}; "
                 "segments need their blocks called in chain order within one forward"
             )
-        if main is not region.last_output:
+        if not _same_tensor(main, region.last_output):
             raise RuntimeError(
                 f"blocks {self.fqns[i - 1]!r} and {self.fqns[i]!r} cannot share a segment: the model changes "
                 "the output of the first before passing it to the second. Checkpoint them separately "
@@ -386,7 +402,7 @@ class RematHandle:
         if i == unit.start:
             self._nested = {"input": main, "records": [], "last": None}
         group = self._nested
-        if group is None or (i > unit.start and main is not group["last"]):
+        if group is None or (i > unit.start and not _same_tensor(main, group["last"])):
             raise RuntimeError(
                 f"block {self.fqns[i]!r} of a memory-poor group did not receive the previous block's output; "
                 "memory-poor groups need blocks called in chain order, each on the previous output"

@@ -1,0 +1,217 @@
+"""Profiling and measuring: the simulator's predicted peak next to the measured one on a GPT-2 chain, what
+``remat.profile`` leaves behind, the CostTable as JSON, and the exact behaviour of ``remat.measure``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from toy_models import MLPChain, assert_same_step, tiny_gpt2, uniform_chain
+
+import remat
+from remat.costs import CHECKPOINT, KEEP, CostTable
+from remat.memory import LiveTensorTracker
+
+STRATEGIES = [
+    ("none", {}),
+    ("full", {}),
+    ("every_k", {"k": 2}),
+    ("every_k", {"k": 3}),
+    ("sqrt", {}),
+    ("memory_poor", {}),
+    ("random", {"fraction": 0.5, "seed": 0}),
+]
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> tuple[torch.nn.Module, dict[str, torch.Tensor], CostTable]:
+    torch.manual_seed(0)
+    model = tiny_gpt2(n_layer=6, n_embd=64, dropout=0.1)
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    costs = remat.profile(model, batch, repeats=1)
+    return model, batch, costs
+
+
+def _gpt2_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("strategy", "options"), STRATEGIES, ids=[f"{s}{o.get('k', '')}" for s, o in STRATEGIES])
+def test_predicted_peak_within_ten_percent_of_measured_on_gpt2(gpt2, strategy: str, options: dict) -> None:
+    model, batch, costs = gpt2
+    reference = _gpt2_step(model, batch)
+    plan = remat.plan(costs, strategy, **options)
+    handle = remat.apply(model, plan)
+    try:
+        with remat.measure() as measured:
+            got = _gpt2_step(model, batch)
+    finally:
+        handle.remove()
+    ratio = plan.predicted_peak_bytes / measured.activation_bytes
+    assert 0.9 <= ratio <= 1.1, (
+        f"{strategy}: predicted {remat.format_bytes(plan.predicted_peak_bytes)}, "
+        f"measured {remat.format_bytes(measured.activation_bytes)} (ratio {ratio:.3f})"
+    )
+    assert_same_step(reference, got)  # a Hugging Face chain with dropout: exact gradients too
+
+
+def test_gpt2_cost_table_describes_the_blocks(gpt2) -> None:
+    model, _, costs = gpt2
+    assert costs.fqns == [f"transformer.h.{i}" for i in range(6)]
+    hidden_bytes = 4 * 64 * 64 * 4  # batch x tokens x width, float32
+    for row in costs.blocks:
+        assert row.input_bytes == row.output_bytes == hidden_bytes
+        # A checkpointed block keeps nothing but its output (its input belongs to the block before).
+        assert row.saved_bytes[CHECKPOINT] == row.output_bytes
+        assert row.saved_bytes[CHECKPOINT] < row.saved_bytes["selective:dots_saveable"] < row.saved_bytes[KEEP]
+        assert row.fwd_s > 0 and row.bwd_s > 0 and row.recompute_s[KEEP] == 0
+        assert row.recompute_s[CHECKPOINT] == row.fwd_s
+    assert costs.stem_bytes >= hidden_bytes and costs.head_bytes > 0
+    assert costs.device == "cpu" and costs.source == "measured"
+
+
+def test_cost_table_json_round_trip(gpt2) -> None:
+    costs = gpt2[2]
+    back = CostTable.from_json(costs.to_json())
+    assert back == costs
+    assert remat.plan(back, "sqrt") == remat.plan(costs, "sqrt")
+
+
+def test_profile_leaves_parameter_gradients_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = uniform_chain(4, width=16)
+    x = torch.randn(5, 8)
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        p.grad = None if i % 3 == 0 else torch.full_like(p, float(i))
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    objects = [p.grad for p in params]
+    costs = remat.profile(model, x, repeats=1)
+    assert len(costs) == 4
+    for p, old, obj in zip(params, before, objects):
+        assert p.grad is obj  # the very same tensor (or None) is back in place
+        assert (old is None and p.grad is None) or torch.equal(p.grad, old)
+
+
+def test_profile_does_not_disturb_the_step_or_an_applied_plan() -> None:
+    model, x = uniform_chain(3, width=16, dropout=0.3), torch.randn(5, 8)
+    torch.manual_seed(1)
+    model(x).backward()
+    after_a_step = torch.get_rng_state()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    costs = remat.profile(model, x, repeats=1)
+    # The profiled step draws the random numbers of a plain step; the block measurements fork the RNG.
+    assert torch.equal(torch.get_rng_state(), after_a_step)
+    handle = remat.apply(model, remat.plan(costs, "full"))
+    again = remat.profile(model, x, repeats=1)
+    # With a plan applied the blocks are still measured under each action, the plan suspended meanwhile.
+    bytes_of = [(r.saved_bytes, r.fwd_temp_bytes, r.bwd_temp_bytes) for r in costs.blocks]
+    assert [(r.saved_bytes, r.fwd_temp_bytes, r.bwd_temp_bytes) for r in again.blocks] == bytes_of
+    assert (again.stem_bytes, again.head_bytes) == (costs.stem_bytes, costs.head_bytes)
+    assert handle.stats.total_calls == 3  # the profiled step itself ran under the plan
+    handle.remove()
+
+
+def test_profile_batch_forms_and_loss_fn() -> None:
+    class TwoInputs(MLPChain):
+        def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+            h = self.blocks(self.inp(x))
+            return h if scale is None else h * scale
+
+    model = TwoInputs([16] * 4)
+    x = torch.randn(5, 8)
+    by_tensor = remat.profile(model, x, repeats=1)
+    by_tuple = remat.profile(model, (x, torch.tensor(2.0)), repeats=1)
+    by_dict = remat.profile(model, {"x": x}, loss_fn=lambda out: out.square().mean(), repeats=1)
+    for costs in (by_tensor, by_tuple, by_dict):
+        assert costs.fqns == ["blocks.0", "blocks.1", "blocks.2"]
+        assert [r.saved_bytes for r in costs.blocks] == [r.saved_bytes for r in by_tensor.blocks]
+
+
+def test_profile_on_named_blocks() -> None:
+    model = uniform_chain(4, width=16)
+    costs = remat.profile(model, torch.randn(5, 8), blocks=["blocks.1", "blocks.3"], repeats=1)
+    assert costs.fqns == ["blocks.1", "blocks.3"]
+
+
+def test_predictions_match_measurements_on_an_mlp_chain() -> None:
+    torch.manual_seed(0)
+    model = uniform_chain(5, width=32, dropout=0.1)
+    x = torch.randn(16, 8)
+    costs = remat.profile(model, x, repeats=1)
+    handle = remat.apply(model, remat.plan(costs, "none"))
+    for strategy in ("none", "full", "sqrt", "memory_poor"):
+        plan = remat.plan(costs, strategy)
+        handle.set_plan(plan)
+        model.zero_grad(set_to_none=True)
+        with remat.measure() as measured:
+            model(x).backward()
+        # Only the 4-byte scalar loss separates the two on this chain.
+        assert abs(plan.predicted_peak_bytes - measured.activation_bytes) <= 64, strategy
+    handle.remove()
+
+
+# ---------------------------------------------------------------- remat.measure
+
+
+def test_measure_a_known_allocation_pattern() -> None:
+    kept_outside = torch.zeros(100)
+    with remat.measure() as m:
+        survivor = torch.empty(3000, dtype=torch.uint8)  # outlives the region
+        view = kept_outside[10:20]  # a view creates no storage
+        kept_outside.add_(1)  # nor does an in-place op on a tensor from outside
+        a = torch.empty(1024, dtype=torch.float32)  # 4 KiB
+        b = torch.empty(2048, dtype=torch.float32)  # 8 KiB: 12 KiB alive
+        del a
+        c = torch.empty(512, dtype=torch.float64)  # 4 KiB: 12 KiB alive
+        d = torch.empty(4096, dtype=torch.uint8)  # 4 KiB: 16 KiB alive, the peak
+        del b, c, d
+    assert m.activation_bytes == 16 * 1024  # what died inside the region
+    assert m.peak_bytes == 16 * 1024 + 3000  # everything created inside, survivors included
+    assert m.timeline[0] == 0 and max(m.timeline) == 16 * 1024 and m.timeline[-1] == 0
+    assert m.device == "cpu" and m.source == "tracker"
+    assert survivor.numel() == 3000 and view.numel() == 10
+
+
+def test_measure_an_empty_region() -> None:
+    with remat.measure() as m:
+        pass
+    assert m.activation_bytes == 0 and m.peak_bytes == 0
+
+
+def test_measure_a_step_sees_saved_activations() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    with remat.measure() as m:
+        h = lin(x).relu()  # 64 KiB kept: relu saves its output, the linear layer saves x (from outside)
+        h.sum().backward()
+        del h
+    # The relu output and its gradient are alive together in backward; the parameter gradients survive.
+    assert m.activation_bytes >= 2 * 64 * 256 * 4
+    assert m.peak_bytes >= m.activation_bytes + 256 * 256 * 4
+
+
+def test_tracker_marks_and_pause() -> None:
+    tracker = LiveTensorTracker()
+    with tracker:
+        a = torch.empty(256, dtype=torch.uint8)
+        tracker.mark("one")
+        with tracker.paused():
+            ignored = torch.empty(10_000, dtype=torch.uint8)
+        b = torch.empty(512, dtype=torch.uint8)
+        tracker.mark("two")
+        del a
+        tracker.mark("three")
+        del b
+    tracker.close()
+    assert [tracker.bytes_at(k) for k in ("one", "two", "three")] == [256, 768, 512]
+    assert tracker.peak_between("one", "three") == 768
+    with pytest.raises(KeyError, match="no mark named 'four'"):
+        tracker.bytes_at("four")
+    assert ignored.numel() == 10_000

@@ -1,0 +1,140 @@
+"""Small models the foundation tests share: chains of MLP blocks, tiny Hugging Face models built from their
+config classes (nothing is downloaded), synthetic cost tables, and a helper that runs one training step and
+returns its loss and gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.costs import CHECKPOINT, KEEP, OFFLOAD, BlockCost, CostTable
+
+
+class MLPBlock(nn.Module):
+    """``x -> fc2(gelu(fc1(x)))`` with dropout, plus ``x`` when the widths match (a residual block)."""
+
+    def __init__(self, d_in: int, d_out: int | None = None, hidden: int | None = None, dropout: float = 0.0):
+        super().__init__()
+        d_out = d_in if d_out is None else d_out
+        hidden = 4 * d_in if hidden is None else hidden
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, d_out)
+        self.drop = nn.Dropout(dropout)
+        self.residual = d_in == d_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(self.fc2(self.act(self.fc1(x))))
+        return x + y if self.residual else y
+
+
+class MLPChain(nn.Module):
+    """An input projection, a ``nn.Sequential`` chain of :class:`MLPBlock` and a scalar head.
+
+    ``widths`` are the widths between blocks: block ``i`` maps ``widths[i]`` to ``widths[i + 1]``; ``dropout``
+    is one rate for every block or one per block.
+    """
+
+    def __init__(
+        self,
+        widths: Sequence[int],
+        d_in: int = 8,
+        dropout: float | Sequence[float] = 0.0,
+        hidden: int | None = None,
+    ):
+        super().__init__()
+        n = len(widths) - 1
+        rates = [float(dropout)] * n if isinstance(dropout, int | float) else list(dropout)
+        self.inp = nn.Linear(d_in, widths[0])
+        self.blocks = nn.Sequential(
+            *[MLPBlock(widths[i], widths[i + 1], hidden=hidden, dropout=rates[i]) for i in range(n)]
+        )
+        self.head = nn.Linear(widths[-1], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.inp(x))).square().mean()
+
+
+def uniform_chain(n_blocks: int, width: int = 32, dropout: float = 0.1, d_in: int = 8) -> MLPChain:
+    return MLPChain([width] * (n_blocks + 1), d_in=d_in, dropout=dropout)
+
+
+def step(model: nn.Module, *inputs: torch.Tensor, seed: int = 1234) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One forward and backward from a fixed RNG seed; returns the loss and every gradient (parameters by
+    name, and the inputs as ``"input:<i>"``), cloned."""
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    loss = model(*leaves)
+    loss.backward()
+    grads: dict[str, Any] = {
+        name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()
+    }
+    for i, leaf in enumerate(leaves):
+        grads[f"input:{i}"] = None if leaf.grad is None else leaf.grad.clone()
+    return loss.detach(), grads
+
+
+def assert_same_step(a: tuple[torch.Tensor, dict[str, Any]], b: tuple[torch.Tensor, dict[str, Any]]) -> None:
+    """Bit-for-bit equal losses and gradients."""
+    assert torch.equal(a[0], b[0]), f"losses differ: {a[0].item()} vs {b[0].item()}"
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        ga, gb = a[1][name], b[1][name]
+        assert (ga is None) == (gb is None), f"gradient of {name} is None in one run only"
+        if ga is not None:
+            assert torch.equal(ga, gb), f"gradient of {name} differs (max abs diff {(ga - gb).abs().max()})"
+
+
+def uniform_costs(fqns: Sequence[str], *, keep: int = 1000, io: int = 100, temp: int = 50) -> CostTable:
+    """A synthetic cost table of identical blocks (bytes and seconds chosen by hand)."""
+    rows = [
+        BlockCost(
+            fqn=f,
+            fwd_s=1e-3,
+            bwd_s=2e-3,
+            input_bytes=io,
+            output_bytes=io,
+            saved_bytes={
+                KEEP: keep,
+                CHECKPOINT: io,
+                OFFLOAD: io,
+                "selective:dots_saveable": keep // 2,
+                "selective:everything_saveable": keep,
+            },
+            recompute_s={
+                KEEP: 0.0,
+                CHECKPOINT: 1e-3,
+                OFFLOAD: 5e-4,
+                "selective:dots_saveable": 4e-4,
+                "selective:everything_saveable": 0.0,
+            },
+            fwd_temp_bytes=temp,
+            bwd_temp_bytes=temp,
+        )
+        for f in fqns
+    ]
+    return CostTable(rows, stem_bytes=io, head_bytes=io)
+
+
+def tiny_gpt2(n_layer: int = 2, n_embd: int = 64, dropout: float = 0.1, vocab: int = 256) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=4,
+        n_positions=128,
+        vocab_size=vocab,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    return GPT2LMHeadModel(config).train()
