@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from . import policies as _policies
 from .costs import CHECKPOINT, KEEP, SELECTIVE_PREFIX, BlockCost, CostTable
 from .profile import Batch, _backward_releasing_output, _GradsRestored, _run_action, run_step
-from .runtime import _get_slot, _main_input_slot, _resolve_blocks, _with_slot, main_tensor, suspend_all
+from .runtime import _get_slot, _main_input_slot, _resolve_blocks, _with_slot, main_tensor, suspend_all, without_caches
 
 # ---------------------------------------------------------------------------------------------------------
 # The transformer layer formula
@@ -253,16 +253,6 @@ def _stand_ins(value: Any) -> Any:
     return tree_map(stand_in, value)
 
 
-def _without_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A block's arguments with key/value caches replaced by ``None``: a block run again must not append
-    to the cache of the step."""
-
-    def drop(value: Any) -> Any:
-        return None if type(value).__name__.endswith("Cache") else value
-
-    return tuple(drop(v) for v in args), {k: drop(v) for k, v in kwargs.items()}
-
-
 def _meta_model(model_or_factory: nn.Module | Callable[[], nn.Module]) -> nn.Module:
     if isinstance(model_or_factory, nn.Module):
         model = model_or_factory
@@ -412,7 +402,7 @@ def meta_cost_table(
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if i not in inputs and torch.is_grad_enabled():
                 tracker.mark("stem")
-                inputs[i] = _without_caches(*_stand_ins((args, kwargs)))
+                inputs[i] = without_caches(*_stand_ins((args, kwargs)))
 
         return hook
 

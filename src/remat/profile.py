@@ -24,7 +24,15 @@ from . import policies as _policies
 from .checkpointing import checkpoint
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
 from .memory import LiveTensorTracker
-from .runtime import _get_slot, _main_input_slot, _resolve_blocks, _with_slot, main_tensor, suspend_all
+from .runtime import (
+    _get_slot,
+    _main_input_slot,
+    _resolve_blocks,
+    _with_slot,
+    main_tensor,
+    suspend_all,
+    without_caches,
+)
 
 Batch = torch.Tensor | tuple[Any, ...] | list[Any] | dict[str, Any]
 
@@ -84,7 +92,7 @@ def measure_block(
     source = _get_slot(args, kwargs, slot)
     device = source.device
     main = source.detach().requires_grad_(True)
-    args, kwargs = _with_slot(args, kwargs, slot, main)
+    args, kwargs = without_caches(*_with_slot(args, kwargs, slot, main))
     saved: dict[str, int] = {}
     fwd_temp = bwd_temp = 0
     output_bytes = 0

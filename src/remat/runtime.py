@@ -86,6 +86,19 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:
     return a.data_ptr() == b.data_ptr() and a.device == b.device
 
 
+def without_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A block's arguments with key/value caches (Hugging Face ``*Cache`` objects) replaced by ``None``.
+
+    A block run again (recomputation, isolated measurement) must not append to the step's cache. In training
+    the cache starts empty each forward, so a layer attends to exactly its current keys with or without it.
+    """
+
+    def drop(value: Any) -> Any:
+        return None if type(value).__name__.endswith("Cache") else value
+
+    return tuple(drop(v) for v in args), {k: drop(v) for k, v in kwargs.items()}
+
+
 def _main_input_slot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any]:
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
@@ -313,7 +326,7 @@ class RematHandle:
     def _record(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_CallRecord, Any]:
         slot = _main_input_slot(args, kwargs)
         main = _get_slot(args, kwargs, slot)
-        stripped_args, stripped_kwargs = _with_slot(args, kwargs, slot, None)
+        stripped_args, stripped_kwargs = without_caches(*_with_slot(args, kwargs, slot, None))
         rng = RngSnapshot.take(main)
         return _CallRecord(i, stripped_args, stripped_kwargs, slot, main.requires_grad, rng), main
 
