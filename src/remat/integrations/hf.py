@@ -1,0 +1,232 @@
+"""Hugging Face transformers: a remat plan (or PGAC) on any model whose layers are ``GradientCheckpointingLayer``.
+
+>>> session = remat.integrations.hf.enable(model, strategy="optimal", budget=0.5)
+>>> Trainer(model=model, args=TrainingArguments(...), ...).train()   # activation_checkpointing left False
+
+**How the plan is plugged in, and why.** Transformers offers one hook: ``_set_gradient_checkpointing`` gives
+every ``GradientCheckpointingLayer`` a flag and a ``_gradient_checkpointing_func``, and the layer then calls
+``func(partial(forward, self, **kwargs), *args)``, one layer at a time. remat does not go through it; it puts
+its plan on the layers with :func:`remat.apply` (a forward pre-hook and a forward hook per layer), because:
+
+* a per-layer function can only say *keep*, *checkpoint* or *checkpoint with a policy* for one layer. remat's
+  plans also have segments (``every_k``, ``sqrt``: one stored input for several layers) and memory-poor groups,
+  which span layers, and the optimal planner and PGAC use them. The hooks run all of them, and the same
+  handle (``stats``, ``set_plan``, ``remove``) serves Hugging Face models as any other;
+* plans change between steps without touching the model (the profiled first step, PGAC), which the flags
+  and the function would have to be rewritten for;
+* only one of the two may checkpoint a layer, or the layer is recomputed twice. ``enable`` switches Hugging
+  Face's own gradient checkpointing off (and keeps it off if a ``Trainer`` with
+  ``TrainingArguments(activation_checkpointing=True)`` (``gradient_checkpointing`` before transformers 5)
+  switches it on again, with a warning): leave that argument ``False``; the plan decides.
+
+What Hugging Face's path did for free is done here: **``use_cache`` is set to ``False``** (in
+``model.config`` and, with a warning, when a training forward asks for it). A cache filled during the forward
+holds every layer's keys and values until the step ends, which undoes the saving; and a recomputed layer must
+not append to it a second time (remat's runtime already re-runs layers without the cache object). Hugging
+Face's own checkpointing makes the same choice. ``past_key_values`` passed to a training forward is dropped
+for the same reason. ``remove()`` restores the config and the flags.
+
+The recomputation calls each layer through ``module(...)``, so module hooks run again in backward: FSDP2's
+hooks expect that (they skip their work while backward runs), and DDP's are on parameters, not modules.
+Apply remat before ``fully_shard`` or DDP wrapping, as for any activation checkpointing.
+
+To use Hugging Face's own path with remat's checkpoint function instead (every layer, one policy), see
+:func:`use_remat_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpointing import PolicyLike, checkpoint_fn
+from ..costs import CostTable
+from ..plan import Plan
+from .session import RematSession
+
+log = logging.getLogger("remat.integrations.hf")
+
+
+def _layer_class() -> type:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError as err:  # transformers missing or older than 4.52
+        raise ImportError(
+            "remat.integrations.hf needs transformers with transformers.modeling_layers.GradientCheckpointingLayer "
+            "(4.52 or newer): pip install -U transformers"
+        ) from err
+    return GradientCheckpointingLayer
+
+
+def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's ``GradientCheckpointingLayer`` modules in module order, as ``(fqn, module)`` (outermost only).
+
+    Encoder-decoder models list the encoder's layers, then the decoder's; pass ``blocks=`` to :func:`enable` to
+    choose a different chain.
+    """
+    layer_class = _layer_class()
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, layer_class) and not any(name.startswith(f + ".") for f, _ in found):
+            found.append((name, module))
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no GradientCheckpointingLayer, so remat cannot find its layers; pass "
+            "blocks=[...] (module names) to enable(), or use remat.apply(model, plan, blocks=...) directly"
+        )
+    return found
+
+
+def _hf_flagged(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+
+
+class HFSession(RematSession):
+    """A :class:`~remat.integrations.session.RematSession` on a Hugging Face model; made by :func:`enable`."""
+
+    def __init__(self, model: nn.Module, strategy: str, budget: Any, **kwargs: Any) -> None:
+        config = getattr(model, "config", None)
+        self._config = config
+        self._use_cache = getattr(config, "use_cache", None)
+        self._flag_modules = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        self._hf_flags = _hf_flagged(model)
+        if self._hf_flags:
+            log.warning(
+                "remat: Hugging Face gradient checkpointing was on; remat switched it off (its plan decides what is "
+                "recomputed). remove() switches it back on."
+            )
+        for module in self._hf_flags:
+            module.gradient_checkpointing = False
+        if config is not None and getattr(config, "use_cache", None):
+            config.use_cache = False
+        self._warned: set[str] = set()
+        self._guard = model.register_forward_pre_hook(self._training_guard, with_kwargs=True)
+        try:
+            super().__init__(model, strategy, budget, **kwargs)
+        except BaseException:
+            self._restore()
+            raise
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+    def _training_guard(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        flagged = [m for m in self._flag_modules if m.gradient_checkpointing is True]
+        if flagged:
+            self._warn_once(
+                "hf-gc",
+                "remat: Hugging Face gradient checkpointing was switched on after remat.integrations.hf.enable "
+                "(TrainingArguments(activation_checkpointing=True)?); remat switched it off again, its plan decides "
+                "what is recomputed. Leave activation_checkpointing (gradient_checkpointing) False.",
+            )
+            for m in flagged:
+                m.gradient_checkpointing = False
+        changed = False
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+            changed = True
+            self._warn_once(
+                "use_cache",
+                "remat: use_cache=True in training keeps every layer's keys and values alive through the step, "
+                "which undoes the memory saving; setting use_cache=False.",
+            )
+        if kwargs.get("past_key_values") is not None:
+            kwargs["past_key_values"] = None
+            changed = True
+            self._warn_once(
+                "past",
+                "remat: past_key_values cannot be used in training with recomputation; dropping them.",
+            )
+        return (args, kwargs) if changed else None
+
+    def _restore(self) -> None:
+        self._guard.remove()
+        if self._config is not None and self._use_cache is not None:
+            self._config.use_cache = self._use_cache
+        for module in self._hf_flags:
+            module.gradient_checkpointing = True
+
+    def remove(self) -> None:
+        """Remove remat's hooks and restore ``config.use_cache`` and Hugging Face's checkpointing flags."""
+        if self._removed:
+            return
+        super().remove()
+        self._restore()
+
+
+def enable(
+    model: nn.Module,
+    strategy: str = "optimal",
+    budget: int | float | str | None = None,
+    *,
+    costs: CostTable | None = None,
+    batch: Any = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    plan: Plan | None = None,
+    blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None = None,
+    sync: str | None = None,
+    auto_step: bool = True,
+    **options: Any,
+) -> HFSession:
+    """Put a remat plan on a Hugging Face model's layers and return the session (``remove()`` undoes it).
+
+    ``strategy``: ``"optimal"`` (needs ``budget``), ``"full"``, ``"every_k"`` (``k=``), ``"sqrt"``,
+    ``"memory_poor"``, ``"random"``, ``"none"``, or ``"pgac"`` (:class:`remat.PGAC`; ``alpha=``, ``q=``,
+    ``gamma=``...). ``budget``: bytes, a string like ``"2GiB"`` or a float in (0, 1], a fraction of the activation
+    memory without checkpointing.
+
+    No example batch is needed: the first training step runs with every layer checkpointed and is profiled, and
+    the plan applies from the second step on (the end of the first step is the first ``optimizer.step()``, so the
+    ``Trainer`` needs nothing more). ``batch=`` profiles a sample batch now instead, ``costs=`` plans from a
+    cost table, ``plan=`` applies a plan as it is. The chain is the model's ``GradientCheckpointingLayer``
+    modules (:func:`layers`) unless ``blocks=`` names others. See the module docs for ``use_cache``.
+    """
+    chain = list(blocks) if blocks is not None else layers(model)
+    return HFSession(
+        model,
+        strategy,
+        budget,
+        costs=costs,
+        batch=batch,
+        loss_fn=loss_fn,
+        plan=plan,
+        blocks=chain,
+        sync=sync,
+        auto_step=auto_step,
+        **options,
+    )
+
+
+def disable(model: nn.Module) -> None:
+    """Remove the remat plan :func:`enable` put on ``model`` (no-op when there is none)."""
+    session = getattr(model, "_remat_session", None)
+    if session is not None:
+        session.remove()
+
+
+def use_remat_checkpoint(model: nn.Module, policy: PolicyLike = None, every_n_layers: int = 1) -> None:
+    """Hugging Face's own gradient checkpointing, every ``every_n_layers``-th layer, with remat's checkpoint
+    function as ``_gradient_checkpointing_func`` (non-reentrant, RNG preserved, an optional per-op ``policy``
+    such as ``"dots_saveable"``). For plans, budgets and PGAC use :func:`enable` instead.
+
+    Undo with ``model.gradient_checkpointing_disable()``.
+    """
+    fn = functools.partial(checkpoint_fn, policy=policy) if policy is not None else checkpoint_fn
+    setter = getattr(model, "_set_gradient_checkpointing", None)
+    if setter is None:
+        raise ValueError(f"{type(model).__name__} is not a Hugging Face PreTrainedModel with gradient checkpointing")
+    extra = {"every_n_layers": every_n_layers} if every_n_layers != 1 else {}
+    setter(enable=True, gradient_checkpointing_func=fn, **extra)
+    if getattr(model, "config", None) is not None and getattr(model.config, "use_cache", None):
+        model.config.use_cache = False

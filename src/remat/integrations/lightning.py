@@ -1,0 +1,139 @@
+"""Lightning: ``RematCallback`` puts a remat plan (or PGAC) on a LightningModule for ``Trainer.fit``.
+
+>>> trainer = lightning.Trainer(callbacks=[RematCallback("optimal", budget=0.5)], ...)
+
+The hooks it uses, in the order Lightning calls them:
+
+* ``setup(stage="fit")``: before the strategy moves or wraps the model (DDP, FSDP), the session is made:
+  the chain of blocks is found in the LightningModule (or named with ``blocks=``), and the plan goes on the
+  module whose forward runs them (see :func:`forward_root`), because Lightning calls ``training_step``, not
+  the LightningModule's ``forward``;
+* ``on_train_start``: with ``strategy="pgac"``, PGAC is attached to the first optimizer;
+* the first training step runs with every block checkpointed and is profiled (from the forward of that
+  module on); ``on_before_optimizer_step`` ends it, before the optimizer runs, and makes the plan used from
+  the second step;
+* ``teardown``: the hooks are removed; ``callback.session`` keeps the plan, the costs and the statistics.
+
+Plans made from a ``batch=`` or from ``costs=`` apply from the first step. Under DDP every rank uses rank 0's
+measurements. Lightning's ``FSDPStrategy`` shards in its setup, after the callback's: give ``batch=`` or
+``costs=`` there (see :mod:`remat.integrations.distributed`).
+
+The base class is ``lightning.pytorch.Callback`` (or ``pytorch_lightning.Callback``) when one is installed;
+without Lightning the class still imports, with the same hook methods, for use in a hand-written loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..costs import CostTable
+from ..plan import Plan
+from ..runtime import _resolve_blocks
+from .session import RematSession, check_strategy
+
+try:
+    from lightning.pytorch import Callback as _Base
+
+    LIGHTNING = "lightning.pytorch"
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        from pytorch_lightning import Callback as _Base
+
+        LIGHTNING = "pytorch_lightning"
+    except ImportError:
+        _Base = object
+        LIGHTNING = None
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def forward_root(model: nn.Module, fqns: Sequence[str]) -> str:
+    """The name of the deepest module of ``model`` that contains every block in ``fqns`` and has a forward of
+    its own (a ``ModuleList`` has none): the module whose forward runs the chain. ``""`` is ``model`` itself."""
+    parts = [f.split(".") for f in fqns]
+    common: list[str] = []
+    for pieces in zip(*parts):
+        if len(set(pieces)) != 1:
+            break
+        common.append(pieces[0])
+    if len(fqns) == 1:
+        common = common[:-1]  # a single block: its parent runs it
+    modules = dict(model.named_modules())
+    while common and (".".join(common) not in modules or isinstance(modules[".".join(common)], _CONTAINERS)):
+        common.pop()
+    return ".".join(common)
+
+
+class RematCallback(_Base):  # type: ignore[misc, valid-type]
+    """Apply a remat plan or PGAC during ``Trainer.fit``. Arguments as for
+    :class:`~remat.integrations.session.RematSession`: ``strategy`` (a :data:`remat.STRATEGIES` name or
+    ``"pgac"``), ``budget`` (bytes, "2GiB" or a fraction), ``blocks`` (FQNs in the LightningModule), ``costs``,
+    ``batch``, ``plan``, ``sync`` and planner or PGAC ``options``."""
+
+    def __init__(
+        self,
+        strategy: str = "optimal",
+        budget: int | float | str | None = None,
+        *,
+        blocks: Sequence[str] | None = None,
+        costs: CostTable | None = None,
+        batch: Any = None,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        plan: Plan | None = None,
+        sync: str | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        check_strategy(strategy, budget)
+        self.strategy, self.budget = strategy, budget
+        self.blocks = list(blocks) if blocks is not None else None
+        self.costs, self.batch, self.loss_fn, self.plan, self.sync = costs, batch, loss_fn, plan, sync
+        self.options = options
+        self.session: RematSession | None = None
+        self.root: str | None = None
+
+    # ----- Lightning hooks -----
+    def setup(self, trainer: Any, pl_module: nn.Module, stage: str | None = None) -> None:
+        if stage not in (None, "fit") or (self.session is not None and not self.session.removed):
+            return
+        chain = _resolve_blocks(pl_module, self.blocks)
+        self.root = forward_root(pl_module, [f for f, _ in chain])
+        root = pl_module.get_submodule(self.root) if self.root else pl_module
+        prefix = self.root + "." if self.root else ""
+        relative = [(f[len(prefix) :], m) for f, m in chain]
+        self.session = RematSession(
+            root,
+            self.strategy,
+            self.budget,
+            blocks=relative,
+            costs=self.costs,
+            batch=self.batch,
+            loss_fn=self.loss_fn,
+            plan=self.plan,
+            sync=self.sync,
+            auto_step=False,
+            **self.options,
+        )
+
+    def on_train_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        session = self.session
+        if session is not None and session.pgac is not None and not session.attached:
+            optimizers = list(getattr(trainer, "optimizers", []) or [])
+            if not optimizers:
+                raise RuntimeError(
+                    "RematCallback(strategy='pgac') needs the trainer's optimizer; configure_optimizers returned none"
+                )
+            session.attach(optimizers[0])
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: nn.Module, optimizer: Any) -> None:
+        session = self.session
+        if session is not None and session.pgac is None and session.profiling:
+            session.step()  # the profiled first step ends here, before the optimizer allocates its state
+
+    def teardown(self, trainer: Any, pl_module: nn.Module, stage: str | None = None) -> None:
+        if self.session is not None and stage in (None, "fit"):
+            self.session.remove()

@@ -1,0 +1,346 @@
+"""RematSession: a plan on a live model, chosen now or after the first training step, or PGAC.
+
+The integrations (Hugging Face, Lightning, DDP/FSDP) all return a :class:`RematSession`. It owns one
+:func:`remat.apply` handle (or one :class:`remat.PGAC`) and decides when the plan is made:
+
+* ``plan=`` given: applied as it is;
+* ``costs=`` given, or ``batch=`` (a sample batch, profiled with :func:`remat.profile` at once): the plan is made
+  now with :func:`remat.plan`;
+* neither: no example batch is needed. The first training step runs with every block checkpointed and is
+  profiled by :class:`remat.profile.BlockProfiler`; at the end of that step the cost table is complete, the plan
+  is made and switched in, so it applies from the second step on. The end of the step is the first
+  ``optimizer.step()`` of an optimizer that holds the model's parameters (seen through PyTorch's global
+  optimizer hooks, so Hugging Face's ``Trainer`` needs no extra call), or :meth:`RematSession.step`, or at the
+  latest the next training forward. Blocks compiled with ``torch.compile`` cannot be profiled this way (the
+  profiler's tracker makes dynamo run them eagerly): give ``batch=`` or ``costs=`` made before compiling;
+* ``strategy="pgac"``: :class:`remat.PGAC` does the same profiling itself and then re-plans after every
+  optimizer step; the session attaches it to the first optimizer that steps the model's parameters.
+
+The profiled step's live-tensor tracker (a ``TorchDispatchMode``) is open from the first forward to the end
+of the step. To wrap that step in ``remat.measure()`` as well, put the optimizer step inside the measured block
+(or call :meth:`RematSession.step` in it), so the modes close in the order they opened.
+
+Under ``torch.distributed`` (``sync="global"``, the default when more than one rank runs) rank 0's measured
+cost table is broadcast, so every rank runs the same plan: FSDP2 needs that, as a rank that recomputes a block
+the others keep would all-gather alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..costs import CHECKPOINT, CostTable
+from ..plan import Plan
+from ..planners import STRATEGIES
+from ..planners import plan as make_plan
+from ..profile import BlockProfiler, profile
+from ..runtime import RecomputeStats, RematHandle, _resolve_blocks, apply
+from ..sizes import parse_bytes
+
+log = logging.getLogger("remat.integrations")
+
+PGAC_OPTIONS = frozenset(
+    {"alpha", "q", "gamma", "every", "total_steps", "measure", "overshoot_penalty", "history_limit"}
+)
+SYNC_MODES = (None, "local", "global")
+
+Blocks = Sequence[str] | Sequence[tuple[str, nn.Module]] | None
+
+
+def distributed_world(process_group: Any = None) -> int:
+    """Number of ranks in ``process_group`` (1 when torch.distributed is not initialised)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group)
+
+
+def _refuse_compiled(chain: Sequence[tuple[str, nn.Module]]) -> None:
+    compiled = [fqn for fqn, m in chain if getattr(m, "_compiled_call_impl", None) is not None]
+    if compiled:
+        raise RuntimeError(
+            f"blocks {compiled} are compiled (module.compile()): remat's profiler would make dynamo run them "
+            "eagerly from then on. Profile before compiling and pass costs=, or give batch= before compiling"
+        )
+
+
+def check_strategy(strategy: str, budget: int | float | str | None) -> None:
+    """Fail early, before any training step, on an unknown strategy or a malformed budget."""
+    if strategy != "pgac" and strategy not in STRATEGIES:
+        known = ", ".join(sorted([*STRATEGIES, "pgac"]))
+        raise ValueError(f"unknown strategy {strategy!r}; known strategies: {known}")
+    if strategy == "optimal" and budget is None:
+        raise ValueError(
+            "strategy 'optimal' needs a budget: bytes, a string like '2GiB', or a float in (0, 1] for a fraction "
+            "of the activation memory without checkpointing"
+        )
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(
+                f"a float budget is a fraction of the no-checkpoint activation memory and must be in (0, 1], got "
+                f"{budget}; give bytes as an int or a string like '2GiB'"
+            )
+    elif budget is not None:
+        parse_bytes(budget)
+
+
+class RematSession:
+    """A remat plan (or PGAC) on ``model``, made now or from the first training step. See the module docs.
+
+    ``strategy``: a :data:`remat.STRATEGIES` name or ``"pgac"``; ``budget``: bytes, "2GiB" or a fraction;
+    ``options`` go to :func:`remat.plan` (``k=``, ``fraction=``, ``strict=``...) or to :class:`remat.PGAC`
+    (``alpha``, ``q``, ``gamma``, ``every``, ``total_steps``...). ``auto_step=False`` turns off the global
+    optimizer hooks; then call :meth:`step` (or :meth:`attach`) yourself.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        strategy: str = "optimal",
+        budget: int | float | str | None = None,
+        *,
+        costs: CostTable | None = None,
+        batch: Any = None,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        plan: Plan | None = None,
+        blocks: Blocks = None,
+        sync: str | None = None,
+        process_group: Any = None,
+        auto_step: bool = True,
+        **options: Any,
+    ) -> None:
+        check_strategy(strategy, budget)
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be None (automatic), 'local' (a plan per rank) or 'global', got {sync!r}")
+        if sync is None:
+            sync = "global" if distributed_world(process_group) > 1 else None
+        self.model = model
+        self.strategy = strategy
+        self.budget = budget
+        self.options = dict(options)
+        self.sync = sync
+        self.process_group = process_group
+        self.costs: CostTable | None = costs
+        self.pgac: Any = None
+        self._profiler: BlockProfiler | None = None
+        self._hooks: list[Any] = []
+        self._global_hooks: list[Any] = []
+        self._owners: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._removed = False
+        chain = _resolve_blocks(model, blocks)
+
+        if strategy == "pgac":
+            unknown = set(options) - PGAC_OPTIONS
+            if unknown:
+                raise TypeError(f"unknown PGAC options {sorted(unknown)}; PGAC takes {sorted(PGAC_OPTIONS)}")
+            if plan is not None:
+                raise ValueError("strategy='pgac' makes its own plans; pass costs= or nothing, not plan=")
+            if costs is None:
+                _refuse_compiled(chain)  # PGAC would profile the first step
+                if batch is not None:
+                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain)
+            import remat
+
+            self.pgac = remat.PGAC(
+                model, budget, costs=self.costs, blocks=chain, sync=sync, process_group=process_group, **options
+            )
+            self.handle: RematHandle = self.pgac.handle
+            self._waiting = False
+        else:
+            if plan is None:
+                if self.costs is None and batch is not None:
+                    _refuse_compiled(chain)
+                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain)
+                if self.costs is not None:
+                    self.costs = self._shared(self.costs)
+                    plan = self._plan_for(self.costs)
+            self._waiting = plan is None
+            initial = plan if plan is not None else Plan({f: CHECKPOINT for f, _ in chain}, strategy="profiling")
+            self.handle = apply(model, initial, chain)
+        model._remat_session = self  # type: ignore[assignment]
+        self._global_done = not (auto_step and (self._waiting or self.pgac is not None))
+        if self._waiting or not self._global_done:
+            self._hooks.append(model.register_forward_pre_hook(self._on_forward))
+        if not self._global_done:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            # A weak reference: a session that is dropped without remove() leaves a hook that does nothing.
+            ref = weakref.ref(self)
+
+            def on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                session = ref()
+                if session is not None:
+                    session._on_optimizer_step(optimizer)
+
+            self._global_hooks.append(register_optimizer_step_pre_hook(on_step))
+
+    # ----- state -----
+    @property
+    def plan(self) -> Plan:
+        """The plan the next step runs with (every block checkpointed until the first step was profiled)."""
+        return self.handle.plan
+
+    @property
+    def profiling(self) -> bool:
+        """True until the plan is made: the first training step is (or will be) profiled."""
+        return self._waiting
+
+    @property
+    def stats(self) -> RecomputeStats:
+        """Block re-executions in backward and their seconds, per block (see ``remat.apply``)."""
+        return self.handle.stats
+
+    @property
+    def removed(self) -> bool:
+        """True after :meth:`remove`."""
+        return self._removed
+
+    @property
+    def attached(self) -> bool:
+        """With PGAC: whether it is attached to an optimizer (its updates then follow ``optimizer.step()``)."""
+        return self.pgac is not None and getattr(self.pgac, "_optimizer", None) is not None
+
+    @property
+    def mask(self) -> dict[str, bool]:
+        """Block FQN -> True where the block's activations are stored."""
+        return self.handle.mask
+
+    # ----- step boundaries -----
+    def step(self) -> None:
+        """Mark the end of a training step: finish the profiling step and switch the plan in; with PGAC, update
+        the scores and the mask (not needed when an optimizer step is seen or :meth:`attach` was called)."""
+        self._check_live()
+        if self.pgac is not None:
+            self._global_done = True  # stepped by hand: PGAC is not attached to an optimizer as well
+            self.pgac.step()
+        elif self._profiler is not None:
+            self._finish_profiling()
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> RematSession:
+        """Take the end of each step from ``optimizer.step()`` only (the global hook is removed)."""
+        self._check_live()
+        self._remove_global_hooks()
+        if self.pgac is not None:
+            self.pgac.attach(optimizer)
+        elif self._waiting:
+            self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._end_of_step()))
+        self._global_done = True
+        return self
+
+    def _end_of_step(self) -> None:
+        if self._profiler is not None:
+            self._finish_profiling()
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if self._global_done and self._global_hooks:
+            # Removed here, outside the optimizer's loop over its hooks, which must not change while it runs.
+            self._remove_global_hooks()
+        if not self._waiting:
+            if self._global_done:
+                self._remove_hooks()
+            return
+        if not (torch.is_grad_enabled() and self.model.training):
+            return
+        if self._profiler is None:
+            from .distributed import is_sharded
+
+            _refuse_compiled(self.handle.blocks)
+            if is_sharded(self.model):
+                raise RuntimeError(
+                    "remat cannot profile the first step of a model sharded with fully_shard (FSDP2 frees each "
+                    "block's parameters after its forward). Make the plan before sharding: pass batch=<a sample "
+                    "batch> or costs= (see remat.integrations.distributed.prepare)"
+                )
+            self._profiler = BlockProfiler(self.model, self.handle.blocks)
+            self._profiler.__enter__()
+        else:  # a second training forward before any optimizer step: the profiled step has ended
+            self._finish_profiling()
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._removed or self._global_done or not self._owns(optimizer):
+            return
+        if self.pgac is not None:
+            # Attached from inside the step's pre-hooks: PGAC's own pre- and post-hooks run in this same step.
+            if not self.attached:
+                self.pgac.attach(optimizer)
+            self._global_done = True
+        elif self._profiler is not None:
+            self._finish_profiling()
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        owns = self._owners.get(optimizer)
+        if owns is None:
+            params = {id(p) for p in self.model.parameters()}
+            owns = any(id(p) in params for group in optimizer.param_groups for p in group["params"])
+            self._owners[optimizer] = owns
+        return owns
+
+    def _finish_profiling(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        assert profiler is not None
+        profiler.__exit__(None, None, None)
+        costs = self._shared(profiler.cost_table())
+        self.costs = costs
+        plan = self._plan_for(costs)
+        self.handle.set_plan(plan)
+        self._waiting = False
+        self._global_done = True
+        log.info("remat: profiled the first step; from now on\n%s", plan.table(costs))
+
+    def _plan_for(self, costs: CostTable) -> Plan:
+        return make_plan(costs, self.strategy, self.budget, **self.options)
+
+    def _shared(self, costs: CostTable) -> CostTable:
+        """Rank 0's cost table on every rank under ``sync="global"``, so every rank makes the same plan."""
+        if self.sync != "global":
+            return costs
+        import torch.distributed as dist
+
+        group = self.process_group
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        box = [costs.to_dict() if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return CostTable.from_dict(box[0])
+
+    # ----- lifecycle -----
+    def _remove_global_hooks(self) -> None:
+        for hook in self._global_hooks:
+            hook.remove()
+        self._global_hooks.clear()
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def remove(self) -> None:
+        """Remove every hook: the model runs and serialises exactly as before."""
+        if self._removed:
+            return
+        self._remove_global_hooks()
+        self._remove_hooks()
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            self._profiler = None
+        if self.pgac is not None:
+            self.pgac.remove()
+        else:
+            self.handle.remove()
+        if getattr(self.model, "_remat_session", None) is self:
+            del self.model._remat_session
+        self._removed = True
+
+    def _check_live(self) -> None:
+        if self._removed:
+            raise RuntimeError("this remat session was removed; start a new one")
+
+    def __repr__(self) -> str:
+        state = "profiling the first step" if self._waiting else f"{sum(self.mask.values())} of {len(self.mask)} kept"
+        return f"{type(self).__name__}(strategy={self.strategy!r}, budget={self.budget!r}, {state})"

@@ -1,0 +1,216 @@
+"""DDP and FSDP2 with remat plans on two CPU processes (gloo): the gathered gradients of every step equal
+those of the unsharded model trained without checkpointing on the same data and dropout masks.
+
+One ``torch.multiprocessing.spawn`` runs every scenario in turn (starting processes is the slow part); the
+tests then read what each rank saved. The example script is run with ``torchrun --nproc_per_node 2``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from remat.integrations import distributed
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch was built without torch.distributed")
+
+WORLD, STEPS, WIDTH = 2, 3, 16
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = WIDTH) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 3, d: int = WIDTH) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(8, d), nn.Linear(d, 1)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).square().mean()
+
+
+# name: (wrapper, strategy, options, profile a sample batch before wrapping)
+SCENARIOS: dict[str, tuple[str, str, dict[str, Any], bool]] = {
+    "ddp-optimal-first-step": ("ddp", "optimal", {"budget": 0.6}, False),
+    "ddp-pgac": ("ddp", "pgac", {"budget": 0.7, "alpha": 0.5}, False),
+    "fsdp-optimal": ("fsdp", "optimal", {"budget": 0.6}, True),
+    "fsdp-every_k": ("fsdp", "every_k", {"k": 2}, True),
+    "fsdp-memory_poor": ("fsdp", "memory_poor", {}, True),
+}
+
+
+def data(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _scenario(rank: int, wrapper: str, strategy: str, options: dict[str, Any], sample: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Net()
+    options = dict(options)
+    budget = options.pop("budget", None)
+    batch = (data(rank, 99),) if sample else None
+    session = distributed.prepare(model, strategy, budget, batch=batch, **options)
+    if wrapper == "ddp":
+        trained: nn.Module = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        trained = distributed.fully_shard_blocks(model, session, mesh=init_device_mesh("cpu", (WORLD,)))
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    grads = []
+    for step in range(STEPS):
+        torch.manual_seed(10 * step + rank)  # this rank's dropout masks
+        trained(data(rank, step)).backward()
+        grads.append(distributed.full_gradients(trained))
+        opt.step()
+        opt.zero_grad()
+    result = {
+        "grads": grads,
+        "actions": dict(session.plan.actions),
+        "calls": dict(session.stats.calls),
+        "profiling": session.profiling,
+        "sync": session.sync,
+        "pgac_steps": session.pgac.step_count if session.pgac is not None else None,
+    }
+    session.remove()
+    return result
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        results = {name: _scenario(rank, *spec) for name, spec in SCENARIOS.items()}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def reference() -> list[dict[str, torch.Tensor]]:
+    """The unsharded model without checkpointing: each step's gradient is the mean over the ranks' batches."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in range(STEPS):
+        mean: dict[str, torch.Tensor] = {}
+        for rank in range(WORLD):
+            torch.manual_seed(10 * step + rank)
+            model.zero_grad()
+            model(data(rank, step)).backward()
+            for name, p in model.named_parameters():
+                mean[name] = mean.get(name, 0) + p.grad / WORLD
+        out.append(mean)
+        for name, p in model.named_parameters():
+            p.grad = mean[name]
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out_dir = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_worker, args=(distributed.free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_gradients_equal_unsharded_run_without_checkpointing(runs: list[dict[str, Any]], name: str) -> None:
+    ref = reference()
+    for rank, run in enumerate(runs):
+        got = run[name]
+        for step in range(STEPS):
+            assert got["grads"][step].keys() == ref[step].keys()
+            for param, g in ref[step].items():
+                torch.testing.assert_close(
+                    got["grads"][step][param], g, rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank} step {step} {param}"
+                )
+        assert not got["profiling"] and got["sync"] == "global"
+    assert runs[0][name]["actions"] == runs[1][name]["actions"]  # every rank runs the same plan
+
+
+def test_plans_recompute_what_they_say(runs: list[dict[str, Any]]) -> None:
+    run = runs[0]
+    segments = {"blocks.0": "segment:0", "blocks.1": "segment:0", "blocks.2": "checkpoint"}
+    assert run["fsdp-every_k"]["actions"] == segments
+    assert run["fsdp-every_k"]["calls"] == {f"blocks.{i}": STEPS for i in range(3)}
+    # memory-poor: block 0 is re-run once for its own backward and once to rebuild block 1's input
+    assert run["fsdp-memory_poor"]["calls"] == {"blocks.0": 2 * STEPS, "blocks.1": STEPS, "blocks.2": 0}
+    # the first step was profiled with every block checkpointed: each block re-ran at least once
+    assert all(c >= 1 for c in run["ddp-optimal-first-step"]["calls"].values())
+    assert run["ddp-pgac"]["pgac_steps"] == STEPS
+
+
+@pytest.mark.parametrize("policy", [None, "dots_saveable"])
+def test_remat_checkpoint_fn_in_torch_checkpoint_wrapper(policy: str | None) -> None:
+    """``checkpoint_wrapper(module, checkpoint_fn=remat.checkpoint_fn)``, as FSDP recipes apply it, with dropout."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    import remat
+
+    torch.manual_seed(0)
+    reference = Net()
+    torch.manual_seed(0)
+    model = Net()
+    options = {"policy": policy} if policy is not None else {}
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_fn=remat.checkpoint_fn, **options)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, Block))
+    assert all(isinstance(block, CheckpointWrapper) for block in model.blocks)
+    for net in (reference, model):
+        torch.manual_seed(3)
+        net(data(0, 0)).backward()
+    got = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_fsdp_needs_the_plan_before_sharding() -> None:
+    model = Net()
+    session = distributed.prepare(model, "optimal", 0.5)  # no batch: the plan would wait for the first step
+    with pytest.raises(RuntimeError, match="batch="):
+        distributed.fully_shard_blocks(model, session)
+    session.remove()
+
+
+@pytest.mark.slow
+def test_example_train_ddp_runs_under_torchrun(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+        str(distributed.free_port()), str(ROOT / "examples" / "train_ddp.py"), "--steps", "3", "--budget", "0.7",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and "loss" in lines[0] and "activation peak" in lines[-1]
+    assert "plan:" in proc.stdout

@@ -1,0 +1,221 @@
+"""Hugging Face integration: remat plans on GPT-2 and BERT built from tiny configs, with dropout on.
+
+Every exact strategy must give the gradients of training without checkpointing, step after step, including
+the first step (profiled, every layer checkpointed) and the later ones (the plan made from that profile).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import remat
+
+transformers = pytest.importorskip("transformers")
+from remat.integrations import hf  # noqa: E402
+
+VOCAB, SEQ, BATCH = 64, 8, 2
+
+
+def gpt2(n_layer: int = 3) -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=n_layer, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ * 2, bos_token_id=0, eos_token_id=0
+    )
+    assert config.resid_pdrop > 0 and config.attn_pdrop > 0  # dropout on: RNG replay is part of the check
+    return transformers.GPT2LMHeadModel(config)
+
+
+def bert(n_layer: int = 3) -> torch.nn.Module:
+    config = transformers.BertConfig(
+        num_hidden_layers=n_layer, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
+        max_position_embeddings=SEQ * 2,
+    )
+    assert config.hidden_dropout_prob > 0
+    return transformers.BertForMaskedLM(config)
+
+
+def batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def train(
+    make: Callable[[], torch.nn.Module], steps: int, setup: Callable[[torch.nn.Module], Any] | None = None
+) -> tuple[list[float], list[dict[str, torch.Tensor]], Any]:
+    """Train ``steps`` SGD steps from seed 0; return the losses, each step's gradients and what setup returned."""
+    torch.manual_seed(0)
+    model = make()
+    model.train()
+    extra = setup(model) if setup is not None else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for step in range(steps):
+        torch.manual_seed(step)  # the dropout masks of this step
+        loss = model(**batch(step)).loss
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads, extra
+
+
+def assert_same_training(ref: tuple, got: tuple) -> None:
+    assert got[0] == pytest.approx(ref[0], rel=1e-6, abs=1e-6)
+    for step, (g_ref, g_got) in enumerate(zip(ref[1], got[1], strict=True)):
+        assert g_ref.keys() == g_got.keys()
+        for name in g_ref:
+            torch.testing.assert_close(g_got[name], g_ref[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+
+
+def test_gpt2_plan_from_profiled_first_step_gives_exact_gradients() -> None:
+    ref = train(gpt2, 3)
+    got = train(gpt2, 3, lambda m: hf.enable(m, "optimal", 0.6))
+    assert_same_training(ref, got)
+    session = got[2]
+    assert not session.profiling
+    assert session.costs is not None and session.costs.fqns == [f"transformer.h.{i}" for i in range(3)]
+    assert session.plan.strategy == "optimal" and session.plan.fits
+    # step 1 recomputed every layer once; steps 2 and 3 re-ran what the plan recomputes
+    reexec = remat.simulate(session.costs, session.plan.actions).reexecutions
+    assert [session.stats.calls[f] for f in session.plan.actions] == [1 + 2 * r for r in reexec]
+    session.remove()
+    assert not hasattr(session.model, "_remat_handle")
+
+
+def test_bert_every_k_segments_give_exact_gradients() -> None:
+    ref = train(bert, 2)
+    got = train(bert, 2, lambda m: hf.enable(m, "every_k", k=2))
+    assert_same_training(ref, got)
+    session = got[2]
+    assert [f for f, _ in session.handle.blocks] == [f"bert.encoder.layer.{i}" for i in range(3)]
+    assert list(session.plan.actions.values()) == ["segment:0", "segment:0", "checkpoint"]
+    assert session.stats.total_calls == 2 * 3  # every layer re-run once per step
+
+
+def test_sample_batch_plans_before_the_first_step() -> None:
+    torch.manual_seed(0)
+    model = gpt2(2).train()
+    session = hf.enable(model, "full", batch=batch(0))
+    assert not session.profiling and session.costs is not None
+    assert set(session.plan.actions.values()) == {"checkpoint"}
+    session.remove()
+
+
+def test_use_cache_is_off_in_training_and_restored_by_remove(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = gpt2(2).train()
+    assert model.config.use_cache is True
+    session = hf.enable(model, "full", auto_step=False)
+    assert model.config.use_cache is False
+    ids = batch(0)["input_ids"]
+    with caplog.at_level(logging.WARNING, logger="remat.integrations.hf"):
+        out = model(input_ids=ids, use_cache=True)
+    assert out.past_key_values is None  # no cache object that recomputation would append to a second time
+    assert "use_cache=False" in caplog.text
+    out.logits.sum().backward()
+    assert session.stats.total_calls == 2
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=ids, use_cache=True).past_key_values is not None  # inference keeps its cache
+    session.remove()
+    assert model.config.use_cache is True
+
+
+def test_hugging_face_checkpointing_is_switched_off_and_restored() -> None:
+    torch.manual_seed(0)
+    model = gpt2(2).train()
+    model._set_gradient_checkpointing(enable=True)
+    assert model.transformer.h[0].gradient_checkpointing
+    session = hf.enable(model, "full", auto_step=False)
+    assert not any(layer.gradient_checkpointing for layer in model.transformer.h)
+    # a Trainer with gradient_checkpointing=True switches it on after enable(): the next training forward undoes it
+    model._set_gradient_checkpointing(enable=True)
+    model(**batch(0)).loss.backward()
+    assert not any(layer.gradient_checkpointing for layer in model.transformer.h)
+    assert session.stats.total_calls == 2  # recomputed once, by remat only
+    session.remove()
+    assert all(layer.gradient_checkpointing for layer in model.transformer.h)
+
+
+def test_remat_checkpoint_fn_as_hugging_face_gradient_checkpointing_func() -> None:
+    ref = train(gpt2, 2)
+    got = train(gpt2, 2, lambda m: hf.use_remat_checkpoint(m, policy="dots_saveable"))
+    assert_same_training(ref, got)
+    plain = train(gpt2, 1, lambda m: hf.use_remat_checkpoint(m))
+    assert_same_training((ref[0][:1], ref[1][:1]), plain)
+    torch.manual_seed(0)
+    model = gpt2(2)
+    hf.use_remat_checkpoint(model, policy="dots_saveable")
+    func = model.transformer.h[0]._gradient_checkpointing_func
+    assert isinstance(func, functools.partial) and func.func is remat.checkpoint_fn
+
+
+def test_pgac_strategy_attaches_to_the_optimizer_that_steps() -> None:
+    ref = train(gpt2, 3)
+    got = train(gpt2, 3, lambda m: hf.enable(m, "pgac", 0.7, alpha=0.5))
+    assert_same_training(ref, got)
+    session = got[2]
+    pgac = session.pgac
+    assert isinstance(pgac, remat.PGAC)
+    assert pgac.step_count == 3 and pgac.costs is not None
+    assert set(pgac.scores) == {f"transformer.h.{i}" for i in range(3)} and any(s > 0 for s in pgac.scores.values())
+    assert pgac.plan.fits
+    session.remove()
+
+
+def test_import_remat_imports_no_integration_library() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, remat, remat.integrations\n"
+        "from remat.integrations import session, distributed, compile, deepspeed, hf\n"
+        "loaded = [m for m in ('transformers', 'lightning', 'pytorch_lightning', 'deepspeed') if m in sys.modules]\n"
+        "print(','.join(loaded))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ""  # transformers is imported by hf.layers()/enable(), not by importing hf
+
+
+def test_errors_say_what_to_do() -> None:
+    model = gpt2(2)
+    with pytest.raises(ValueError, match="needs a budget"):
+        hf.enable(model, "optimal")
+    with pytest.raises(ValueError, match="known strategies"):
+        hf.enable(model, "fastest")
+    with pytest.raises(ValueError, match="fraction"):
+        hf.enable(model, "optimal", 1.5)
+    with pytest.raises(ValueError, match="GradientCheckpointingLayer"):
+        hf.enable(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), "full")
+    assert model.config.use_cache is True and not hasattr(model, "_remat_handle")  # failed calls change nothing
+    session = hf.enable(model, "full")
+    with pytest.raises(RuntimeError, match="already applied"):
+        hf.enable(model, "full")
+    session.remove()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="the HF Trainer needs accelerate")
+def test_trainer_profiles_first_step_then_runs_the_plan(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = gpt2(2)
+    session = hf.enable(model, "optimal", 0.7)
+    data = [batch(i) for i in range(6)]
+    data = [{k: v[0] for k, v in item.items()} for item in data]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True, report_to=[],
+        save_strategy="no", logging_steps=1, disable_tqdm=True,
+    )
+    result = transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
+    assert not session.profiling and session.plan.strategy == "optimal" and session.plan.fits
+    assert session.stats.total_calls >= 2  # the profiled step recomputed both layers
+    session.remove()

@@ -1,0 +1,129 @@
+"""Lightning: RematCallback in ``Trainer.fit`` on CPU gives the weights of training without checkpointing
+(dropout on), with the plan made from the profiled first step, or with PGAC. Skipped with the reason where
+Lightning is not installed; the hook logic is also exercised without Lightning (a hand-written loop)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.integrations.lightning import LIGHTNING, RematCallback, forward_root
+
+WIDTH, STEPS = 16, 3
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = WIDTH) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(8, WIDTH), nn.Linear(WIDTH, 1)
+        self.layers = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h).square().mean()
+
+
+DATA = [torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
+
+
+def test_forward_root_is_the_module_that_runs_the_chain() -> None:
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+    fqns = [f"net.layers.{i}" for i in range(3)]
+    assert forward_root(Wrapper(), fqns) == "net"  # net.layers is a ModuleList: no forward of its own
+    assert forward_root(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["0", "1"]) == ""
+    assert forward_root(Wrapper(), ["net.layers.1"]) == "net"
+
+
+def test_callback_hooks_in_a_hand_written_loop() -> None:
+    """The hooks Lightning would call, called by hand: works without Lightning installed."""
+    torch.manual_seed(0)
+    ref = Net()
+    torch.manual_seed(0)
+    model = Net()
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    callback = RematCallback("every_k", k=2)
+    callback.setup(None, model, "fit")
+    assert callback.root == "" and callback.session is not None and callback.session.profiling
+    for step, x in enumerate(DATA):
+        for m, o in ((ref, opt_ref), (model, opt)):
+            torch.manual_seed(step)
+            m(x).backward()
+            if m is model:
+                callback.on_before_optimizer_step(None, model, o)
+            o.step()
+            o.zero_grad()
+    callback.teardown(None, model, "fit")
+    assert callback.session.removed and not callback.session.profiling
+    assert list(callback.session.plan.actions.values()) == ["segment:0", "segment:0", "checkpoint"]
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+if LIGHTNING is not None:
+    import importlib
+
+    L = importlib.import_module(LIGHTNING)
+
+    class LitNet(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Net()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            torch.manual_seed(batch_idx)  # this step's dropout masks, the same in every run
+            return self.model(batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(DATA, batch_size=None, shuffle=False)
+
+
+def fit(callbacks: list[Any]) -> nn.Module:
+    torch.manual_seed(0)
+    module = LitNet()
+    trainer = L.Trainer(
+        max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )
+    trainer.fit(module)
+    return module
+
+
+@pytest.mark.skipif(LIGHTNING is None, reason="lightning is not installed (pip install lightning)")
+@pytest.mark.parametrize("strategy,options", [("optimal", {"budget": 0.6}), ("pgac", {"budget": 0.7, "alpha": 0.5})])
+def test_trainer_fit_with_remat_callback_matches_plain_training(strategy: str, options: dict[str, Any]) -> None:
+    reference = fit([])
+    callback = RematCallback(strategy, **options)
+    trained = fit([callback])
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    session = callback.session
+    assert callback.root == "model" and session is not None and session.removed
+    assert not session.profiling and session.stats.total_calls >= 3  # the profiled step recomputed each block
+    assert list(session.plan.actions) == [f"layers.{i}" for i in range(3)]
+    if strategy == "pgac":
+        assert isinstance(session.pgac, remat.PGAC) and session.pgac.step_count == STEPS
+    else:
+        assert session.plan.strategy == "optimal" and session.plan.fits
