@@ -1,0 +1,312 @@
+"""One training run: a (strategy, seed) pair trained for the bench's fixed number of steps.
+
+:func:`execute_run` builds the model from the seed, loads the seed's batches, installs the strategy's
+controller (:mod:`remat.bench.strategies`), trains with AdamW while timing the forward, backward and optimizer
+of every step, measures memory on the designated steps only, evaluates on the fixed validation batches and
+returns the run's record. :func:`execute_child_job` is the same run inside the ``compile_budget`` child
+process, measured with the whole-process meter of :mod:`remat.bench.procmem`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..costs import CostTable
+from .strategies import Controller, StrategySpec
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+def load_data(job: dict[str, Any]) -> Any:
+    from .data import load_dataset
+
+    kwargs: dict[str, Any] = {"seq_len": job["seq_len"], "batch_size": job["batch_size"], "seed": job["seed"]}
+    if job["model"] in ("gpt2", "bert"):
+        kwargs.update(tokenizer=job["tokenizer"], max_bytes=job["max_bytes"])
+    else:
+        from .models import model_config
+
+        cfg = model_config(job["model"], job["preset"])
+        kwargs.update(image_size=cfg["image_size"], num_channels=cfg["num_channels"], dataset=job["dataset"])
+    return load_dataset(job["model"], **kwargs)
+
+
+def build(job: dict[str, Any], data: Any) -> Any:
+    """The model of ``job``, built from its seed (the same weights for every strategy)."""
+    from .models import build_model
+
+    overrides = dict(data.model_overrides())
+    if job["layers"] is not None:
+        overrides["num_layers"] = job["layers"]
+    spec = build_model(job["model"], job["preset"], seed=job["seed"], dropout=job["dropout"], **overrides)
+    spec.module.to(job["device"])
+    return spec
+
+
+def profile_costs(job: dict[str, Any], repeats: int) -> tuple[CostTable, dict[str, Any]]:
+    """``remat.profile`` of the seed's model on its first training batch; also returns data/model facts."""
+    import remat
+
+    torch.set_num_threads(job["threads"])
+    data = load_data(job)
+    spec = build(job, data)
+    batch = data.batch_kwargs(next(data.train_batches()), job["device"])
+    costs = remat.profile(spec.module, batch, loss_fn=spec.loss_fn, repeats=repeats)
+    facts = {"data": data.describe(), "model": spec.config, "num_params": spec.num_params,
+             "unit": spec.unit, "kind": spec.kind, "items_per_step": spec.count_items(batch)}
+    return costs, facts
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _tracker_meter(device: torch.device) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    import remat
+
+    return lambda: remat.measure(device)
+
+
+class _EnergySteps:
+    """Energy of the timed steps only: a meter started and stopped around each (if counters can be read)."""
+
+    def __init__(self, device: torch.device) -> None:
+        from .energy import EnergyMeter, energy_available
+
+        self._cls = EnergyMeter
+        ok, why = energy_available("auto")
+        self.available = ok
+        self.reason = "" if ok else why
+        self.source = why if ok else None
+        self.joules = 0.0
+
+    @contextlib.contextmanager
+    def step(self, timed: bool) -> Iterator[dict[str, Any]]:
+        box: dict[str, Any] = {"joules": None}
+        if not (self.available and timed):
+            yield box
+            return
+        meter = self._cls("auto").start()
+        try:
+            yield box
+        finally:
+            reading = meter.stop()
+            if reading.joules is not None:
+                box["joules"] = reading.joules
+                self.joules += reading.joules
+
+
+def execute_run(job: dict[str, Any], controller: Controller, emit: Emit, *,
+                meter_factory: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                memory_method: str = "tracker", on_step: Callable[[dict[str, Any]], None] | None = None
+                ) -> dict[str, Any]:
+    """Train one (strategy, seed) run; ``emit`` gets each step record; returns the run record."""
+    started = time.perf_counter()
+    torch.set_num_threads(job["threads"])
+    device = torch.device(job["device"])
+    data = load_data(job)
+    spec = build(job, data)
+    model = spec.module
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job["lr"])
+    torch.manual_seed(job["seed"])  # the dropout stream: the same for every strategy of this seed
+    meter_factory = meter_factory or _tracker_meter(device)
+    controller.attach(model, optimizer)
+    forward = controller.forward_fn(model)
+    energy = _EnergySteps(device)
+    measured_steps = set(job["measure_steps"])
+    batches = data.train_batches()
+    base = {"strategy": job["label"], "strategy_name": job["strategy"], "seed": job["seed"]}
+    records: list[dict[str, Any]] = []
+    try:
+        for step in range(job["steps"]):
+            batch = data.batch_kwargs(next(batches), device)
+            items = spec.count_items(batch)
+            measured = step in measured_steps
+            timed = step >= job["warmup"] and not measured
+            meter = meter_factory() if measured else contextlib.nullcontext()
+            with energy.step(timed) as joules:
+                _sync(device)
+                t0 = time.perf_counter()
+                with meter as mem, controller.step_context():
+                    output = forward(**batch)
+                    loss = spec.loss_fn(output)
+                    _sync(device)
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    del output
+                    _sync(device)
+                t2 = time.perf_counter()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                _sync(device)
+                t3 = time.perf_counter()
+            step_time = t3 - t0
+            record = {
+                **base, "step": step, "loss": float(loss.detach()), "step_time_s": step_time,
+                "forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2,
+                **controller.take_step_stats(),
+                "peak_activation_bytes": int(mem.activation_bytes) if measured else None,
+                "peak_bytes": int(mem.peak_bytes) if measured else None,
+                "memory_method": memory_method if measured else None,
+                "memory_measured": measured, "warmup": step < job["warmup"], "timed": timed,
+                "items": items, "throughput": items / step_time, "energy_j": joules["joules"], "t": time.time(),
+            }
+            records.append(record)
+            emit(record)
+            if on_step is not None:
+                on_step(record)
+        info = controller.run_info()
+    finally:
+        controller.remove()
+    evaluation = evaluate(model, spec, data, job["eval_batches"], device)
+    return summarize_run(job, records, info, evaluation, energy, time.perf_counter() - started, spec)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, spec: Any, data: Any, n: int, device: torch.device) -> dict[str, Any]:
+    """Validation loss, and perplexity (text) or accuracy (images), on a fixed set of batches."""
+    n = min(n, data.num_batches("val"))
+    if n == 0:
+        return {"val_loss": None, "val_perplexity": None, "val_accuracy": None, "val_batches": 0}
+    model.eval()
+    losses, correct, count = [], 0, 0
+    try:
+        for batch in data.val_batches(n):
+            kwargs = data.batch_kwargs(batch, device)
+            output = model(**kwargs)
+            losses.append(float(spec.loss_fn(output)))
+            if spec.kind == "image":
+                correct += int((output.logits.argmax(-1) == kwargs["labels"]).sum())
+                count += int(kwargs["labels"].numel())
+    finally:
+        model.train()
+    val_loss = sum(losses) / len(losses)
+    text = spec.kind in ("lm", "mlm")
+    return {
+        "val_loss": val_loss,
+        "val_perplexity": math.exp(min(val_loss, 700.0)) if text else None,
+        "val_accuracy": correct / count if count else None,
+        "val_batches": n,
+    }
+
+
+def summarize_run(job: dict[str, Any], records: list[dict[str, Any]], info: dict[str, Any],
+                  evaluation: dict[str, Any], energy: _EnergySteps, wall_s: float, spec: Any) -> dict[str, Any]:
+    """The run's line of runs.jsonl: means over the timed steps, the measured memory, validation, energy."""
+    timed = [r for r in records if r["timed"]]
+    measured = [r for r in records if r["memory_measured"]]
+
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in timed if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    total_time = sum(r["step_time_s"] for r in timed)
+    recompute = [r["recompute_time_s"] for r in timed]
+    peaks = [r["peak_activation_bytes"] for r in measured if r["peak_activation_bytes"] is not None]
+    budget = job["budget_bytes"]
+    peak = max(peaks) if peaks else None
+    plan = info.get("plan") or {}
+    run = {
+        "strategy": job["label"], "strategy_name": job["strategy"], "options": dict(map(tuple, job["options"])),
+        "seed": job["seed"], "status": "ok", "steps": job["steps"], "warmup": job["warmup"],
+        "timed_steps": len(timed), "measured_steps": [r["step"] for r in measured],
+        "budget_bytes": budget, "budget_fraction": job["budget_fraction"],
+        "predicted_peak_bytes": plan.get("predicted_peak_bytes"),
+        "predicted_recompute_s": plan.get("predicted_recompute_s"),
+        "plan_fits": plan.get("fits"), "plan": plan.get("actions"), "plan_options": plan.get("options"),
+        "peak_activation_bytes": peak,
+        "memory_method": measured[0]["memory_method"] if measured else None,
+        "within_budget": (peak <= budget) if peak is not None else None,
+        "step_time_s": mean("step_time_s"), "forward_s": mean("forward_s"), "backward_s": mean("backward_s"),
+        "optimizer_s": mean("optimizer_s"), "recompute_time_s": mean("recompute_time_s"),
+        "recompute_overhead": (sum(recompute) / total_time) if timed and None not in recompute and total_time else None,
+        "throughput": sum(r["items"] for r in timed) / total_time if total_time else None,
+        "unit": spec.unit, "final_loss": records[-1]["loss"] if records else None,
+        "mean_stored_blocks": mean("stored_blocks"),
+        **evaluation,
+        "energy_j": energy.joules if energy.available else None,
+        "energy_kwh": energy.joules / 3.6e6 if energy.available else None,
+        "energy_source": energy.source, "energy_note": energy.reason,
+        "wall_s": wall_s, "t": time.time(),
+    }
+    for key in ("dtr", "activation_memory_budget"):
+        if key in info:
+            run[key] = info[key]
+    run["_info"] = info
+    return run
+
+
+def execute_child_job(job: dict[str, Any], emit: Emit) -> dict[str, Any]:
+    """The compile child's run (see :mod:`remat.bench.procmem`): the run, then one eager no-checkpoint step
+    measured the same way as the reference for the whole-process figures."""
+    from .procmem import ProcessPeakMeter, process_meter_problem
+    from .strategies import CompileController
+
+    spec = StrategySpec(job["strategy"], tuple(tuple(o) for o in job["options"]))
+    problem = process_meter_problem()
+    meter_factory: Callable[[], Any]
+    if problem is None:
+        meter_factory, method = ProcessPeakMeter, ProcessPeakMeter.method
+    else:
+        meter_factory, method = _NullMeter, f"not measured: {problem}"
+    try:
+        run = execute_run(job, CompileController(spec, job["budget_fraction"]), emit,
+                          meter_factory=meter_factory, memory_method=method)
+    except Exception as err:  # reported to the parent as a failed run
+        return {"strategy": job["label"], "strategy_name": job["strategy"], "seed": job["seed"],
+                "status": "failed", "error": f"{type(err).__name__}: {err}"}
+    run.pop("_info", None)
+    # Whole-process bytes are not the tracker's activation bytes: no verdict against the budget from them.
+    run["within_budget"] = None
+    if problem is None:
+        reference = _eager_reference(job)
+        run["reference_none_process_bytes"] = reference
+        peak = run.get("peak_activation_bytes")
+        run["process_ratio_to_none"] = peak / reference if peak is not None and reference else None
+    else:
+        run["peak_activation_bytes"] = None
+    run["memory_note"] = (
+        "whole-process VmHWM growth over the step (parameter gradients included); compare with "
+        "reference_none_process_bytes, one eager no-checkpoint step measured the same way"
+        if problem is None else method
+    )
+    return run
+
+
+class _NullMeter:
+    activation_bytes = 0
+    peak_bytes = 0
+
+    def __enter__(self) -> _NullMeter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def _eager_reference(job: dict[str, Any]) -> int:
+    """Whole-process peak growth of one eager no-checkpoint step (after one unmeasured step)."""
+    from .procmem import ProcessPeakMeter
+
+    data = load_data(job)
+    spec = build(job, data)
+    optimizer = torch.optim.AdamW(spec.module.parameters(), lr=job["lr"])
+    batches = data.train_batches()
+    result = 0
+    for i in range(2):
+        batch = data.batch_kwargs(next(batches), job["device"])
+        meter = ProcessPeakMeter() if i else contextlib.nullcontext()
+        with meter:
+            spec.loss_fn(spec.module(**batch)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i:
+            result = meter.activation_bytes
+    return result
