@@ -45,7 +45,12 @@ def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
             saved["offload"] = out + draw(st.integers(0, 3))
             recompute["offload"] = draw(st.integers(0, 20)) * TICK
         blocks.append(BlockCost(f"layers.{i}", rerun, 2 * rerun, out, out, saved, recompute, draw(small), draw(small)))
-    return CostTable(blocks, stem_bytes=draw(st.integers(0, 5)), head_bytes=draw(st.integers(0, 30)))
+    return CostTable(
+        blocks,
+        stem_bytes=draw(st.integers(0, 5)),
+        head_bytes=draw(st.integers(0, 30)),
+        head_retained_bytes=draw(st.integers(0, 10)),
+    )
 
 
 def every_plan(n: int, singles: list[str], groups: tuple[str, ...] = ("segment", "nested"), longest: int = 0):

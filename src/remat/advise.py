@@ -53,6 +53,7 @@ def scale_costs(costs: CostTable, factor: float) -> CostTable:
         blocks=[scale_block(b) for b in costs.blocks],
         stem_bytes=int(costs.stem_bytes * factor),
         head_bytes=int(costs.head_bytes * factor),
+        head_retained_bytes=int(costs.head_retained_bytes * factor),
     )
 
 

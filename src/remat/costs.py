@@ -19,7 +19,8 @@ time).
 
 Table-wide: ``stem_bytes`` are activation bytes alive before the first block (embeddings and the like),
 ``head_bytes`` the peak above the chain while the part after the last block (final norm, logits, loss)
-runs forward and backward.
+runs forward and backward, and ``head_retained_bytes`` what the head leaves alive while the chain's backward
+runs (the logits of an output the training loop still holds, a tied weight's gradient waiting to be summed).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class CostTable:
     blocks: list[BlockCost]
     stem_bytes: int = 0
     head_bytes: int = 0
+    head_retained_bytes: int = 0
     device: str = "cpu"
     source: str = "measured"
     info: dict[str, Any] = field(default_factory=dict)
@@ -106,6 +108,7 @@ class CostTable:
             blocks=blocks,
             stem_bytes=data.get("stem_bytes", 0),
             head_bytes=data.get("head_bytes", 0),
+            head_retained_bytes=data.get("head_retained_bytes", 0),
             device=data.get("device", "cpu"),
             source=data.get("source", "measured"),
             info=data.get("info", {}),

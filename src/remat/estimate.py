@@ -435,9 +435,10 @@ def meta_cost_table(
     if missing:
         raise RuntimeError(f"blocks {missing} did not run with grad enabled in the model's forward on meta")
     stem = tracker.bytes_at("stem") if "stem" in tracker.marks else 0
-    head = 0
+    head = head_retained = 0
     if {"chain_end", "head_end"} <= tracker.marks.keys():
         head = max(0, tracker.peak_between("chain_end", "head_end") - tracker.bytes_at("chain_end"))
+        head_retained = max(0, tracker.bytes_at("head_end") - tracker.bytes_at("chain_end"))
     measured: dict[Any, BlockCost] = {}
     rows = []
     for i, (fqn, module) in enumerate(chain):
@@ -452,6 +453,7 @@ def meta_cost_table(
         blocks=rows,
         stem_bytes=stem,
         head_bytes=head,
+        head_retained_bytes=head_retained,
         device="meta",
         source="meta",
         info={

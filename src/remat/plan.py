@@ -14,7 +14,8 @@ A :class:`Plan` maps each block FQN (in chain order) to an action string:
 Every planner and every report predicts through :func:`simulate`; the model it implements is in
 :func:`unit_terms`. Memory is accounted as a ledger: a unit retains ``retained`` bytes after its forward,
 and while the unit's own forward or backward runs the live bytes rise to ``prefix + peak`` where ``prefix``
-is what the units before it retain. The head (loss) runs with everything retained.
+is what the units before it retain. The head (loss) runs with everything retained; what it leaves alive
+(``head_retained_bytes``) is counted in every unit's peak, since the backward of every unit runs after it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def units_from_actions(actions: list[str]) -> list[Unit]:
 
 def unit_terms(costs: CostTable, unit: Unit) -> UnitTerms:
     """Retained bytes, peak bytes above the prefix, recompute seconds and re-executions of one unit."""
+    terms = _unit_terms(costs, unit)
+    return UnitTerms(terms.retained, terms.peak + costs.head_retained_bytes, terms.recompute_s, terms.reexecutions)
+
+
+def _unit_terms(costs: CostTable, unit: Unit) -> UnitTerms:
     blocks = costs.blocks
     b = blocks[unit.start : unit.end + 1]
     temp = [max(x.fwd_temp_bytes, x.bwd_temp_bytes) for x in b]

@@ -305,17 +305,19 @@ class BlockProfiler:
                 "profile a full forward and backward of the model"
             )
         marks = self._marks()
-        stem = head = 0
+        stem = head = head_retained = 0
         if self._tracker is not None and "stem" in marks:
             stem = self._tracker.bytes_at("stem")
         if self._tracker is not None and {"chain_end", "head_end"} <= marks:
             end = self._tracker.bytes_at("chain_end")
             head = max(0, self._tracker.peak_between("chain_end", "head_end") - end)
+            head_retained = max(0, self._tracker.bytes_at("head_end") - end)
         device = self._device or torch.device("cpu")
         return CostTable(
             blocks=[self.rows[i] for i in range(len(self.chain))],
             stem_bytes=stem,
             head_bytes=head,
+            head_retained_bytes=head_retained,
             device=device.type,
             source="measured",
             info={"torch": torch.__version__, "device_name": _device_name(device)},

@@ -73,6 +73,7 @@ class _Chain:
     rerun_s: np.ndarray
     head: int
     stem: int
+    head_retained: int
     _units_from: dict[tuple[int, int], tuple[np.ndarray, ...]] = field(default_factory=dict)
 
     @classmethod
@@ -85,7 +86,7 @@ class _Chain:
         fwd_temp = np.array([b.fwd_temp_bytes for b in blocks], dtype=i64)
         temp = np.array([max(b.fwd_temp_bytes, b.bwd_temp_bytes) for b in blocks], dtype=i64)
         retained = np.array([[b.saved(a) for b in blocks] for a in singles], dtype=i64).reshape(-1, n)
-        peak = np.maximum(retained + fwd_temp, keep + temp)
+        peak = np.maximum(retained + fwd_temp, keep + temp) + int(costs.head_retained_bytes)
         time = np.array([[b.recompute_s[a] for b in blocks] for a in singles], dtype=np.float64)
         calls = np.array([0 if a in (KEEP, OFFLOAD) else 1 for a in singles], dtype=i64)
         if group_kinds:
@@ -98,6 +99,7 @@ class _Chain:
         return cls(
             n, singles, retained, peak, time.reshape(-1, n), calls, group_kinds, keep, checkpointed,
             output, fwd_temp, temp, rerun_s, int(costs.head_bytes), int(costs.stem_bytes),
+            int(costs.head_retained_bytes),
         )  # fmt: skip
 
     def group_terms(self, start: int, last: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -106,14 +108,16 @@ class _Chain:
         span = slice(start, last + 1)
         output_before = np.concatenate(([0], self.output[start:last])).astype(np.int64)
         fwd_peak = np.maximum.accumulate(output_before + self.checkpointed[span] + self.fwd_temp[span])
+        fwd_peak = fwd_peak + self.head_retained
         rerun = np.cumsum(self.rerun_s[span])
         terms = []
         for kind in self.group_kinds:
             if kind == SEGMENT:
-                bwd_peak = np.maximum.accumulate(np.cumsum(self.keep[span]) + self.temp[span])
+                bwd_peak = np.maximum.accumulate(np.cumsum(self.keep[span]) + self.temp[span]) + self.head_retained
                 terms.append((np.maximum(fwd_peak, bwd_peak)[1:], rerun[1:]))
             else:
                 bwd_peak = np.maximum.accumulate(self.keep[span] + output_before + self.temp[span])
+                bwd_peak = bwd_peak + self.head_retained
                 terms.append((np.maximum(fwd_peak, bwd_peak)[1:], np.cumsum(rerun)[1:]))
         return terms
 
@@ -418,7 +422,8 @@ class _Search:
                     bwd = acc.nested_bwd[first_start:end]
                     time, reexec = acc.nested_time[first_start:end], lengths * (lengths + 1) // 2
                 code = np.full(len(starts), n_single + k, dtype=i64)
-                parts.append(_Units(starts, retained, np.maximum(fwd_peak, bwd), time.copy(), reexec, code))
+                peak = np.maximum(fwd_peak, bwd) + chain.head_retained
+                parts.append(_Units(starts, retained, peak, time.copy(), reexec, code))
         return _Units(*(np.concatenate([getattr(u, f) for u in parts]) for f in _Units.__dataclass_fields__))
 
     def _advance(self, end: int, first: int, acc: _GroupAccumulators, keep_before: np.ndarray) -> None:

@@ -1,0 +1,116 @@
+"""The optimal plan against the static strategies at 25%, 50% and 75% of the no-checkpoint activation memory.
+
+For each budget: every strategy's predicted and measured peak activation memory, its measured step time and
+recompute seconds, and whether it fits. Checks printed at the end: the optimal plan's measured peak is within
+the budget (+5%), its step time is no worse than any static strategy that also fits, and at 50% its recompute
+is at most half that of ``full``.
+
+    python benchmarks/optimal_budgets.py [--layers 8] [--hidden 256] [--batch 8] [--seq 128] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import remat
+from remat.plan import no_checkpoint_peak
+from remat.profile import run_step
+from remat.sizes import format_bytes
+
+STATIC = [("none", {}), ("full", {}), ("every_k", {"k": 2}), ("every_k", {"k": 3}), ("sqrt", {}),
+          ("memory_poor", {}), ("random", {"fraction": 0.5, "seed": 0})]
+
+
+def measure(model, batch, plan, steps: int) -> dict:  # noqa: ANN001
+    handle = remat.apply(model, plan)
+    try:
+        model.zero_grad(set_to_none=True)
+        with remat.measure() as mem:
+            run_step(model, batch)
+        times, recompute = [], []
+        for _ in range(steps + 1):
+            model.zero_grad(set_to_none=True)
+            handle.stats.reset()
+            t0 = time.perf_counter()
+            run_step(model, batch)
+            times.append(time.perf_counter() - t0)
+            recompute.append(handle.stats.total_seconds)
+        return {"measured_peak": mem.activation_bytes, "step_s": statistics.median(times[1:]),
+                "recompute_s": statistics.median(recompute[1:])}
+    finally:
+        handle.remove()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=2048,
+                        n_positions=args.seq, use_cache=False)
+    model = GPT2LMHeadModel(config)
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
+    batch = {"input_ids": ids, "labels": ids}
+    costs = remat.profile(model, batch)
+    rich = no_checkpoint_peak(costs)
+    print(f"GPT-2 style: {args.layers} layers, hidden {args.hidden}, batch {args.batch}x{args.seq}, dropout 0.1, "
+          f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"no-checkpoint activation memory (predicted): {format_bytes(rich)}")
+    rows, checks = [], []
+    for fraction in (0.25, 0.5, 0.75):
+        budget = int(fraction * rich)
+        print(f"\nbudget {fraction:.0%} = {format_bytes(budget)}")
+        print(f"{'strategy':<14}{'predicted':>12}{'measured':>12}{'fits':>6}{'step ms':>10}{'recompute ms':>14}")
+        results = {}
+        candidates = [(name, opts) for name, opts in STATIC] + [("optimal", {})]
+        for name, opts in candidates:
+            try:
+                plan = remat.plan(costs, name, budget, strict=False, **opts)
+            except remat.BudgetError as err:
+                print(f"{name:<14} {err}")
+                continue
+            result = measure(model, batch, plan, args.steps)
+            label = name + (f"(k={opts['k']})" if "k" in opts else "")
+            fits = result["measured_peak"] <= budget * 1.05
+            results[label] = {**result, "predicted_peak": plan.predicted_peak_bytes, "fits": fits,
+                              "predicted_recompute_s": plan.predicted_recompute_s}
+            print(f"{label:<14}{format_bytes(plan.predicted_peak_bytes):>12}"
+                  f"{format_bytes(result['measured_peak']):>12}{'yes' if fits else 'no':>6}"
+                  f"{result['step_s'] * 1e3:>10.1f}{result['recompute_s'] * 1e3:>14.1f}")
+            rows.append({"fraction": fraction, "strategy": label, **results[label]})
+        opt = results.get("optimal")
+        if opt is None:
+            continue
+        static_fit = {k: v for k, v in results.items() if k != "optimal" and v["fits"]}
+        best_static = min(static_fit.items(), key=lambda kv: kv[1]["step_s"]) if static_fit else None
+        checks.append((f"{fraction:.0%}: optimal measured peak within budget+5%", opt["fits"]))
+        if best_static:
+            ratio = opt["step_s"] / best_static[1]["step_s"]
+            checks.append((f"{fraction:.0%}: optimal step / best fitting static ({best_static[0]}) = {ratio:.3f}",
+                           ratio <= 1.03))
+        if fraction == 0.5 and "full" in results:
+            ratio = opt["recompute_s"] / max(results["full"]["recompute_s"], 1e-9)
+            checks.append((f"50%: optimal recompute / full recompute = {ratio:.3f} (target <= 0.5)", ratio <= 0.5))
+    print("\nchecks (step times within 3% count as no worse: CPU timing noise)")
+    for text, ok in checks:
+        print(f"  [{'ok' if ok else 'MISS'}] {text}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "checks": checks}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
