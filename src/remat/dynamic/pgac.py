@@ -1,0 +1,461 @@
+"""PGAC: gradient-aware checkpoint masks, re-planned between optimizer steps under a byte budget.
+
+Per optimizer step ``t`` (sections 2.2-2.5 of the PGAC proposal):
+
+1. during backward every block ``l`` gets a score ``s_l = ||dL/da_l * a_l||_2`` (:mod:`.pgac_scores`; under
+   gradient accumulation the micro-batches combine by root-sum-square), every ``every`` steps;
+2. ``bar_s_l <- alpha * bar_s_l + (1 - alpha) * s_l``, from ``bar_s = 0``;
+3. ``tau_t = gamma(t / total_steps) * Quantile_q(bar_s)`` (:mod:`.schedules`);
+4. block ``l`` is stored (``keep``) when ``bar_s_l >= tau_t`` and recomputed (``checkpoint``) otherwise;
+5. the mask is fitted to the budget with the shared simulator (:mod:`.pgac_mask`): lowest-score stored
+   blocks are recomputed first, then recomputed blocks are merged into segments;
+6. the new plan is switched in on the live model (``handle.set_plan``) and takes effect at the next step.
+
+Costs come from ``costs=`` or, with ``costs=None``, are measured by :class:`remat.profile.BlockProfiler`
+during the first training step, which runs with every block checkpointed; plans start from the second step.
+
+Distributed data parallel: ``sync="global"`` averages the EMA scores across ranks with one all-reduce per
+update (together with the learned schedule's reward), and with ``costs=None`` rank 0's measured cost table
+is broadcast once, so every rank computes the same tau and mask. ``sync="local"`` keeps a mask per rank.
+Pipeline parallelism is described in :mod:`.pgac_pipeline`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..chain import find_blocks
+from ..costs import CHECKPOINT, KEEP, CostTable
+from ..memory import MemoryReport, measure
+from ..plan import Plan, resolve_budget
+from ..runtime import RematHandle, apply
+from .pgac_mask import FittedMask, MaskFitter, quantile, score_mask
+from .pgac_scores import GradientScorer
+from .pgac_sync import all_reduce_mean, broadcast_costs, require_distributed
+from .schedules import NEEDS_LENGTH, Schedule, make_schedule
+
+SYNC_MODES = (None, "local", "global")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What happened in optimizer step ``step`` and what PGAC decided at its end (one entry of ``history``).
+
+    ``actions``, ``predicted_peak_bytes``, ``measured_peak_bytes`` and ``step_time_s`` describe the step that
+    just ran; ``step_scores`` are its raw scores (None when not scored); ``scores`` (EMA after it), ``gamma``,
+    ``tau``, ``mask`` (the threshold mask, True = stored, before the budget fit) and ``next_actions`` (the
+    fitted plan) are the decision for the next step. Tuples are in chain order (``PGAC.fqns``).
+    """
+
+    step: int
+    scored: bool
+    step_scores: tuple[float, ...] | None
+    scores: tuple[float, ...]
+    gamma: float
+    tau: float
+    mask: tuple[bool, ...]
+    actions: tuple[str, ...]
+    next_actions: tuple[str, ...]
+    predicted_peak_bytes: int | None
+    next_predicted_peak_bytes: int | None
+    measured_peak_bytes: int | None
+    step_time_s: float | None
+    reward: float | None
+    update_s: float
+
+
+class PGAC:
+    """Gradient-aware activation checkpointing under a memory budget.
+
+    >>> pgac = remat.PGAC(model, "4GiB").attach(optimizer)   # that is all a training loop needs
+
+    Arguments: ``budget`` (bytes, a string like "4GiB", a float fraction of the no-checkpoint activation peak,
+    or None for no limit); ``alpha`` EMA decay in [0, 1); ``q`` quantile in [0, 1]; ``gamma`` a number, "constant"
+    (1.0), "linear", "cosine", "learned", a :class:`~remat.dynamic.schedules.Schedule` or a callable of the
+    training fraction; ``sync`` None, "local" or "global"; ``costs`` a CostTable or None to measure it in the
+    first step; ``every`` score every that many steps; ``blocks`` the chain (default ``find_blocks``);
+    ``total_steps`` the training length for the schedules; ``measure`` measure the step's activation peak every
+    that many steps (None: every step on CUDA from allocator statistics, never on CPU, where the live-tensor
+    tracker slows the step; 0: never); ``overshoot_penalty`` the learned schedule's weight on exceeding the
+    budget; ``process_group`` for ``sync``; ``history_limit`` records kept.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        budget: int | float | str | None,
+        *,
+        alpha: float = 0.9,
+        q: float = 0.5,
+        gamma: str | float | Schedule | Callable[[float], float] = "constant",
+        sync: str | None = None,
+        costs: CostTable | None = None,
+        every: int = 1,
+        blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None = None,
+        total_steps: int | None = None,
+        measure: int | None = None,
+        overshoot_penalty: float = 10.0,
+        process_group: Any = None,
+        history_limit: int = 100_000,
+    ) -> None:
+        _check_options(alpha, q, every, sync, total_steps, measure)
+        self.model = model
+        self.alpha, self.q, self.every, self.sync = float(alpha), float(q), int(every), sync
+        self.schedule = make_schedule(gamma)
+        if isinstance(self.schedule, NEEDS_LENGTH) and total_steps is None:
+            raise ValueError(
+                f"gamma={self.schedule!r} runs over the training length: pass total_steps= (optimizer steps)"
+            )
+        self.total_steps = total_steps
+        self.overshoot_penalty = float(overshoot_penalty)
+        self.process_group = process_group
+        if sync == "global":
+            require_distributed()
+        self._budget_spec = budget
+        if budget is not None and not isinstance(budget, float):
+            resolve_budget(budget)  # a malformed budget string fails here, not after the first step
+        self.budget_bytes: int | None = None
+        self.costs: CostTable | None = None
+        self._fitter: MaskFitter | None = None
+
+        chain = _resolve_chain(model, blocks)
+        initial = Plan({fqn: CHECKPOINT for fqn, _ in chain}, strategy="pgac")
+        self.handle: RematHandle = apply(model, initial, chain)
+        self.fqns: list[str] = list(self.handle.fqns)
+        self._ema = [0.0] * len(self.fqns)
+        self.scorer = GradientScorer(self.handle)
+        self.history: deque[StepRecord] = deque(maxlen=history_limit)
+        self.step_count = 0
+        self._tau = 0.0
+        self._gamma = math.nan  # set by the first update
+        self._measure_every = measure
+        self._device = _model_device(model)
+        self.clock: Callable[[], float] = time.perf_counter  # seconds; replaceable for simulations
+        self._last_update: float | None = None
+        self._profiler: Any = None  # the BlockProfiler of the first step when costs=None
+        self._profiler_open = False
+        self._profiling = costs is None
+        self._region_open = False
+        self._meter: Any = None
+        self._report: MemoryReport | None = None
+        self._optimizer_hooks: list[Any] = []
+        self._optimizer: Any = None
+        self._forward_hook = model.register_forward_pre_hook(self._on_forward)
+        self._removed = False
+        if costs is not None:
+            try:
+                self._set_costs(costs)
+                self._apply(self._fit([True] * len(self.fqns)))
+            except Exception:
+                self.remove()
+                raise
+
+    # ----- public API -----
+    @property
+    def scores(self) -> dict[str, float]:
+        """EMA score per block FQN."""
+        return dict(zip(self.fqns, self._ema))
+
+    @property
+    def mask(self) -> dict[str, bool]:
+        """Block FQN -> True where the block's activations are stored in the next step."""
+        return {f: a == KEEP for f, a in self.handle.plan.actions.items()}
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the next step runs with."""
+        return self.handle.plan
+
+    @property
+    def tau(self) -> float:
+        return self._tau
+
+    @property
+    def gamma(self) -> float:
+        return self._gamma
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> PGAC:
+        """Update the mask after every ``optimizer.step()``; returns ``self``."""
+        self._check_live()
+        if self._optimizer is not None:
+            raise RuntimeError("this PGAC is already attached to an optimizer; call remove() and make a new one")
+        model_params = {id(p) for p in self.model.parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not any(id(p) in model_params for p in params):
+            raise ValueError(
+                f"the optimizer holds none of the parameters of the model PGAC manages ({type(self.model).__name__}); "
+                "attach the optimizer built from this model's parameters, e.g. torch.optim.AdamW(model.parameters())"
+            )
+        self._optimizer = optimizer
+        self._optimizer_hooks = [
+            optimizer.register_step_pre_hook(lambda *_: self._close_region()),
+            optimizer.register_step_post_hook(lambda *_: self._update()),
+        ]
+        return self
+
+    def step(self, *, measured_peak_bytes: int | None = None) -> None:
+        """Update scores, threshold and mask by hand, after ``optimizer.step()`` (not needed with ``attach``).
+
+        ``measured_peak_bytes``: the step's activation peak from your own meter, used in place of PGAC's.
+        """
+        self._check_live()
+        self._update(measured_peak_bytes)
+
+    def set_budget(self, budget: int | float | str | None) -> None:
+        """Change the budget; the next update plans for it. Raises BudgetError below the feasible minimum."""
+        self._budget_spec = budget
+        if self.costs is not None:
+            self._set_costs(self.costs)
+
+    def remove(self) -> None:
+        """Remove every hook; the model behaves exactly as before PGAC."""
+        if self._removed:
+            return
+        self._close_region()
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        self._optimizer_hooks.clear()
+        self._optimizer = None
+        self._forward_hook.remove()
+        self.scorer.remove()
+        self.handle.remove()
+        self._removed = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scores, step, schedule, costs, budget and plan, for training checkpoints (history excluded)."""
+        return {
+            "version": 1,
+            "fqns": list(self.fqns),
+            "step": self.step_count,
+            "ema": list(self._ema),
+            "tau": self._tau,
+            "gamma": self._gamma,
+            "schedule": self.schedule.state_dict(),
+            "costs": self.costs.to_dict() if self.costs is not None else None,
+            "budget": self._budget_spec,
+            "actions": dict(self.handle.plan.actions),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_live()
+        if state.get("fqns") != self.fqns:
+            raise ValueError(
+                f"this PGAC state is for the chain {state.get('fqns')}, but the model's chain is {self.fqns}; "
+                "load it into a PGAC of the same model"
+            )
+        self.step_count = int(state["step"])
+        self._ema = [float(v) for v in state["ema"]]
+        self._tau, self._gamma = float(state["tau"]), float(state["gamma"])
+        self.schedule.load_state_dict(state["schedule"])
+        self._budget_spec = state["budget"]
+        if state["costs"] is not None:
+            self._close_region()
+            self._profiling = False
+            self._set_costs(CostTable.from_dict(state["costs"]))
+        actions = dict(state["actions"])
+        if self.costs is not None:
+            plan = Plan.from_actions(self.costs, actions, "pgac", self.budget_bytes)
+        else:
+            plan = Plan(actions, strategy="pgac", budget_bytes=self.budget_bytes)
+        self.handle.set_plan(plan)
+        self._last_update = None
+
+    # ----- step boundaries -----
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if self._region_open or not torch.is_grad_enabled():
+            return
+        self._region_open = True
+        if self._profiling and self._profiler is None:
+            from ..profile import BlockProfiler
+
+            # PGAC's plans use keep, checkpoint and segments only: profile those two actions.
+            self._profiler = BlockProfiler(self.model, self.handle.blocks, actions=[KEEP, CHECKPOINT])
+            self._profiler.__enter__()
+            self._profiler_open = True
+        elif self._measured_step():
+            self._meter = measure(self._device, tracker=self._device.type != "cuda")
+            self._report = self._meter.__enter__()
+
+    def _measured_step(self) -> bool:
+        every = self._measure_every
+        if every is None:
+            return self._device.type == "cuda"
+        return every > 0 and self.step_count % every == 0
+
+    def _close_region(self) -> None:
+        """End the step's measurement (before the optimizer runs, so its memory is not counted)."""
+        if self._meter is not None:
+            meter, self._meter = self._meter, None
+            meter.__exit__(None, None, None)
+        if self._profiler_open:
+            self._profiler_open = False
+            self._profiler.__exit__(None, None, None)
+
+    # ----- the update -----
+    def _update(self, measured_peak_bytes: int | None = None) -> None:
+        start = self.clock()
+        self._close_region()
+        step_time = start - self._last_update if self._last_update is not None else None
+        ran = self.handle.plan
+        if self._profiling:
+            step_time = None  # the profiling step is no measure of the plan's speed
+            if self._profiler is not None:
+                self._set_costs(self._costs_from_profiler())
+                self._profiling = False
+                self._profiler = None
+        measured = self._report.activation_bytes if self._report is not None else None
+        self._report = None
+        if measured_peak_bytes is not None:
+            measured = int(measured_peak_bytes)
+
+        collected = self.scorer.collect()
+        step_scores = None
+        if collected is not None:
+            step_scores, counts = collected
+            a = self.alpha
+            self._ema = [
+                a * e + (1 - a) * s if c > 0 else e for e, s, c in zip(self._ema, step_scores, counts, strict=True)
+            ]
+        reward = self._reward(ran, step_time, measured)
+        if self.sync == "global":
+            reward = self._all_reduce(reward)
+        if reward is not None:
+            self.schedule.observe(reward, outcome=tuple(ran.actions.values()))
+
+        fraction = min(1.0, self.step_count / self.total_steps) if self.total_steps else 0.0
+        self._gamma = self.schedule(fraction)
+        self._tau = self._gamma * quantile(self._ema, self.q)
+        stored = score_mask(self._ema, self._tau)
+        fitted = self._fit(stored) if self._fitter is not None else None
+        if fitted is not None:
+            self._apply(fitted)
+        self.history.append(
+            StepRecord(
+                step=self.step_count,
+                scored=collected is not None,
+                step_scores=tuple(step_scores) if step_scores is not None else None,
+                scores=tuple(self._ema),
+                gamma=self._gamma,
+                tau=self._tau,
+                mask=tuple(stored),
+                actions=tuple(ran.actions.values()),
+                next_actions=tuple(self.handle.plan.actions.values()),
+                predicted_peak_bytes=ran.predicted_peak_bytes,
+                next_predicted_peak_bytes=self.handle.plan.predicted_peak_bytes,
+                measured_peak_bytes=measured,
+                step_time_s=step_time,
+                reward=reward,
+                update_s=self.clock() - start,
+            )
+        )
+        self.step_count += 1
+        self.scorer.enabled = self.step_count % self.every == 0
+        self._region_open = False
+        self._last_update = start
+
+    def _reward(self, ran: Plan, step_time: float | None, measured: int | None) -> float | None:
+        """log throughput, minus a hinge penalty when the step's activation peak exceeded the budget."""
+        if not self.schedule.learns or step_time is None or step_time <= 0:
+            return None
+        peak = measured if measured is not None else ran.predicted_peak_bytes
+        return step_reward(step_time, peak, self.budget_bytes, self.overshoot_penalty)
+
+    def _fit(self, stored: list[bool]) -> FittedMask:
+        assert self._fitter is not None
+        return self._fitter.fit(stored, self._ema)
+
+    def _apply(self, fitted: FittedMask) -> None:
+        plan = Plan(
+            dict(zip(self.fqns, fitted.actions)),
+            strategy="pgac",
+            budget_bytes=self.budget_bytes,
+            predicted_peak_bytes=fitted.peak_bytes,
+            predicted_recompute_s=fitted.recompute_s,
+            options={"how": fitted.how, "dropped": [self.fqns[i] for i in fitted.dropped]},
+        )
+        self.handle.set_plan(plan)
+
+    def _set_costs(self, costs: CostTable) -> None:
+        if costs.fqns != self.fqns:
+            raise ValueError(
+                f"the cost table describes the chain {costs.fqns}, but PGAC manages {self.fqns}; profile the same "
+                "model with the same blocks"
+            )
+        self.costs, self._fitter = costs, None
+        self.budget_bytes = resolve_budget(self._budget_spec, costs)
+        self._fitter = MaskFitter(costs, self.budget_bytes)  # raises BudgetError below the feasible minimum
+
+    def _costs_from_profiler(self) -> CostTable:
+        costs = self._profiler.cost_table()
+        return broadcast_costs(costs, self.process_group) if self.sync == "global" else costs
+
+    def _all_reduce(self, reward: float | None) -> float | None:
+        """Average the EMA scores (and the learned schedule's reward) over the ranks: one all-reduce."""
+        values = [*self._ema, reward if reward is not None else 0.0, 1.0 if reward is not None else 0.0]
+        out = all_reduce_mean(values, self.process_group)
+        self._ema = out[: len(self._ema)]
+        return out[-2] / out[-1] if out[-1] > 0 else None
+
+    def _check_live(self) -> None:
+        if self._removed:
+            raise RuntimeError("this PGAC was removed; create a new one")
+
+    def __repr__(self) -> str:
+        stored = sum(self.mask.values())
+        return (
+            f"PGAC({len(self.fqns)} blocks, {stored} stored, step {self.step_count}, alpha={self.alpha}, q={self.q}, "
+            f"gamma={self.schedule!r}, sync={self.sync!r})"
+        )
+
+
+def step_reward(step_s: float, peak_bytes: int | None, budget_bytes: int | None, penalty: float = 10.0) -> float:
+    """The learned schedule's reward for one step: ``-log(step_s) - penalty * max(0, peak / budget - 1)``.
+
+    ``-log`` of the step time is log throughput, so equal relative speed-ups are worth the same at any
+    scale; the hinge costs ``penalty`` per unit of relative overshoot (10: 1% over the budget is as bad as
+    a 10% slower step) and nothing below the budget.
+    """
+    reward = -math.log(step_s)
+    if budget_bytes and peak_bytes is not None:
+        reward -= penalty * max(0.0, peak_bytes / budget_bytes - 1.0)
+    return reward
+
+
+def _check_options(
+    alpha: float, q: float, every: int, sync: str | None, total_steps: int | None, measure_every: int | None
+) -> None:
+    if not (isinstance(alpha, int | float) and 0.0 <= alpha < 1.0):
+        raise ValueError(f"alpha is the EMA decay and must be in [0, 1), got {alpha!r}")
+    if not (isinstance(q, int | float) and 0.0 <= q <= 1.0):
+        raise ValueError(f"q is the quantile of the scores that sets the threshold and must be in [0, 1], got {q!r}")
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"every (score every that many steps) must be an int >= 1, got {every!r}")
+    if sync not in SYNC_MODES:
+        raise ValueError(f"sync must be None (one process), 'local' (a mask per rank) or 'global', got {sync!r}")
+    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
+        raise ValueError(f"total_steps must be a positive int (optimizer steps), got {total_steps!r}")
+    if measure_every is not None and (not isinstance(measure_every, int) or measure_every < 0):
+        raise ValueError(f"measure must be None or an int >= 0 (measure every that many steps), got {measure_every!r}")
+
+
+def _resolve_chain(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
+    if blocks is None:
+        return find_blocks(model)
+    blocks = list(blocks)
+    if blocks and isinstance(blocks[0], str):
+        return find_blocks(model, names=blocks)
+    return [(str(fqn), module) for fqn, module in blocks]
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
