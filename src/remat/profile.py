@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policies as _policies
 from .checkpointing import checkpoint
@@ -275,10 +276,9 @@ class BlockProfiler:
             actions = self.actions or default_actions(main.device, self.policies)
             self._busy = True
             try:
-                if tracker is not None:
-                    with tracker.paused():
-                        self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats)
-                else:
+                # Step off every dispatch mode (the step's tracker included) so the block is timed and
+                # measured as it runs in training, not through Python dispatch.
+                with _disable_current_modes():
                     self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats)
             finally:
                 self._busy = False
