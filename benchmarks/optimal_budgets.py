@@ -5,7 +5,8 @@ recompute seconds, and whether it fits. Checks printed at the end: the optimal p
 the budget (+5%), its step time is no worse than any static strategy that also fits, and at 50% its recompute
 is at most half that of ``full``.
 
-    python benchmarks/optimal_budgets.py [--layers 8] [--hidden 256] [--batch 8] [--seq 128] [--json PATH]
+    python benchmarks/optimal_budgets.py [--layers 8] [--hidden 256] [--vocab 2048] [--batch 8] [--seq 128]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=2048,
+    config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                         n_positions=args.seq, use_cache=False)
     model = GPT2LMHeadModel(config)
     model.config._attn_implementation = "eager"
@@ -66,8 +68,9 @@ def main() -> None:
     batch = {"input_ids": ids, "labels": ids}
     costs = remat.profile(model, batch)
     rich = no_checkpoint_peak(costs)
-    print(f"GPT-2 style: {args.layers} layers, hidden {args.hidden}, batch {args.batch}x{args.seq}, dropout 0.1, "
-          f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"GPT-2 style: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+          f"batch {args.batch}x{args.seq}, dropout 0.1, CPU, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
     print(f"no-checkpoint activation memory (predicted): {format_bytes(rich)}")
     rows, checks = [], []
     for fraction in (0.25, 0.5, 0.75):

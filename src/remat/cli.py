@@ -70,13 +70,23 @@ def example_batch(spec: Any, batch_size: int, seq_len: int, device: str) -> dict
     if spec.kind in ("lm", "mlm"):
         vocab = int(cfg.get("vocab_size", 256))
         ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
-        return {"input_ids": ids.to(device), "labels": ids.to(device)}
+        batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
+        if spec.kind == "lm":
+            # An explicit mask keeps GPT-2's causal-mask construction free of value reads (runs on meta).
+            batch["attention_mask"] = torch.ones_like(ids).to(device)
+        return batch
     channels = int(cfg.get("num_channels", 1))
     size = int(cfg.get("image_size", 28))
     dtype = next(spec.module.parameters()).dtype
     pixels = torch.randn(batch_size, channels, size, size, generator=gen).to(device=device, dtype=dtype)
     labels = torch.randint(0, int(cfg.get("num_labels", 10)), (batch_size,), generator=gen)
     return {"pixel_values": pixels, "labels": labels.to(device)}
+
+
+def _label(spec: Any, args: argparse.Namespace) -> str:
+    overrides = [f"{k} {v}" for k, v in (("layers", args.layers), ("hidden", args.hidden), ("heads", args.heads)) if v]
+    label = f"{spec.name}-{spec.preset}" + (f" ({', '.join(overrides)})" if overrides else "")
+    return f"{label}: {spec.num_params:,} parameters, batch {args.batch_size}x{args.seq_len}"
 
 
 def _costs(args: argparse.Namespace, batch_size: int | None = None):  # noqa: ANN202
@@ -107,7 +117,7 @@ def _print_costs(costs: Any) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     spec, _, costs = _costs(args)
-    print(f"{spec.name}-{spec.preset}: {spec.num_params:,} parameters, batch {args.batch_size}x{args.seq_len}")
+    print(_label(spec, args))
     _print_costs(costs)
     _write_json(args.json, costs.to_dict())
     return 0
@@ -134,8 +144,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.fraction is not None:
         options["fraction"] = args.fraction
     result = plan(costs, args.strategy, _budget_arg(args.budget), **options)
-    print(f"{spec.name}-{spec.preset}: {spec.num_params:,} parameters, batch {args.batch_size}x{args.seq_len}, "
-          f"costs from {costs.source} ({costs.device})")
+    print(f"{_label(spec, args)}, costs from {costs.source} ({costs.device})")
     print(result.table(costs))
     print(f"planned in {time.perf_counter() - start:.1f} s")
     _write_json(args.json, {"plan": json.loads(result.to_json()), "costs": costs.to_dict()})
@@ -201,7 +210,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
         state_bytes=state,
         step_time_at=step_times,
     )
-    print(f"{spec.name}-{spec.preset}: {spec.num_params:,} parameters, batch {args.batch_size}x{args.seq_len}")
+    print(_label(spec, args))
     print(result.text())
     _write_json(
         args.json,

@@ -1,0 +1,62 @@
+"""The ``remat`` command line: each sub-command prints its table, writes JSON, and fails clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from remat.cli import main
+from remat.estimate import transformer_layer_activation_bytes
+
+
+def test_estimate_writes_the_formula(tmp_path, capsys):
+    out = tmp_path / "estimate.json"
+    args = ["estimate", "--seq-len", "512", "--batch-size", "2", "--hidden", "256", "--heads", "4", "--layers", "6"]
+    assert main([*args, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    per_layer = transformer_layer_activation_bytes(512, 2, 256, 4)
+    assert data["per_layer_bytes"] == per_layer
+    assert data["total_bytes"] == 6 * per_layer
+    assert data["per_layer_full_recompute_bytes"] == 2 * 512 * 2 * 256
+    assert "MiB" in capsys.readouterr().out
+
+
+def test_plan_prints_a_table_and_fits_the_budget(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "mlp", "--batch-size", "16", "--strategy", "optimal", "--budget", "0.5"]
+    assert main([*args, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    plan, costs = data["plan"], data["costs"]
+    assert len(plan["actions"]) == len(costs["blocks"]) == 4
+    assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
+    printed = capsys.readouterr().out
+    assert "blocks.0" in printed and "predicted peak" in printed
+
+
+def test_plan_on_the_meta_device_needs_no_memory(capsys):
+    args = ["plan", "--model", "gpt2", "--device", "meta", "--layers", "4", "--hidden", "512", "--heads", "8",
+            "--batch-size", "4", "--seq-len", "512", "--budget", "0.9"]
+    assert main(args) == 0
+    assert "costs from meta" in capsys.readouterr().out
+
+
+def test_profile_and_advise_run_on_a_small_model(tmp_path, capsys):
+    out = tmp_path / "costs.json"
+    assert main(["profile", "--model", "mlp", "--batch-size", "8", "--json", str(out)]) == 0
+    assert set(json.loads(out.read_text())["blocks"][0]["saved_bytes"]) >= {"keep", "checkpoint"}
+    assert main(["advise", "--model", "mlp", "--batch-size", "8", "--device-memory", "1GiB"]) == 0
+    assert "checkpointing is not needed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "--model", "mlp", "--strategy", "nonsense"], "known strategies"),
+        (["plan", "--model", "mlp", "--budget", "1KiB"], "minimum feasible"),
+        (["plan", "--model", "resnet"], "resnet"),
+    ],
+)
+def test_bad_input_fails_with_a_clear_message(args, message, capsys):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
