@@ -302,6 +302,25 @@ def _remove(mode: DTRRuntime) -> None:
     above = modes[modes.index(mode) + 1 :]
     for _ in above:
         _pop_mode()
-    mode.__exit__(None, None, None)  # restores the mode flags and pops it
+    mode.__exit__(None, None, None)  # pops it
     for m in above:
         _push_mode(m)
+    _sync_mode_flags()
+
+
+def _sync_mode_flags() -> None:
+    """Make torch's module-level "inside a dispatch mode" flags describe the stack as it now is.
+
+    ``__exit__`` restores the flags saved at ``__enter__``; after the stack was reordered those are stale, and a
+    flag left set with no mode on the stack makes dynamo guard and recompile for nothing.
+    """
+    from torch.utils import _python_dispatch as dispatch
+
+    modes = [_get_dispatch_stack_at(i) for i in range(_len_torch_dispatch_stack())]
+    dispatch._is_in_torch_dispatch_mode = bool(modes)
+    dispatch._is_in_non_infra_torch_dispatch_mode = any(not m.is_infra_mode() for m in modes)
+    without_ignore = any(not m.ignore_compile_internals() for m in modes)
+    dispatch._is_in_any_mode_without_ignore_compile_internals = without_ignore
+    setter = getattr(dispatch, "set_is_in_mode_without_ignore_compile_internals", None)
+    if setter is not None:
+        setter(without_ignore)
