@@ -85,7 +85,8 @@ def stage_costs(costs: CostTable, start: int, end: int) -> CostTable:
     rows = costs.blocks[start:end]
     stem = costs.stem_bytes if start == 0 else rows[0].input_bytes
     head = costs.head_bytes if last else rows[-1].output_bytes
-    return replace(costs, blocks=list(rows), stem_bytes=stem, head_bytes=head)
+    retained = costs.head_retained_bytes if last else 0
+    return replace(costs, blocks=list(rows), stem_bytes=stem, head_bytes=head, head_retained_bytes=retained)
 
 
 def simulate_pipeline_masks(
