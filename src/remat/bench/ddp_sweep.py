@@ -11,14 +11,14 @@ bench's seed-0 cost table at the bench's budget. Rank 0 gathers every rank's ste
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-LINE_PREFIX = "REMAT "
+from .childproc import child_env, emit, parse
+
 NPROC = 2
 
 
@@ -54,17 +54,15 @@ def _pgac_options(config: Any) -> dict[str, Any]:
 
 
 def _launch(job: dict[str, Any], writer: Any) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    src = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(NPROC),
            "-m", "remat.bench.ddp_sweep", json.dumps(job)]
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     summary: dict[str, Any] | None = None
     for line in proc.stdout.splitlines():
-        if line.startswith(LINE_PREFIX):
-            record = json.loads(line[len(LINE_PREFIX):])
+        record = parse(line)
+        if record is not None:
             writer.write(record)
             if record.get("record") == "summary":
                 summary = record
@@ -125,8 +123,8 @@ def worker(job: dict[str, Any]) -> None:
     if rank == 0:
         for rank_records in gathered:
             for record in rank_records:
-                _emit(record)
-        _emit(_summarize(job, gathered))
+                emit(record)
+        emit(_summarize(job, gathered))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -147,11 +145,6 @@ def _summarize(job: dict[str, Any], gathered: list[list[dict[str, Any]]]) -> dic
         "mean_stored_blocks": mean([sum(r["stored"]) for records in timed for r in records]),
         "budget_bytes": job["budget_bytes"], "options": job["options"],
     }
-
-
-def _emit(record: dict[str, Any]) -> None:
-    sys.stdout.write(LINE_PREFIX + json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,8 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .childproc import child_env, emit, parse
+
 CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-LINE_PREFIX = "REMAT "
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -74,17 +75,15 @@ def run_child(job: dict[str, Any], on_record: Callable[[dict[str, Any]], None], 
               ) -> dict[str, Any]:
     """Run ``job`` in a child process with the allocator settings above; every step record goes to
     ``on_record`` as it arrives; returns the run record (``status`` "failed" with the reason if it failed)."""
-    env = {**os.environ, **CHILD_ENV}
-    src = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env(**CHILD_ENV)
     cmd = [sys.executable, "-m", "remat.bench.procmem", json.dumps(job)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     run: dict[str, Any] | None = None
     assert proc.stdout is not None
     for line in proc.stdout:
-        if not line.startswith(LINE_PREFIX):
+        record = parse(line)
+        if record is None:
             continue
-        record = json.loads(line[len(LINE_PREFIX):])
         if record.get("record") == "run":
             run = record
         else:
@@ -100,11 +99,6 @@ def run_child(job: dict[str, Any], on_record: Callable[[dict[str, Any]], None], 
     return run
 
 
-def _emit(record: dict[str, Any]) -> None:
-    sys.stdout.write(LINE_PREFIX + json.dumps(record) + "\n")
-    sys.stdout.flush()
-
-
 def main(argv: list[str] | None = None) -> int:
     from .train import execute_child_job
 
@@ -113,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m remat.bench.procmem JOB_JSON (started by remat bench)", file=sys.stderr)
         return 2
     job = json.loads(args[0])
-    run = execute_child_job(job, _emit)
+    run = execute_child_job(job, emit)
     run["record"] = "run"
-    _emit(run)
+    emit(run)
     return 0
 
 

@@ -199,10 +199,11 @@ def _command_line(argv: list[str] | None) -> str:
     return shlex.join([prog, *sys.argv[1:]])
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """Entry point of ``remat bench`` (the ``remat`` CLI parses, this runs). Returns the exit code."""
+def run_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Entry point of ``remat bench`` (the ``remat`` CLI parses, this runs). Returns the exit code.
+    ``argv``, when given, is the command line recorded in the report."""
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, argv)
         result = run_bench(config)
     except BenchError as err:
         print(f"remat bench: error: {err}", file=sys.stderr)
@@ -216,14 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="remat bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args, None if argv is None else list(argv))
-        result = run_bench(config)
-    except BenchError as err:
-        print(f"remat bench: error: {err}", file=sys.stderr)
-        return 2
-    failed = [r for r in result["runs"] if r.get("status") != "ok"]
-    return 1 if failed and config.fail_fast else 0
+    return run_from_args(args, None if argv is None else list(argv))
 
 
 # ------------------------------------------------------------------------------------------- checking
