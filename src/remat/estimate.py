@@ -389,7 +389,8 @@ def meta_cost_table(
     ``scaled_dot_product_attention`` takes its math form there and keeps the ``s x s`` scores, so for a
     fused-attention target the attention bytes are overestimated (compare with
     ``transformer_layer_activation_bytes(..., flash_attention=True)``). Dropout keeps its masks in the
-    activation dtype, as eager CPU dropout does (GPUs keep 1-byte masks).
+    activation dtype, as eager CPU dropout does (GPUs keep 1-byte masks), and selective regions keep them at
+    one byte per element (see :mod:`remat.replayed_draws`).
     """
     device = device_throughput(device_flops)
     model = _meta_model(model_or_factory)

@@ -11,11 +11,20 @@ recompute in backward) or recomputed. Use one with ``remat.checkpoint(fn, x, pol
   ``"mm"``.
 * any callable ``(ctx, op, *args, **kwargs) -> bool | CheckpointPolicy`` (True = save).
 
-Whatever the policy, outputs of fresh-buffer ops (``empty_like``, ``zeros``...) and of ops that mutate their
-inputs (``bernoulli_``, ``add_``...) are recomputed, never saved: saving them costs memory for no work and
-breaks when the buffer is filled in place afterwards (CPU dropout). A region that mutates in place the
-output of an op its policy saves (``Linear`` then ``ReLU(inplace=True)`` under ``dots_saveable``) still fails
-in backward (torch refuses a mutated cache entry): use an out-of-place op or plain checkpointing there.
+Whatever the policy:
+
+* outputs of fresh-buffer ops (``empty_like``, ``zeros``...) and of ops that mutate their inputs (``add_``...)
+  are recomputed, never saved: saving them costs memory for no work and breaks when the buffer is filled in
+  place afterwards;
+* random ops (``native_dropout``, ``rand``, ``bernoulli``...) are run again in recompute from the restored
+  generator, in the forward's order, as plain checkpointing does; saving some of them but not others would
+  shift the random stream under the rest;
+* except CPU dropout draws (``bernoulli_``), which are kept from forward at one byte per element and replayed
+  (:mod:`remat.replayed_draws`): on CPU the draw costs far more than the byte.
+
+A region that mutates in place the output of an op its policy saves (``Linear`` then ``ReLU(inplace=True)``
+under ``dots_saveable``) still fails in backward (torch refuses a mutated cache entry): use an out-of-place op
+or plain checkpointing there.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from . import replayed_draws
 
 aten = torch.ops.aten
 
@@ -74,6 +85,10 @@ def _never_saved(op: Any) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
+def _random(op: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+
+
 def _packet(op: Any) -> Any:
     """The overload packet of an op overload (aten.mm.default -> aten.mm); packets pass through."""
     return getattr(op, "overloadpacket", op)
@@ -98,7 +113,7 @@ class Policy:
     save: Callable[..., bool | CheckpointPolicy]
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if _never_saved(op):
+        if _never_saved(op) or _random(op):
             return CheckpointPolicy.PREFER_RECOMPUTE
         decision = self.save(ctx, op, *args, **kwargs)
         if isinstance(decision, CheckpointPolicy):
@@ -106,7 +121,15 @@ class Policy:
         return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
 
     def context_fn(self) -> Any:
-        return create_selective_checkpoint_contexts(self)
+        forward, recompute = create_selective_checkpoint_contexts(self)
+        if replayed_draws.tracing():  # torch.compile takes torch's own pair of dispatch modes
+            return forward, recompute
+        record, replay = replayed_draws.contexts()
+        # torch's mode innermost: it decides what to cache, and what it runs reaches the draw log below it.
+        return (
+            replayed_draws.StackedContexts(record, forward),
+            replayed_draws.StackedContexts(replay, recompute),
+        )
 
 
 everything_saveable = Policy("everything_saveable", lambda ctx, op, *a, **k: True)

@@ -50,7 +50,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_action(module: nn.Module, action: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _run_action(module: Callable[..., Any], action: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if action == KEEP:
         return module(*args, **kwargs)
     if action == CHECKPOINT:
@@ -129,17 +129,18 @@ def measure_block(
                 fwd_temp = max(0, tracker.peak_between("start", "fwd_end") - saved[KEEP])
                 bwd_temp = max(0, tracker.peak_between("bwd_start", "bwd_end") - saved[KEEP])
             times[action] = _time_action(module, action, args, kwargs, main, device, repeats)
-    fwd_s, bwd_s = times[KEEP]
+    fwd_s, bwd_s, _ = times[KEEP]
     recompute: dict[str, float] = {}
     for action in actions:
+        a_fwd, a_bwd, a_recompute = times[action]
         if action == KEEP:
             recompute[action] = 0.0
         elif action == CHECKPOINT:
             recompute[action] = fwd_s
+        elif action == OFFLOAD:
+            recompute[action] = max((a_fwd - fwd_s) + (a_bwd - bwd_s), 0.0)
         else:
-            a_fwd, a_bwd = times[action]
-            extra = (a_fwd - fwd_s) + (a_bwd - bwd_s) if action == OFFLOAD else a_bwd - bwd_s
-            recompute[action] = min(max(extra, 0.0), fwd_s) if action != OFFLOAD else max(extra, 0.0)
+            recompute[action] = min(a_recompute, fwd_s)
     return BlockCost(
         fqn=fqn,
         fwd_s=fwd_s,
@@ -189,6 +190,25 @@ def _backward_releasing_output(holder: list[torch.Tensor], grad: torch.Tensor) -
     torch.autograd.backward(edge, grad)
 
 
+class _TimedCalls:
+    """Calls ``module`` and records how long each call took: under a checkpoint the first call is the forward
+    and the second the recomputation in backward (cut short, like in training, once it has rebuilt what
+    backward needs)."""
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        self.module = module
+        self.device = device
+        self.seconds: list[float] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            _sync(self.device)
+            self.seconds.append(time.perf_counter() - start)
+
+
 def _time_action(
     module: nn.Module,
     action: str,
@@ -197,13 +217,16 @@ def _time_action(
     main: torch.Tensor,
     device: torch.device,
     repeats: int,
-) -> tuple[float, float]:
-    """Median forward and backward seconds of the block under ``action`` (after one warm-up)."""
-    fwd, bwd = [], []
+) -> tuple[float, float, float]:
+    """Median forward, backward and recomputation seconds of the block under ``action`` (after one warm-up).
+    The recomputation is timed directly, not as a difference of backward times: it is a fraction of them, and
+    their noise would swamp it."""
+    fwd, bwd, recompute = [], [], []
     for i in range(repeats + 1):
+        timed = _TimedCalls(module, device)
         _sync(device)
         t0 = time.perf_counter()
-        out = main_tensor(_run_action(module, action, args, kwargs))
+        out = main_tensor(_run_action(timed, action, args, kwargs))
         _sync(device)
         t1 = time.perf_counter()
         torch.autograd.backward(out, torch.ones_like(out))
@@ -216,7 +239,8 @@ def _time_action(
         if i:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
-    return statistics.median(fwd), statistics.median(bwd)
+            recompute.append(sum(timed.seconds[1:]))
+    return statistics.median(fwd), statistics.median(bwd), statistics.median(recompute)
 
 
 class BlockProfiler:

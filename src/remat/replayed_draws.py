@@ -1,0 +1,129 @@
+"""CPU dropout draws inside selective-checkpoint regions: recorded once in forward at one byte per element,
+replayed (not drawn again) in recompute.
+
+On CPU, ``F.dropout`` is ``empty_like(x).bernoulli_(1 - p)``, ``div_`` and ``mul``. The draw is an in-place
+op, which a per-op policy can never save (torch's selective checkpoint refuses a cache entry mutated
+afterwards), so every selective region drew its masks again in backward; on CPU those draws are about a
+quarter of a transformer block's forward, and they made any selective policy cost most of a full recompute.
+
+:func:`contexts` gives the pair of dispatch modes that sit under torch's selective-checkpoint modes. In
+forward, :class:`RecordDraws` keeps the values of each CPU ``bernoulli_`` (0 or 1, so ``bool`` holds them
+exactly) and the generator state after it. In recompute, :class:`ReplayDraws` fills the same buffer from the
+kept values instead of drawing and moves the generator to the recorded state, so any random op later in the
+region draws what it drew in forward, and the result is bit for bit the forward's. Draws on other devices
+(CUDA dropout is one fused op, cheap to draw again) are left alone; so is code that ``torch.compile`` traced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_BERNOULLI_INPLACE = torch.ops.aten.bernoulli_
+
+
+@dataclass
+class DrawLog:
+    """The draws one region made in forward, in order: (values as bool, CPU generator state after)."""
+
+    draws: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+def _cpu_draw(func: Any, args: tuple[Any, ...]) -> torch.Tensor | None:
+    """The buffer a CPU ``bernoulli_`` fills, or ``None`` for any other op. The ``meta`` device runs dropout
+    the way CPU does, so meta estimates (:func:`remat.estimate.meta_cost_table`) log its draws too."""
+    if getattr(func, "overloadpacket", None) is not _BERNOULLI_INPLACE or not args:
+        return None
+    target = args[0]
+    if type(target) is not torch.Tensor or target.device.type not in ("cpu", "meta"):
+        return None
+    return target
+
+
+class RecordDraws(TorchDispatchMode):
+    """Forward: run every op; after each CPU ``bernoulli_``, log its values and the generator state."""
+
+    def __init__(self, log: DrawLog) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        target = _cpu_draw(func, args)
+        if target is not None:
+            self.log.draws.append((target.to(torch.bool), torch.get_rng_state()))
+        return out
+
+
+class ReplayDraws(TorchDispatchMode):
+    """Recompute: serve each CPU ``bernoulli_`` from the log, in order, instead of drawing."""
+
+    def __init__(self, log: DrawLog) -> None:
+        super().__init__()
+        self.log = log
+        self.position = 0
+
+    def __enter__(self) -> ReplayDraws:
+        self.position = 0  # a region may be recomputed more than once (retain_graph)
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        target = _cpu_draw(func, args)
+        if target is None:
+            return func(*args, **(kwargs or {}))
+        if self.position >= len(self.log.draws):
+            raise RuntimeError(
+                "a selective-checkpoint region drew more random numbers in recompute than in forward: "
+                "its code must take the same path both times"
+            )
+        values, state_after = self.log.draws[self.position]
+        self.position += 1
+        if values.shape != target.shape:
+            raise RuntimeError(
+                f"a selective-checkpoint region drew a {tuple(target.shape)} tensor in recompute where forward "
+                f"drew {tuple(values.shape)}: its code must take the same path both times"
+            )
+        target.copy_(values)
+        torch.set_rng_state(state_after)
+        return target
+
+
+def contexts() -> tuple[RecordDraws, ReplayDraws]:
+    """A fresh (forward, recompute) pair sharing one log; enter each under torch's selective-checkpoint mode."""
+    log = DrawLog()
+    return RecordDraws(log), ReplayDraws(log)
+
+
+def tracing() -> bool:
+    """Whether torch.compile is tracing (dynamo, or AOT autograd under a fake or proxy mode)."""
+    if torch.compiler.is_compiling():
+        return True
+    mode_keys = getattr(torch._C, "_TorchDispatchModeKey", None)
+    if mode_keys is None:
+        return False
+    return any(torch._C._get_dispatch_mode(key) is not None for key in (mode_keys.FAKE, mode_keys.PROXY))
+
+
+class StackedContexts:
+    """Enter several context managers as one (in order) and leave them in reverse."""
+
+    def __init__(self, *contexts: Any) -> None:
+        self.contexts = contexts
+        self._entered: list[Any] = []
+
+    def __enter__(self) -> StackedContexts:
+        for ctx in self.contexts:
+            ctx.__enter__()
+            self._entered.append(ctx)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        suppressed = False
+        while self._entered:
+            ctx = self._entered.pop()
+            if ctx.__exit__(*exc):
+                suppressed, exc = True, (None, None, None)
+        return suppressed
