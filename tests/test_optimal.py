@@ -50,6 +50,7 @@ def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
         stem_bytes=draw(st.integers(0, 5)),
         head_bytes=draw(st.integers(0, 30)),
         head_retained_bytes=draw(st.integers(0, 10)),
+        held_args_bytes=draw(st.integers(0, 6)),
     )
 
 

@@ -71,6 +71,9 @@ def test_gpt2_cost_table_describes_the_blocks(gpt2) -> None:
         assert row.fwd_s > 0 and row.bwd_s > 0 and row.recompute_s[KEEP] == 0
         assert row.recompute_s[CHECKPOINT] == row.fwd_s
     assert costs.stem_bytes >= hidden_bytes and costs.head_bytes > 0
+    # The causal mask (batch x 1 x tokens x tokens, float32) is passed to every block; a step keeping everything
+    # frees it before the backward, a plan recomputing a block holds it for the recomputation.
+    assert costs.held_args_bytes == 4 * 64 * 64 * 4
     assert costs.device == "cpu" and costs.source == "measured"
 
 

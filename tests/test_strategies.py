@@ -371,3 +371,25 @@ def test_two_forwards_then_one_backward(strategy: str) -> None:
         handle.remove()
     assert all(torch.equal(reference[n], got[n]) for n in reference)
     assert handle.stats.total_calls == 2 * sum(simulate(_costs(model), handle.plan.actions).reexecutions)
+
+
+def test_held_arguments_count_once_any_block_is_recomputed() -> None:
+    from dataclasses import replace
+
+    fqns = [f"blocks.{i}" for i in range(4)]
+    base = uniform_costs(fqns)
+    held = replace(base, held_args_bytes=700)
+    assert simulate(held, ["keep"] * 4) == simulate(base, ["keep"] * 4)
+    for actions in (
+        ["checkpoint", "keep", "keep", "keep"],
+        ["keep", "keep", "keep", "checkpoint"],
+        ["segment:0", "segment:0", "selective:dots_saveable", "keep"],
+    ):
+        with_held, without = simulate(held, actions), simulate(base, actions)
+        assert with_held.unit_peaks == tuple(p + 700 for p in without.unit_peaks), actions
+        assert with_held.peak_bytes >= without.peak_bytes
+    # The optimal planner, which weighs keeping everything apart, still never exceeds the budget.
+    budget = simulate(held, ["keep"] * 4).peak_bytes
+    assert remat.plan(held, "optimal", budget).actions == dict.fromkeys(fqns, "keep")
+    tighter = remat.plan(held, "optimal", budget - 1)
+    assert tighter.predicted_peak_bytes <= budget - 1 and set(tighter.actions.values()) != {"keep"}

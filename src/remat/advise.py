@@ -54,6 +54,7 @@ def scale_costs(costs: CostTable, factor: float) -> CostTable:
         stem_bytes=int(costs.stem_bytes * factor),
         head_bytes=int(costs.head_bytes * factor),
         head_retained_bytes=int(costs.head_retained_bytes * factor),
+        held_args_bytes=int(costs.held_args_bytes * factor),
     )
 
 

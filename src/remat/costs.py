@@ -21,6 +21,9 @@ Table-wide: ``stem_bytes`` are activation bytes alive before the first block (em
 ``head_bytes`` the peak above the chain while the part after the last block (final norm, logits, loss)
 runs forward and backward, and ``head_retained_bytes`` what the head leaves alive while the chain's backward
 runs (the logits of an output the training loop still holds, a tied weight's gradient waiting to be summed).
+``held_args_bytes`` are the blocks' other tensor arguments (an attention mask, position embeddings) that a
+step keeping everything frees before the chain's backward, but that a plan recomputing any block keeps for
+that recomputation.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class CostTable:
     stem_bytes: int = 0
     head_bytes: int = 0
     head_retained_bytes: int = 0
+    held_args_bytes: int = 0
     device: str = "cpu"
     source: str = "measured"
     info: dict[str, Any] = field(default_factory=dict)
@@ -109,6 +113,7 @@ class CostTable:
             stem_bytes=data.get("stem_bytes", 0),
             head_bytes=data.get("head_bytes", 0),
             head_retained_bytes=data.get("head_retained_bytes", 0),
+            held_args_bytes=data.get("held_args_bytes", 0),
             device=data.get("device", "cpu"),
             source=data.get("source", "measured"),
             info=data.get("info", {}),

@@ -26,7 +26,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from . import policies as _policies
 from .costs import CHECKPOINT, KEEP, SELECTIVE_PREFIX, BlockCost, CostTable
-from .profile import Batch, _backward_releasing_output, _GradsRestored, _run_action, run_step
+from .profile import (
+    Batch,
+    BlockArguments,
+    _backward_releasing_output,
+    _GradsRestored,
+    _run_action,
+    run_step,
+)
 from .runtime import _get_slot, _main_input_slot, _resolve_blocks, _with_slot, main_tensor, suspend_all, without_caches
 
 # ---------------------------------------------------------------------------------------------------------
@@ -398,11 +405,14 @@ def meta_cost_table(
     actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + _policies.get(p).name for p in policies]
     inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     tracker = _LiveBytes()
+    arguments = BlockArguments()
+    held_args = [0]
 
     def remember_inputs(i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if i not in inputs and torch.is_grad_enabled():
                 tracker.mark("stem")
+                arguments.add(args, kwargs)
                 inputs[i] = without_caches(*_stand_ins((args, kwargs)))
 
         return hook
@@ -411,7 +421,11 @@ def meta_cost_table(
         out = main_tensor(output)
         if out is not None and out.requires_grad and "chain_end" not in tracker.marks:
             tracker.mark("chain_end")
-            out.register_hook(lambda grad: tracker.mark("head_end"))
+            out.register_hook(lambda grad: head_end())
+
+    def head_end() -> None:
+        tracker.mark("head_end")
+        held_args[0] = arguments.freed_bytes()
 
     hooks = [m.register_forward_pre_hook(remember_inputs(i), with_kwargs=True) for i, (_, m) in enumerate(chain)]
     hooks.append(chain[-1][1].register_forward_hook(chain_end))
@@ -455,6 +469,7 @@ def meta_cost_table(
         stem_bytes=stem,
         head_bytes=head,
         head_retained_bytes=head_retained,
+        held_args_bytes=held_args[0],
         device="meta",
         source="meta",
         info={

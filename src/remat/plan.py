@@ -16,6 +16,9 @@ Every planner and every report predicts through :func:`simulate`; the model it i
 and while the unit's own forward or backward runs the live bytes rise to ``prefix + peak`` where ``prefix``
 is what the units before it retain. The head (loss) runs with everything retained; what it leaves alive
 (``head_retained_bytes``) is counted in every unit's peak, since the backward of every unit runs after it.
+When any unit is not ``keep``, the blocks' other arguments the runtime holds for recomputation
+(``held_args_bytes``) are counted in every unit's peak too (the earliest units' backward, which may run after
+they are freed, is overestimated by them: the safe side).
 """
 
 from __future__ import annotations
@@ -151,10 +154,12 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
     recompute = 0.0
     reexec: list[int] = []
     unit_peaks = []
-    for unit in units_from_actions(actions):
+    units = units_from_actions(actions)
+    held = costs.held_args_bytes if any(not (u.kind == "single" and u.action == KEEP) for u in units) else 0
+    for unit in units:
         terms = unit_terms(costs, unit)
-        peak = max(peak, prefix + terms.peak)
-        unit_peaks.append(terms.peak)
+        peak = max(peak, prefix + terms.peak + held)
+        unit_peaks.append(terms.peak + held)
         prefix += terms.retained
         recompute += terms.recompute_s
         reexec.extend(terms.reexecutions)

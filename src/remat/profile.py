@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten
 
 from . import policies as _policies
 from .checkpointing import checkpoint
@@ -243,6 +245,28 @@ def _time_action(
     return statistics.median(fwd), statistics.median(bwd), statistics.median(recompute)
 
 
+class BlockArguments:
+    """The tensors passed to blocks besides their main input (an attention mask, position embeddings), one entry
+    per storage. A plan that recomputes a block holds them for the recomputation; a step that keeps everything
+    may free them before the chain's backward. :meth:`freed_bytes` sums those freed so far."""
+
+    def __init__(self) -> None:
+        self._storages: list[tuple[weakref.ref, int]] = []
+
+    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        main = _get_slot(args, kwargs, _main_input_slot(args, kwargs))
+        for t in tree_flatten((args, kwargs))[0]:
+            if not isinstance(t, torch.Tensor) or t is main or isinstance(t, nn.Parameter):
+                continue
+            storage = t.untyped_storage()
+            if any(ref() is storage for ref, _ in self._storages):
+                continue
+            self._storages.append((weakref.ref(storage), storage.nbytes()))
+
+    def freed_bytes(self) -> int:
+        return sum(nbytes for ref, nbytes in self._storages if ref() is None)
+
+
 class BlockProfiler:
     """Profile every block of the chain during one real forward/backward step.
 
@@ -270,6 +294,8 @@ class BlockProfiler:
         self._tracker: LiveTensorTracker | None = None
         self._busy = False
         self._device: torch.device | None = None
+        self._arguments = BlockArguments()
+        self._held_args_bytes = 0
 
     def __enter__(self) -> BlockProfiler:
         for i, (fqn, module) in enumerate(self.chain):
@@ -297,6 +323,7 @@ class BlockProfiler:
                 tracker.mark("stem")
             main = _get_slot(args, kwargs, _main_input_slot(args, kwargs))
             self._device = main.device
+            self._arguments.add(args, kwargs)
             actions = self.actions or default_actions(main.device, self.policies)
             self._busy = True
             try:
@@ -315,7 +342,11 @@ class BlockProfiler:
         if tracker is None or self._busy or out is None or not out.requires_grad or "chain_end" in self._marks():
             return
         tracker.mark("chain_end")
-        out.register_hook(lambda grad: tracker.mark("head_end"))
+        out.register_hook(lambda grad: self._head_end(tracker))
+
+    def _head_end(self, tracker: LiveTensorTracker) -> None:
+        tracker.mark("head_end")
+        self._held_args_bytes = self._arguments.freed_bytes()
 
     def _marks(self) -> set[str]:
         return {name for name, _ in self._tracker._marks} if self._tracker is not None else set()
@@ -342,6 +373,7 @@ class BlockProfiler:
             stem_bytes=stem,
             head_bytes=head,
             head_retained_bytes=head_retained,
+            held_args_bytes=self._held_args_bytes,
             device=device.type,
             source="measured",
             info={"torch": torch.__version__, "device_name": _device_name(device)},

@@ -32,12 +32,12 @@ the retained output of one split point; budgets that need longer groups get them
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..costs import CHECKPOINT, KEEP, OFFLOAD, CostTable
-from ..plan import NESTED_PREFIX, SEGMENT_PREFIX, Plan
+from ..plan import NESTED_PREFIX, SEGMENT_PREFIX, Plan, simulate
 from ..sizes import format_bytes
 from .errors import BudgetError
 
@@ -181,12 +181,26 @@ def _suffix_need(chain: _Chain, max_group: int) -> np.ndarray:
     return need
 
 
+def _holding_arguments(costs: CostTable) -> CostTable:
+    """``costs`` with the held arguments counted in every unit's peak. The simulator counts them so for every
+    plan that is not all ``keep``; the search runs on this table, and keeping everything, the one plan it
+    overestimates, is weighed on its own."""
+    if not costs.held_args_bytes:
+        return costs
+    return replace(
+        costs, head_retained_bytes=costs.head_retained_bytes + costs.held_args_bytes, held_args_bytes=0
+    )
+
+
 def min_peak_bytes(costs: CostTable) -> int:
     """The least predicted peak activation bytes of any plan on ``costs`` (exact under the simulator)."""
     if len(costs) == 0:
         return int(costs.stem_bytes + costs.head_bytes)
-    chain = _Chain.from_costs(costs, None)
-    return chain.stem + int(_suffix_need(chain, chain.n)[0])
+    chain = _Chain.from_costs(_holding_arguments(costs), None)
+    least = chain.stem + int(_suffix_need(chain, chain.n)[0])
+    if costs.held_args_bytes:
+        least = min(least, simulate(costs, [KEEP] * len(costs)).peak_bytes)
+    return least
 
 
 def _memory_prices(chain: _Chain, room: int, need: np.ndarray, max_group: int) -> list[float]:
@@ -539,7 +553,8 @@ def _budget_error(budget: int, floor: int, detail: str = "") -> BudgetError:
     return BudgetError(
         f"no plan fits a budget of {format_bytes(budget)} ({budget} bytes): the minimum feasible peak on this "
         f"chain is {format_bytes(floor)} ({floor} bytes){detail}. Raise the budget to at least that, or shrink "
-        "the batch or the sequence length."
+        "the batch or the sequence length.",
+        floor=floor,
     )
 
 
@@ -574,7 +589,38 @@ def optimal(
     if max_segment is not None and max_segment < 1:
         raise ValueError(f"max_segment must be at least 1 block, got {max_segment}")
     budget = int(budget)
-    chain = _Chain.from_costs(costs, actions)
+    keep_everything: Plan | None = None
+    if costs.held_args_bytes and KEEP in _allowed_actions(costs, actions)[0]:
+        keep_everything = Plan.from_actions(
+            costs, [KEEP] * len(costs), "optimal", budget, exact=True, max_segment=1, resolution=None,
+            partial_plans=0,
+        )  # fmt: skip
+    try:
+        plan = _search(costs, budget, actions, resolution, max_segment)
+    except BudgetError as error:
+        if keep_everything is None or keep_everything.predicted_peak_bytes >= error.floor:
+            raise
+        if keep_everything.fits:
+            return keep_everything
+        raise _budget_error(budget, keep_everything.predicted_peak_bytes) from None
+    # The search weighed keeping everything with the held arguments added; without them it may rank first.
+    if keep_everything is not None and keep_everything.fits and _rank(costs, keep_everything) <= _rank(costs, plan):
+        return keep_everything
+    return plan
+
+
+def _rank(costs: CostTable, plan: Plan) -> tuple[float, int, int]:
+    """The search's order: least recompute time, then fewest block re-executions, then the lowest peak."""
+    sim = simulate(costs, plan.actions)
+    return sim.recompute_s, sum(sim.reexecutions), sim.peak_bytes
+
+
+def _search(
+    costs: CostTable, budget: int, actions: list[str] | None, resolution: int | None, max_segment: int | None
+) -> Plan:
+    """The optimal plan on ``costs`` with the held arguments counted in every unit (see
+    :func:`_holding_arguments`), predicted on ``costs`` itself."""
+    chain = _Chain.from_costs(_holding_arguments(costs), actions)
     n = chain.n
     room = budget - chain.stem
     max_group = min(n, max_segment) if max_segment is not None else _default_max_group(n)
