@@ -17,8 +17,8 @@ and while the unit's own forward or backward runs the live bytes rise to ``prefi
 is what the units before it retain. The head (loss) runs with everything retained; what it leaves alive
 (``head_retained_bytes``) is counted in every unit's peak, since the backward of every unit runs after it.
 When any unit is not ``keep``, the blocks' other arguments the runtime holds for recomputation
-(``held_args_bytes``) are counted in every unit's peak too (the earliest units' backward, which may run after
-they are freed, is overestimated by them: the safe side).
+(``held_args_bytes``) are counted in every unit's peak and in the head's too (they may be freed before the
+earliest units' backward, and they were alive in the head's forward anyway: the safe side).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
         prefix += terms.retained
         recompute += terms.recompute_s
         reexec.extend(terms.reexecutions)
-    peak = max(peak, prefix + costs.head_bytes) + costs.stem_bytes
+    peak = max(peak, prefix + costs.head_bytes + held) + costs.stem_bytes
     return Simulation(int(peak), recompute, int(prefix), tuple(reexec), tuple(unit_peaks))
 
 

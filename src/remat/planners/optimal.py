@@ -182,14 +182,16 @@ def _suffix_need(chain: _Chain, max_group: int) -> np.ndarray:
 
 
 def _holding_arguments(costs: CostTable) -> CostTable:
-    """``costs`` with the held arguments counted in every unit's peak. The simulator counts them so for every
-    plan that is not all ``keep``; the search runs on this table, and keeping everything, the one plan it
-    overestimates, is weighed on its own."""
+    """``costs`` with the held arguments counted in every unit's peak and the head's. The simulator counts
+    them so for every plan that is not all ``keep``; the search runs on this table, and keeping everything,
+    the one plan it overestimates, is weighed on its own."""
     if not costs.held_args_bytes:
         return costs
+    held = costs.held_args_bytes
     return replace(
-        costs, head_retained_bytes=costs.head_retained_bytes + costs.held_args_bytes, held_args_bytes=0
-    )
+        costs, head_bytes=costs.head_bytes + held, head_retained_bytes=costs.head_retained_bytes + held,
+        held_args_bytes=0,
+    )  # fmt: skip
 
 
 def min_peak_bytes(costs: CostTable) -> int:
