@@ -218,3 +218,23 @@ def test_tracker_marks_and_pause() -> None:
     with pytest.raises(KeyError, match="no mark named 'four'"):
         tracker.bytes_at("four")
     assert ignored.numel() == 10_000
+
+
+def test_a_selective_block_backward_holds_its_kept_draws(gpt2) -> None:
+    model, batch, costs = gpt2
+    # dots_saveable keeps each dropout draw at one byte per element (two residual dropouts of 4 x 64 x 64 and
+    # one attention dropout of 4 x 4 heads x 64 x 64) while it recomputes the rest in backward.
+    draws = 2 * 4 * 64 * 64 + 4 * 4 * 64 * 64
+    for row in costs.blocks:
+        assert row.bwd_extra_bytes == {"selective:dots_saveable": draws}
+    actions = ["checkpoint"] * (len(costs) - 1) + ["selective:dots_saveable"]
+    plan = remat.Plan.from_actions(costs, actions)
+    handle = remat.apply(model, plan)
+    try:
+        with remat.measure() as measured:
+            out = model(**batch)
+            out.loss.backward()
+            del out
+    finally:
+        handle.remove()
+    assert plan.predicted_peak_bytes == measured.activation_bytes

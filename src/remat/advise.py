@@ -46,6 +46,7 @@ def scale_costs(costs: CostTable, factor: float) -> CostTable:
             recompute_s={k: v * factor for k, v in b.recompute_s.items()},
             fwd_temp_bytes=int(b.fwd_temp_bytes * factor),
             bwd_temp_bytes=int(b.bwd_temp_bytes * factor),
+            bwd_extra_bytes={k: int(v * factor) for k, v in b.bwd_extra_bytes.items()},
         )
 
     return replace(

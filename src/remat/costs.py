@@ -12,6 +12,9 @@ Memory terms, all in bytes, for block ``i`` run on its own with its input alread
 * ``fwd_temp_bytes``: extra bytes alive for a moment during the forward, above ``saved_bytes["keep"]``.
 * ``bwd_temp_bytes``: extra bytes alive during the block's backward above what was saved (gradients in
   flight, workspace), measured under ``"keep"``.
+* ``bwd_extra_bytes[action]``: how much higher the block's backward peaks under ``action`` than under
+  ``"keep"`` (a selective region holds its cached outputs and kept dropout draws while it recomputes the
+  rest); absent means 0.
 
 Time terms, in seconds: ``fwd_s`` and ``bwd_s`` under ``"keep"``; ``recompute_s[action]`` is the extra time
 spent in backward re-running work under that action (0 for ``"keep"``; for ``"offload"`` it is the copy
@@ -51,6 +54,7 @@ class BlockCost:
     recompute_s: dict[str, float]
     fwd_temp_bytes: int = 0
     bwd_temp_bytes: int = 0
+    bwd_extra_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def actions(self) -> list[str]:

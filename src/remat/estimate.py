@@ -397,7 +397,8 @@ def meta_cost_table(
     fused-attention target the attention bytes are overestimated (compare with
     ``transformer_layer_activation_bytes(..., flash_attention=True)``). Dropout keeps its masks in the
     activation dtype, as eager CPU dropout does (GPUs keep 1-byte masks), and selective regions keep them at
-    one byte per element (see :mod:`remat.replayed_draws`).
+    one byte per element (see :mod:`remat.replayed_draws`). ``bwd_extra_bytes`` is left empty: a block's
+    backward is taken to peak under every action as under ``keep``.
     """
     device = device_throughput(device_flops)
     model = _meta_model(model_or_factory)

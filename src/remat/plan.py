@@ -103,7 +103,7 @@ def _unit_terms(costs: CostTable, unit: Unit) -> UnitTerms:
         x = b[0]
         saved = x.saved(unit.action)
         keep = x.saved(KEEP)
-        peak = max(saved + x.fwd_temp_bytes, keep + temp[0])
+        peak = max(saved + x.fwd_temp_bytes, keep + temp[0] + x.bwd_extra_bytes.get(unit.action, 0))
         calls = 0 if unit.action in (KEEP, OFFLOAD) else 1
         return UnitTerms(saved, peak, x.recompute_s[unit.action], (calls,))
     rc = [x.recompute_s[CHECKPOINT] for x in b]

@@ -97,6 +97,7 @@ def measure_block(
     main = source.detach().requires_grad_(True)
     args, kwargs = without_caches(*_with_slot(args, kwargs, slot, main))
     saved: dict[str, int] = {}
+    bwd_peak: dict[str, int] = {}
     fwd_temp = bwd_temp = 0
     output_bytes = 0
     times: dict[str, tuple[float, float]] = {}
@@ -127,6 +128,7 @@ def measure_block(
             for p in module.parameters():
                 p.grad = None
             saved[action] = tracker.bytes_at("fwd_end")
+            bwd_peak[action] = tracker.peak_between("bwd_start", "bwd_end")
             if action == KEEP:
                 fwd_temp = max(0, tracker.peak_between("start", "fwd_end") - saved[KEEP])
                 bwd_temp = max(0, tracker.peak_between("bwd_start", "bwd_end") - saved[KEEP])
@@ -153,7 +155,14 @@ def measure_block(
         recompute_s=recompute,
         fwd_temp_bytes=fwd_temp,
         bwd_temp_bytes=bwd_temp,
+        bwd_extra_bytes=_backward_extra(bwd_peak),
     )
+
+
+def _backward_extra(bwd_peak: dict[str, int]) -> dict[str, int]:
+    """Per action, how much higher the block's backward peaked than under ``keep`` (only the positive ones)."""
+    base = bwd_peak[KEEP]
+    return {a: peak - base for a, peak in bwd_peak.items() if a != KEEP and peak > base}
 
 
 def _edge_backward_supported() -> bool:

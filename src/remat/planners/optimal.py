@@ -86,7 +86,10 @@ class _Chain:
         fwd_temp = np.array([b.fwd_temp_bytes for b in blocks], dtype=i64)
         temp = np.array([max(b.fwd_temp_bytes, b.bwd_temp_bytes) for b in blocks], dtype=i64)
         retained = np.array([[b.saved(a) for b in blocks] for a in singles], dtype=i64).reshape(-1, n)
-        peak = np.maximum(retained + fwd_temp, keep + temp) + int(costs.head_retained_bytes)
+        bwd_extra = np.array(
+            [[b.bwd_extra_bytes.get(a, 0) for b in blocks] for a in singles], dtype=i64
+        ).reshape(-1, n)
+        peak = np.maximum(retained + fwd_temp, keep + temp + bwd_extra) + int(costs.head_retained_bytes)
         time = np.array([[b.recompute_s[a] for b in blocks] for a in singles], dtype=np.float64)
         calls = np.array([0 if a in (KEEP, OFFLOAD) else 1 for a in singles], dtype=i64)
         if group_kinds:
