@@ -152,8 +152,12 @@ def gpt2_table(n_layer: int, n_embd: int, batch: int, seq: int) -> list[dict[str
              ("memory_poor", {}), ("random", {"fraction": 0.5, "seed": 0})]
 
     def step() -> None:
+        # The loop holds the model output (the logits) through backward, as remat.profile's step does and the
+        # simulator assumes; a loop that drops it first peaks lower by the logits.
         torch.manual_seed(1)
-        model(**batch_kwargs).loss.backward()
+        output = model(**batch_kwargs)
+        output.loss.backward()
+        del output
 
     rows = measure_plans(model, step, costs, plans)
     print(f"\nGPT-2 chain: {n_layer} layers, width {n_embd}, batch {batch}x{seq} tokens, dropout 0.1, eager "

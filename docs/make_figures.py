@@ -56,7 +56,9 @@ def measure_strategies(
             if measured:
                 handle.stats.reset()
                 with remat.measure("cpu") as mem:
-                    model(**batch).loss.backward()
+                    output = model(**batch)  # held through backward, as training loops (and remat.profile) do
+                    output.loss.backward()
+                    del output
             else:
                 model(**batch).loss.backward()
         rows.append(
