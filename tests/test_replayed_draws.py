@@ -149,3 +149,37 @@ def test_a_replay_on_another_path_is_an_error() -> None:
         torch.empty(4, 8).bernoulli_(0.5)  # each recompute starts from the first draw
         with pytest.raises(RuntimeError, match="drew more random numbers in recompute than in forward"):
             torch.empty(4, 8).bernoulli_(0.5)
+
+
+def test_nested_selective_regions_give_the_gradients_of_no_checkpoint() -> None:
+    torch.manual_seed(0)
+    inner, outer = NoisyBlock(), NoisyBlock()
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def forward(checkpointed: bool) -> list[torch.Tensor]:
+        for p in [*inner.parameters(), *outer.parameters()]:
+            p.grad = None
+        x.grad = None
+        torch.manual_seed(9)
+        if checkpointed:
+            out = remat.checkpoint(
+                lambda h: outer(remat.checkpoint(inner, h, policy="everything_saveable")), x, policy="dots_saveable"
+            )
+        else:
+            out = outer(inner(x))
+        out.square().sum().backward()
+        return [p.grad.clone() for p in [*inner.parameters(), *outer.parameters()]] + [x.grad.clone()]
+
+    reference = forward(False)
+    assert all(torch.equal(a, b) for a, b in zip(reference, forward(True)))
+
+
+def test_recompute_without_rng_preservation_leaves_the_stream_alone() -> None:
+    torch.manual_seed(0)
+    block = NoisyBlock()
+    x = torch.randn(16, 32, requires_grad=True)
+    out = remat.checkpoint(block, x, policy="dots_saveable", preserve_rng_state=False)
+    torch.manual_seed(123)
+    untouched = torch.get_rng_state()
+    out.sum().backward()  # the recompute replays the draws, moving the generator, then puts it back
+    assert torch.equal(torch.get_rng_state(), untouched)

@@ -68,7 +68,16 @@ class ReplayDraws(TorchDispatchMode):
 
     def __enter__(self) -> ReplayDraws:
         self.position = 0  # a region may be recomputed more than once (retain_graph)
+        # Replays move the generator; put it back on exit so that a recompute without torch's RNG fork
+        # (preserve_rng_state=False) leaves the caller's random stream as it found it.
+        self._outer_state = torch.get_rng_state()
         return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            torch.set_rng_state(self._outer_state)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         target = _cpu_draw(func, args)
