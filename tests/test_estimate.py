@@ -132,6 +132,24 @@ def test_meta_table_equals_bytes_saved_on_a_real_cpu_run() -> None:
     del out
 
 
+def test_meta_table_byte_terms_equal_remat_profile_on_cpu() -> None:
+    config = gpt2_config(n_embd=64, n_head=4, n_layer=3, n_positions=32, activation_function="gelu_new")
+    batch = {"input_ids": torch.zeros(2, 32, dtype=torch.long), "attention_mask": torch.ones(2, 32, dtype=torch.long)}
+    meta = meta_cost_table(lambda: transformers.GPT2LMHeadModel(config), batch)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    model.config.use_cache = False
+    measured = remat.profile(model, batch, repeats=1)
+    for estimated, real in zip(meta.blocks, measured.blocks):
+        assert estimated.saved_bytes == real.saved_bytes
+        assert estimated.bwd_extra_bytes == real.bwd_extra_bytes
+        assert (estimated.fwd_temp_bytes, estimated.bwd_temp_bytes) == (real.fwd_temp_bytes, real.bwd_temp_bytes)
+    assert meta.held_args_bytes == measured.held_args_bytes > 0
+    assert (meta.stem_bytes, meta.head_bytes, meta.head_retained_bytes) == (
+        measured.stem_bytes, measured.head_bytes, measured.head_retained_bytes
+    )
+
+
 class Mlp(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()

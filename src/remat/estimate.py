@@ -29,6 +29,7 @@ from .costs import CHECKPOINT, KEEP, SELECTIVE_PREFIX, BlockCost, CostTable
 from .profile import (
     Batch,
     BlockArguments,
+    _backward_extra,
     _backward_releasing_output,
     _GradsRestored,
     _run_action,
@@ -313,6 +314,7 @@ def _meta_block_cost(
     main = _get_slot(args, kwargs, slot).detach().requires_grad_(True)
     args, kwargs = _with_slot(args, kwargs, slot, main)
     saved: dict[str, int] = {}
+    bwd_peak: dict[str, int] = {}
     times: dict[str, tuple[float, float]] = {}
     fwd_temp = bwd_temp = output_bytes = 0
     with suspend_all(), _GradsRestored(module):
@@ -320,33 +322,28 @@ def _meta_block_cost(
             tracker = _LiveBytes()
             with tracker:
                 tracker.mark("start")
-                with FlopCounterMode(display=False) as fwd_flops:
-                    out = main_tensor(_run_action(module, action, args, kwargs))
+                out = main_tensor(_run_action(module, action, args, kwargs))
                 tracker.mark("fwd_end")
                 grad = torch.ones_like(out)
                 output_bytes = out.untyped_storage().nbytes()
                 holder = [out]
                 del out
                 tracker.mark("bwd_start")
-                with FlopCounterMode(display=False) as bwd_flops:
-                    _backward_releasing_output(holder, grad)
+                _backward_releasing_output(holder, grad)
                 tracker.mark("bwd_end")
                 del grad
                 main.grad = None
             tracker.close()  # parameter gradients are alive: survivors, not activations
-            for p in module.parameters():
-                p.grad = None
+            _clear_grads(module)
             saved[action] = tracker.bytes_at("fwd_end")
+            bwd_peak[action] = tracker.peak_between("bwd_start", "bwd_end")
             if action == KEEP:
                 fwd_temp = max(0, tracker.peak_between("start", "fwd_end") - saved[KEEP])
                 bwd_temp = max(0, tracker.peak_between("bwd_start", "bwd_end") - saved[KEEP])
+            fwd_flops, bwd_flops = _block_flops(module, action, args, kwargs, main)
             times[action] = (
-                flops_time_model(
-                    fwd_flops.get_total_flops(), tracker.written_between("start", "fwd_end"), device_flops=device
-                ),
-                flops_time_model(
-                    bwd_flops.get_total_flops(), tracker.written_between("bwd_start", "bwd_end"), device_flops=device
-                ),
+                flops_time_model(fwd_flops, tracker.written_between("start", "fwd_end"), device_flops=device),
+                flops_time_model(bwd_flops, tracker.written_between("bwd_start", "bwd_end"), device_flops=device),
             )
     fwd_s, bwd_s = times[KEEP]
     recompute = {KEEP: 0.0}
@@ -365,7 +362,31 @@ def _meta_block_cost(
         recompute_s=recompute,
         fwd_temp_bytes=fwd_temp,
         bwd_temp_bytes=bwd_temp,
+        bwd_extra_bytes=_backward_extra(bwd_peak),
     )
+
+
+def _clear_grads(module: nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+def _block_flops(
+    module: nn.Module, action: str, args: tuple[Any, ...], kwargs: dict[str, Any], main: torch.Tensor
+) -> tuple[int, int]:
+    """Forward and backward FLOPs of the block under ``action``, counted in a run of their own: the counter
+    keeps references into the backward that would distort the byte figures (a recomputed block's backward
+    peaks 16 MiB higher on a GPT-2 layer while it counts)."""
+    with FlopCounterMode(display=False) as fwd_flops:
+        out = main_tensor(_run_action(module, action, args, kwargs))
+    holder = [out]
+    grad = torch.ones_like(out)
+    del out
+    with FlopCounterMode(display=False) as bwd_flops:
+        _backward_releasing_output(holder, grad)
+    main.grad = None
+    _clear_grads(module)
+    return int(fwd_flops.get_total_flops()), int(bwd_flops.get_total_flops())
 
 
 def meta_cost_table(
@@ -397,8 +418,7 @@ def meta_cost_table(
     fused-attention target the attention bytes are overestimated (compare with
     ``transformer_layer_activation_bytes(..., flash_attention=True)``). Dropout keeps its masks in the
     activation dtype, as eager CPU dropout does (GPUs keep 1-byte masks), and selective regions keep them at
-    one byte per element (see :mod:`remat.replayed_draws`). ``bwd_extra_bytes`` is left empty: a block's
-    backward is taken to peak under every action as under ``keep``.
+    one byte per element (see :mod:`remat.replayed_draws`).
     """
     device = device_throughput(device_flops)
     model = _meta_model(model_or_factory)
