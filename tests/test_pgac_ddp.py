@@ -91,6 +91,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it
         dist.destroy_process_group()
 
 
