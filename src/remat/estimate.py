@@ -29,11 +29,13 @@ from .costs import CHECKPOINT, KEEP, SELECTIVE_PREFIX, BlockCost, CostTable
 from .profile import (
     Batch,
     BlockArguments,
-    _backward_extra,
+    ByteTerms,
     _backward_releasing_output,
     _GradsRestored,
     _run_action,
+    clear_grads,
     run_step,
+    run_tracked,
 )
 from .runtime import _get_slot, _main_input_slot, _resolve_blocks, _with_slot, main_tensor, suspend_all, without_caches
 
@@ -313,38 +315,19 @@ def _meta_block_cost(
     slot = _main_input_slot(args, kwargs)
     main = _get_slot(args, kwargs, slot).detach().requires_grad_(True)
     args, kwargs = _with_slot(args, kwargs, slot, main)
-    saved: dict[str, int] = {}
-    bwd_peak: dict[str, int] = {}
+    trackers: dict[str, _LiveBytes] = {}
     times: dict[str, tuple[float, float]] = {}
-    fwd_temp = bwd_temp = output_bytes = 0
+    output_bytes = 0
     with suspend_all(), _GradsRestored(module):
         for action in actions:
-            tracker = _LiveBytes()
-            with tracker:
-                tracker.mark("start")
-                out = main_tensor(_run_action(module, action, args, kwargs))
-                tracker.mark("fwd_end")
-                grad = torch.ones_like(out)
-                output_bytes = out.untyped_storage().nbytes()
-                holder = [out]
-                del out
-                tracker.mark("bwd_start")
-                _backward_releasing_output(holder, grad)
-                tracker.mark("bwd_end")
-                del grad
-                main.grad = None
-            tracker.close()  # parameter gradients are alive: survivors, not activations
-            _clear_grads(module)
-            saved[action] = tracker.bytes_at("fwd_end")
-            bwd_peak[action] = tracker.peak_between("bwd_start", "bwd_end")
-            if action == KEEP:
-                fwd_temp = max(0, tracker.peak_between("start", "fwd_end") - saved[KEEP])
-                bwd_temp = max(0, tracker.peak_between("bwd_start", "bwd_end") - saved[KEEP])
+            tracker = trackers[action] = _LiveBytes()
+            output_bytes = run_tracked(tracker, module, action, args, kwargs, main, _storage_bytes)
             fwd_flops, bwd_flops = _block_flops(module, action, args, kwargs, main)
             times[action] = (
                 flops_time_model(fwd_flops, tracker.written_between("start", "fwd_end"), device_flops=device),
                 flops_time_model(bwd_flops, tracker.written_between("bwd_start", "bwd_end"), device_flops=device),
             )
+    terms = ByteTerms.from_trackers(trackers)
     fwd_s, bwd_s = times[KEEP]
     recompute = {KEEP: 0.0}
     for action in actions:
@@ -356,19 +339,18 @@ def _meta_block_cost(
         fqn=fqn,
         fwd_s=fwd_s,
         bwd_s=bwd_s,
-        input_bytes=main.untyped_storage().nbytes(),
+        input_bytes=_storage_bytes(main),
         output_bytes=output_bytes,
-        saved_bytes=saved,
+        saved_bytes=terms.saved,
         recompute_s=recompute,
-        fwd_temp_bytes=fwd_temp,
-        bwd_temp_bytes=bwd_temp,
-        bwd_extra_bytes=_backward_extra(bwd_peak),
+        fwd_temp_bytes=terms.fwd_temp,
+        bwd_temp_bytes=terms.bwd_temp,
+        bwd_extra_bytes=terms.bwd_extra,
     )
 
 
-def _clear_grads(module: nn.Module) -> None:
-    for p in module.parameters():
-        p.grad = None
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
 
 
 def _block_flops(
@@ -385,7 +367,7 @@ def _block_flops(
     with FlopCounterMode(display=False) as bwd_flops:
         _backward_releasing_output(holder, grad)
     main.grad = None
-    _clear_grads(module)
+    clear_grads(module)
     return int(fwd_flops.get_total_flops()), int(bwd_flops.get_total_flops())
 
 

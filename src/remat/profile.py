@@ -16,6 +16,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,11 +97,9 @@ def measure_block(
     device = source.device
     main = source.detach().requires_grad_(True)
     args, kwargs = without_caches(*_with_slot(args, kwargs, slot, main))
-    saved: dict[str, int] = {}
-    bwd_peak: dict[str, int] = {}
-    fwd_temp = bwd_temp = 0
+    trackers: dict[str, LiveTensorTracker] = {}
     output_bytes = 0
-    times: dict[str, tuple[float, float]] = {}
+    times: dict[str, tuple[float, float, float]] = {}
     _edge_backward_supported()  # probe once here, not inside a tracked region
     identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     rng_devices = [device.index or 0] if device.type == "cuda" else []
@@ -108,31 +107,10 @@ def measure_block(
         devices=rng_devices, device_type=device.type
     ):
         for action in actions:
-            tracker = LiveTensorTracker(device)
-            with tracker:
-                tracker.mark("start")
-                out = main_tensor(_run_action(module, action, args, kwargs))
-                tracker.mark("fwd_end")
-                grad = torch.ones_like(out)
-                output_bytes = out.numel() * out.element_size()
-                holder = [out]
-                del out
-                tracker.mark("bwd_start")
-                _backward_releasing_output(holder, grad)
-                tracker.mark("bwd_end")
-                del grad
-                main.grad = None
-            # Close while the parameter gradients are alive: like in a real step they outlive the region, so
-            # they are survivors, not activations, and stay out of the backward transient.
-            tracker.close()
-            for p in module.parameters():
-                p.grad = None
-            saved[action] = tracker.bytes_at("fwd_end")
-            bwd_peak[action] = tracker.peak_between("bwd_start", "bwd_end")
-            if action == KEEP:
-                fwd_temp = max(0, tracker.peak_between("start", "fwd_end") - saved[KEEP])
-                bwd_temp = max(0, tracker.peak_between("bwd_start", "bwd_end") - saved[KEEP])
+            trackers[action] = LiveTensorTracker(device)
+            output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main)
             times[action] = _time_action(module, action, args, kwargs, main, device, repeats)
+    terms = ByteTerms.from_trackers(trackers)
     fwd_s, bwd_s, _ = times[KEEP]
     recompute: dict[str, float] = {}
     for action in actions:
@@ -149,20 +127,77 @@ def measure_block(
         fqn=fqn,
         fwd_s=fwd_s,
         bwd_s=bwd_s,
-        input_bytes=main.numel() * main.element_size(),
+        input_bytes=_tensor_bytes(main),
         output_bytes=output_bytes,
-        saved_bytes=saved,
+        saved_bytes=terms.saved,
         recompute_s=recompute,
-        fwd_temp_bytes=fwd_temp,
-        bwd_temp_bytes=bwd_temp,
-        bwd_extra_bytes=_backward_extra(bwd_peak),
+        fwd_temp_bytes=terms.fwd_temp,
+        bwd_temp_bytes=terms.bwd_temp,
+        bwd_extra_bytes=terms.bwd_extra,
     )
 
 
-def _backward_extra(bwd_peak: dict[str, int]) -> dict[str, int]:
-    """Per action, how much higher the block's backward peaked than under ``keep`` (only the positive ones)."""
-    base = bwd_peak[KEEP]
-    return {a: peak - base for a, peak in bwd_peak.items() if a != KEEP and peak > base}
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def clear_grads(module: nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+def run_tracked(
+    tracker: Any,
+    module: nn.Module,
+    action: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    main: torch.Tensor,
+    tensor_bytes: Callable[[torch.Tensor], int] = _tensor_bytes,
+) -> int:
+    """One forward and backward of the block under ``action`` inside ``tracker`` (a live-bytes dispatch mode
+    with ``mark``), marked ``start``, ``fwd_end``, ``bwd_start`` and ``bwd_end``; returns the output's bytes."""
+    with tracker:
+        tracker.mark("start")
+        out = main_tensor(_run_action(module, action, args, kwargs))
+        tracker.mark("fwd_end")
+        grad = torch.ones_like(out)
+        output_bytes = tensor_bytes(out)
+        holder = [out]
+        del out
+        tracker.mark("bwd_start")
+        _backward_releasing_output(holder, grad)
+        tracker.mark("bwd_end")
+        del grad
+        main.grad = None
+    # Close while the parameter gradients are alive: like in a real step they outlive the region, so they are
+    # survivors, not activations, and stay out of the backward transient.
+    tracker.close()
+    clear_grads(module)
+    return output_bytes
+
+
+@dataclass
+class ByteTerms:
+    """The byte fields of a :class:`BlockCost`, read from one tracked run per action (see :func:`run_tracked`)."""
+
+    saved: dict[str, int]
+    fwd_temp: int
+    bwd_temp: int
+    bwd_extra: dict[str, int]
+
+    @classmethod
+    def from_trackers(cls, trackers: dict[str, Any]) -> ByteTerms:
+        saved = {action: t.bytes_at("fwd_end") for action, t in trackers.items()}
+        bwd_peak = {action: t.peak_between("bwd_start", "bwd_end") for action, t in trackers.items()}
+        keep = trackers[KEEP]
+        return cls(
+            saved=saved,
+            fwd_temp=max(0, keep.peak_between("start", "fwd_end") - saved[KEEP]),
+            bwd_temp=max(0, bwd_peak[KEEP] - saved[KEEP]),
+            # how much higher the backward peaked under an action than under keep (only the positive ones)
+            bwd_extra={a: p - bwd_peak[KEEP] for a, p in bwd_peak.items() if a != KEEP and p > bwd_peak[KEEP]},
+        )
 
 
 def _edge_backward_supported() -> bool:
@@ -245,8 +280,7 @@ def _time_action(
         t2 = time.perf_counter()
         del out
         main.grad = None
-        for p in module.parameters():
-            p.grad = None
+        clear_grads(module)
         if i:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
