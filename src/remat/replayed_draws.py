@@ -16,6 +16,7 @@ region draws what it drew in forward, and the result is bit for bit the forward'
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,22 +118,18 @@ def tracing() -> bool:
 
 
 class StackedContexts:
-    """Enter several context managers as one (in order) and leave them in reverse."""
+    """Enter several context managers as one (in order) and leave them in reverse; unlike a generator-based
+    context manager it can be entered again (a region recomputed twice under ``retain_graph``)."""
 
     def __init__(self, *contexts: Any) -> None:
         self.contexts = contexts
-        self._entered: list[Any] = []
 
     def __enter__(self) -> StackedContexts:
-        for ctx in self.contexts:
-            ctx.__enter__()
-            self._entered.append(ctx)
+        with contextlib.ExitStack() as stack:
+            for ctx in self.contexts:
+                stack.enter_context(ctx)
+            self._stack = stack.pop_all()
         return self
 
     def __exit__(self, *exc: Any) -> bool:
-        suppressed = False
-        while self._entered:
-            ctx = self._entered.pop()
-            if ctx.__exit__(*exc):
-                suppressed, exc = True, (None, None, None)
-        return suppressed
+        return bool(self._stack.__exit__(*exc))
