@@ -20,8 +20,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import remat
-from remat.plan import no_checkpoint_peak
-from remat.profile import run_step
+from remat.profiler import run_step
+from remat.simulator import no_checkpoint_peak
 from remat.sizes import format_bytes
 
 STATIC = [("none", {}), ("full", {}), ("every_k", {"k": 2}), ("every_k", {"k": 3}), ("sqrt", {}),

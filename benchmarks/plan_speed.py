@@ -12,9 +12,9 @@ import random
 import time
 
 from remat.costs import BlockCost, CostTable
-from remat.plan import no_checkpoint_peak
 from remat.planners import static
 from remat.planners.optimal import min_peak_bytes, optimal
+from remat.simulator import no_checkpoint_peak
 from remat.sizes import format_bytes
 
 SELECTIVE = "selective:dots_saveable"

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import remat
 from remat.costs import BlockCost, CostTable
-from remat.plan import Simulation, no_checkpoint_peak, simulate, units_from_actions
 from remat.planners import BudgetError, minimum_peak_bytes, static
 from remat.planners.optimal import min_peak_bytes, optimal
+from remat.simulator import Simulation, no_checkpoint_peak, simulate, units_from_actions
 from remat.sizes import format_bytes
 
 SELECTIVE = "selective:dots_saveable"

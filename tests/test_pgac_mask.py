@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from remat.costs import BlockCost, CostTable
 from remat.dynamic.pgac_mask import MaskFitter, quantile, score_mask, threshold
 from remat.dynamic.pgac_pipeline import simulate_pipeline_masks, stage_costs
-from remat.plan import simulate, units_from_actions
 from remat.planners import BudgetError, minimum_peak_bytes
+from remat.simulator import simulate, units_from_actions
 
 
 def chain(keep: list[int], out: int = 100, fwd: list[float] | None = None, head: int = 0) -> CostTable:

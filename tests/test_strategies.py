@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from toy_models import MLPChain, assert_same_step, step, uniform_chain, uniform_costs
 
 import remat
-from remat.plan import Plan, no_checkpoint_peak, resolve_budget, simulate
 from remat.planners import minimum_peak_bytes
+from remat.simulator import Plan, no_checkpoint_peak, resolve_budget, simulate
 
 L = 6
 STATIC = [

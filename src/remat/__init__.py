@@ -15,12 +15,10 @@ from .chain import find_blocks
 from .checkpointing import Checkpoint, checkpoint, checkpoint_fn, checkpointed
 from .costs import BlockCost, CostTable
 from .memory import measure
-from .plan import Plan, simulate
-
-# ``plan`` and ``profile`` are bound after their same-named submodules were imported: the names are functions.
 from .planners import STRATEGIES, BudgetError, plan
-from .profile import profile
+from .profiler import profile
 from .runtime import apply
+from .simulator import Plan, simulate
 from .sizes import format_bytes, parse_bytes
 
 __version__ = "0.1.0"

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .costs import CostTable
-from .plan import Plan, no_checkpoint_peak
 from .planners import BudgetError, minimum_peak_bytes
 from .planners import plan as make_plan
+from .simulator import Plan, no_checkpoint_peak
 from .sizes import format_bytes
 
 _STATE_BYTES_PER_PARAM = {

@@ -98,7 +98,7 @@ def _costs(args: argparse.Namespace, batch_size: int | None = None):  # noqa: AN
 
         costs = meta_cost_table(spec.module, batch, blocks=spec.blocks(), loss_fn=spec.loss_fn, policies=policies)
     else:
-        from .profile import profile
+        from .profiler import profile
 
         costs = profile(spec.module, batch, loss_fn=spec.loss_fn, blocks=spec.blocks(), policies=policies)
     return spec, batch, costs
@@ -179,7 +179,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _time_step(spec: Any, batch: dict[str, torch.Tensor], repeats: int = 3) -> float:
-    from .profile import run_step
+    from .profiler import run_step
 
     times = []
     for _ in range(repeats + 1):

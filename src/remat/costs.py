@@ -1,7 +1,7 @@
 """The CostTable: plain data describing what each block of a chain costs in seconds and bytes.
 
 Rows are produced by :func:`remat.profile` (measured on the real device) or by :mod:`remat.estimate`
-(meta device / analytic). Planners and the simulator in :mod:`remat.plan` read them; nothing here touches
+(meta device / analytic). Planners and the simulator in :mod:`remat.simulator` read them; nothing here touches
 torch.
 
 Memory terms, all in bytes, for block ``i`` run on its own with its input already alive:

@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from . import policies as _policies
 from .costs import CHECKPOINT, KEEP, SELECTIVE_PREFIX, BlockCost, CostTable
-from .profile import (
+from .profiler import (
     Batch,
     BlockArguments,
     ByteTerms,
@@ -309,7 +309,7 @@ def _meta_block_cost(
     actions: Sequence[str],
     device: DeviceThroughput,
 ) -> BlockCost:
-    """One block run alone under each action, as :func:`remat.profile.measure_block` does on a real device:
+    """One block run alone under each action, as :func:`remat.profiler.measure_block` does on a real device:
     bytes kept after its forward (its input excluded, its output included), forward and backward
     transients; times from its FLOPs and the bytes its operators write."""
     slot = _main_input_slot(args, kwargs)

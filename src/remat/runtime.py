@@ -34,8 +34,8 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop
 from . import policies
 from .chain import find_blocks
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
-from .plan import Plan, Unit
 from .rng import RngSnapshot, forked
+from .simulator import Plan, Unit
 
 _GENERATOR_HAS_EARLY_STOP = "early_stop" in inspect.signature(_checkpoint_without_reentrant_generator).parameters
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..costs import CostTable
-from ..plan import no_checkpoint_peak
+from ..simulator import no_checkpoint_peak
 from ..sizes import format_bytes, parse_bytes
 from .strategies import (
     DEFAULT_STRATEGIES,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..costs import KEEP, CostTable
-from ..plan import Plan, no_checkpoint_peak
+from ..simulator import Plan, no_checkpoint_peak
 
 STATIC = ("none", "full", "every_k", "sqrt", "memory_poor", "random", "optimal")
 DYNAMIC = ("pgac", "dtr")

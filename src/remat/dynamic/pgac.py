@@ -11,7 +11,7 @@ Per optimizer step ``t`` (sections 2.2-2.5 of the PGAC proposal):
    blocks are recomputed first, then recomputed blocks are merged into segments;
 6. the new plan is switched in on the live model (``handle.set_plan``) and takes effect at the next step.
 
-Costs come from ``costs=`` or, with ``costs=None``, are measured by :class:`remat.profile.BlockProfiler`
+Costs come from ``costs=`` or, with ``costs=None``, are measured by :class:`remat.profiler.BlockProfiler`
 during the first training step, which runs with every block checkpointed; plans start from the second step.
 
 Distributed data parallel: ``sync="global"`` averages the EMA scores across ranks with one all-reduce per
@@ -35,8 +35,8 @@ from torch import nn
 from ..chain import find_blocks
 from ..costs import CHECKPOINT, KEEP, CostTable
 from ..memory import MemoryReport, measure
-from ..plan import Plan, resolve_budget
 from ..runtime import RematHandle, apply
+from ..simulator import Plan, resolve_budget
 from .pgac_mask import FittedMask, MaskFitter, quantile, score_mask
 from .pgac_scores import GradientScorer
 from .pgac_sync import all_reduce_mean, broadcast_costs, require_distributed
@@ -274,7 +274,7 @@ class PGAC:
             return
         self._region_open = True
         if self._profiling and self._profiler is None:
-            from ..profile import BlockProfiler
+            from ..profiler import BlockProfiler
 
             # PGAC's plans use keep, checkpoint and segments only: profile those two actions.
             self._profiler = BlockProfiler(self.model, self.handle.blocks, actions=[KEEP, CHECKPOINT])

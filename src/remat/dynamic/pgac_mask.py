@@ -1,5 +1,5 @@
 """PGAC's mask arithmetic as pure functions of numbers and a CostTable: the q-quantile threshold, the score
-mask, and fitting a mask to a byte budget through the shared simulator (:func:`remat.plan.simulate`).
+mask, and fitting a mask to a byte budget through the shared simulator (:func:`remat.simulator.simulate`).
 
 Fitting follows PGAC section 2.1's constraint ``M_act(c) <= M_budget``:
 
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..costs import CHECKPOINT, KEEP, CostTable
-from ..plan import simulate
 from ..planners import BudgetError, minimum_peak_bytes
 from ..planners import static as static_plans
+from ..simulator import simulate
 from ..sizes import format_bytes
 
 

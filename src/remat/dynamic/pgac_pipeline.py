@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..costs import CHECKPOINT, KEEP, CostTable
-from ..plan import NESTED_PREFIX, SEGMENT_PREFIX
+from ..simulator import NESTED_PREFIX, SEGMENT_PREFIX
 from .pgac_mask import MaskFitter, quantile, score_mask
 
 

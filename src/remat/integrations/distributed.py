@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..costs import CostTable
-from ..plan import Plan
+from ..simulator import Plan
 from .session import RematSession
 
 

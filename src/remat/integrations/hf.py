@@ -46,7 +46,7 @@ from torch import nn
 
 from ..checkpointing import PolicyLike, checkpoint_fn
 from ..costs import CostTable
-from ..plan import Plan
+from ..simulator import Plan
 from .session import RematSession
 
 log = logging.getLogger("remat.integrations.hf")

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from ..costs import CostTable
-from ..plan import Plan
 from ..runtime import _resolve_blocks
+from ..simulator import Plan
 from .session import RematSession, check_strategy
 
 try:

@@ -7,7 +7,7 @@ The integrations (Hugging Face, Lightning, DDP/FSDP) all return a :class:`RematS
 * ``costs=`` given, or ``batch=`` (a sample batch, profiled with :func:`remat.profile` at once): the plan is made
   now with :func:`remat.plan`;
 * neither: no example batch is needed. The first training step runs with every block checkpointed and is
-  profiled by :class:`remat.profile.BlockProfiler`; at the end of that step the cost table is complete, the plan
+  profiled by :class:`remat.profiler.BlockProfiler`; at the end of that step the cost table is complete, the plan
   is made and switched in, so it applies from the second step on. The end of the step is the first
   ``optimizer.step()`` of an optimizer that holds the model's parameters (seen through PyTorch's global
   optimizer hooks, so Hugging Face's ``Trainer`` needs no extra call), or :meth:`RematSession.step`, or at the
@@ -36,11 +36,11 @@ import torch
 from torch import nn
 
 from ..costs import CHECKPOINT, CostTable
-from ..plan import Plan
 from ..planners import STRATEGIES
 from ..planners import plan as make_plan
-from ..profile import BlockProfiler, profile
+from ..profiler import BlockProfiler, profile
 from ..runtime import RecomputeStats, RematHandle, _resolve_blocks, apply
+from ..simulator import Plan
 from ..sizes import parse_bytes
 
 log = logging.getLogger("remat.integrations")

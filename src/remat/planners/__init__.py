@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..costs import CostTable
-from ..plan import Plan, resolve_budget
+from ..simulator import Plan, resolve_budget
 from ..sizes import format_bytes
 from . import static
 from .errors import BudgetError

@@ -1,6 +1,6 @@
 """The optimal planner: the plan of least predicted recompute time whose predicted peak fits a byte budget.
 
-It searches every plan the simulator in :mod:`remat.plan` can express: per unit, a single-block action the
+It searches every plan the simulator in :mod:`remat.simulator` can express: per unit, a single-block action the
 cost table has costs for (``keep``, ``checkpoint``, ``selective:<policy>``, ``offload``), a ``segment``
 group of two or more blocks, or a ``nested`` (memory-poor) group of two or more blocks.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..costs import CHECKPOINT, KEEP, OFFLOAD, CostTable
-from ..plan import NESTED_PREFIX, SEGMENT_PREFIX, Plan, simulate
+from ..simulator import NESTED_PREFIX, SEGMENT_PREFIX, Plan, simulate
 from ..sizes import format_bytes
 from .errors import BudgetError
 
@@ -56,7 +56,7 @@ PRICE_GRID = 24
 
 @dataclass
 class _Chain:
-    """Per-block numbers of a cost table as numpy arrays, in the terms :func:`remat.plan.unit_terms` uses."""
+    """Per-block numbers of a cost table as numpy arrays, in the terms :func:`remat.simulator.unit_terms` uses."""
 
     n: int
     singles: list[str]
@@ -107,7 +107,7 @@ class _Chain:
 
     def group_terms(self, start: int, last: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Peak bytes and recompute seconds of every group ``start..j`` for ``j`` in ``start+1..last``, per
-        group kind (mirrors :func:`remat.plan.unit_terms`, summing in its order)."""
+        group kind (mirrors :func:`remat.simulator.unit_terms`, summing in its order)."""
         span = slice(start, last + 1)
         output_before = np.concatenate(([0], self.output[start:last])).astype(np.int64)
         fwd_peak = np.maximum.accumulate(output_before + self.checkpointed[span] + self.fwd_temp[span])
@@ -350,7 +350,7 @@ class _Store:
 @dataclass
 class _GroupAccumulators:
     """For every possible group start ``s``, the terms of group ``s..e`` as ``e`` advances one block at a
-    time (the same sums and maxima as :func:`remat.plan.unit_terms`, accumulated in its order)."""
+    time (the same sums and maxima as :func:`remat.simulator.unit_terms`, accumulated in its order)."""
 
     segment_time: np.ndarray
     nested_time: np.ndarray

@@ -7,7 +7,7 @@ import math
 import random as _random
 
 from ..costs import CHECKPOINT, KEEP, CostTable
-from ..plan import NESTED_PREFIX, SEGMENT_PREFIX, Plan
+from ..simulator import NESTED_PREFIX, SEGMENT_PREFIX, Plan
 
 
 def none(costs: CostTable, budget: int | None = None) -> Plan:
