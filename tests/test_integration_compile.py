@@ -152,7 +152,7 @@ def test_plan_on_compiled_blocks_switches_without_recompiling() -> None:
     assert counter.calls == 6  # three compiled forwards, and the same compiled forwards again in recomputation
     graphs = counter.graphs
 
-    for actions in (["keep", "selective:dots_saveable", "nested:0"], ["keep", "keep", "keep"]):
+    for actions in (["keep", "selective:dots_saveable", "memory_poor:0"], ["keep", "keep", "keep"]):
         handle.set_plan(remat.Plan(dict(zip(handle.fqns, actions))))
         assert_close(reference, grads(model), 1e-6)
     if _dispatch_flags_consistent():

@@ -54,7 +54,7 @@ def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
     )
 
 
-def every_plan(n: int, singles: list[str], groups: tuple[str, ...] = ("segment", "nested"), longest: int = 0):
+def every_plan(n: int, singles: list[str], groups: tuple[str, ...] = ("segment", "memory_poor"), longest: int = 0):
     """Every assignment of the blocks to units: a single action per block, or a group of 2+ blocks."""
     longest = longest or n
 
@@ -75,7 +75,8 @@ def every_plan(n: int, singles: list[str], groups: tuple[str, ...] = ("segment",
 
 def brute_force(costs: CostTable, **restrict) -> list[tuple[Simulation, list[str]]]:
     singles = restrict.get("singles", costs.common_actions())
-    plans = every_plan(len(costs), singles, restrict.get("groups", ("segment", "nested")), restrict.get("longest", 0))
+    groups = restrict.get("groups", ("segment", "memory_poor"))
+    plans = every_plan(len(costs), singles, groups, restrict.get("longest", 0))
     return [(simulate(costs, actions), actions) for actions in plans]
 
 
@@ -141,7 +142,7 @@ def test_ties_go_to_fewer_reexecutions_then_lower_peak() -> None:
     ]
     costs = CostTable(blocks)
     # Two blocks must be recomputed: as two checkpoints (peak 88) or as one segment of two (peak 84), same
-    # time and same re-executions, so the segment wins; a nested group of two would re-run more.
+    # time and same re-executions, so the segment wins; a memory-poor group of two would re-run more.
     budget = 100
     plan = optimal(costs, budget)
     fitting = [s for s, _ in brute_force(costs) if s.peak_bytes <= budget]

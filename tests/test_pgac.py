@@ -94,7 +94,7 @@ def test_gradients_equal_no_checkpointing_while_the_mask_changes():
         ref_opt.zero_grad()
         assert pgac.history[-1].actions == ran
     assert len(seen_plans) >= 4, seen_plans
-    assert {"keep", "checkpoint", "segment", "nested"} <= seen_actions
+    assert {"keep", "checkpoint", "segment", "memory_poor"} <= seen_actions
     assert all(h.scored for h in pgac.history) and sum(pgac.scorer.missed) == 0
     pgac.remove()
 

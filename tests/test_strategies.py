@@ -83,7 +83,7 @@ def test_strategy_action_shapes() -> None:
         "segment:0", "segment:0", "segment:1", "segment:1", "checkpoint"
     ]
     assert list(remat.plan(costs, "every_k", k=3).actions.values()) == ["segment:0"] * 3 + ["segment:1"] * 2
-    assert list(remat.plan(costs, "memory_poor").actions.values()) == ["nested:0"] * 4 + ["keep"]
+    assert list(remat.plan(costs, "memory_poor").actions.values()) == ["memory_poor:0"] * 4 + ["keep"]
     assert remat.plan(costs, "sqrt").options == {"k": 2}
     chosen = remat.plan(costs, "random", fraction=0.4, seed=1)
     assert chosen.count("checkpoint") == 2 and chosen.count("keep") == 3
@@ -115,8 +115,8 @@ def chains_and_plans(draw: st.DrawFn) -> tuple[list[int], list[float], list[str]
     actions: list[str] = []
     group = 0
     while len(actions) < n:
-        kind = draw(st.sampled_from([*ACTIONS, "segment", "nested"]))
-        if kind in ("segment", "nested"):
+        kind = draw(st.sampled_from([*ACTIONS, "segment", "memory_poor"]))
+        if kind in ("segment", "memory_poor"):
             size = draw(st.integers(1, n - len(actions)))
             actions += [f"{kind}:{group}"] * size
             group += 1
@@ -217,7 +217,7 @@ def test_plan_json_round_trip() -> None:
         back = Plan.from_json(plan.to_json())
         assert back == plan
         assert list(back.actions) == list(plan.actions)  # chain order survives
-    custom = Plan({"a": "selective:dots_saveable", "b": "offload", "c": "nested:x", "d": "nested:x"})
+    custom = Plan({"a": "selective:dots_saveable", "b": "offload", "c": "memory_poor:x", "d": "memory_poor:x"})
     assert Plan.from_json(custom.to_json()) == custom
 
 

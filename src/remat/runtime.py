@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
 from . import policies
+from .actions import MEMORY_POOR
 from .chain import find_blocks
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .rng import RngSnapshot, forked
@@ -291,7 +292,7 @@ class RematHandle:
             out = main_tensor(output)
             if region is not None:
                 region.last_output = out
-                if unit.kind == "nested" and self._nested is not None:
+                if unit.kind == MEMORY_POOR and self._nested is not None:
                     self._nested["last"] = out
                 if unit.kind != "segment" or i == unit.end:
                     self._close(key)
@@ -312,7 +313,7 @@ class RematHandle:
                 pass
             else:
                 raise RuntimeError("internal error: a checkpoint region did not close")
-        if region.unit.kind == "nested" and key == region.unit.end:
+        if region.unit.kind == MEMORY_POOR and key == region.unit.end:
             self._nested = None
 
     def _start_generator(self, recompute: Callable[..., None], context_fn: Callable[[], Any], *args: Any):

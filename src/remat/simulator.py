@@ -6,13 +6,10 @@ A :class:`Plan` maps each block FQN (in chain order) to an action string:
 * ``"checkpoint"``: keep only the block's input; re-run the block in backward.
 * ``"selective:<policy>"``: per-operator policy from :mod:`remat.policies` (e.g. ``selective:dots_saveable``).
 * ``"offload"``: saved tensors go to host memory (``torch.autograd.graph.save_on_cpu``).
-* ``"segment:<id>"``: consecutive blocks with the same id form one segment, recomputed in backward from the
-  segment's stored input (the input of its first block). Only the segment's input and output stay alive.
-* ``"nested:<id>"``: consecutive blocks with the same id form a memory-poor group: during backward every
-  block's input is recomputed from the group's input, so nothing inside the group is ever stored.
+* ``"segment:<id>"`` and ``"memory_poor:<id>"``: groups of consecutive blocks (see :mod:`remat.actions`).
 
-Every planner and every report predicts through :func:`simulate`; the model it implements is in
-:func:`unit_terms`. Memory is accounted as a ledger: a unit retains ``retained`` bytes after its forward,
+Every planner and every report predicts through :func:`simulate`; the per-unit terms it sums are in
+:mod:`remat.unit_terms`. Memory is accounted as a ledger: a unit retains ``retained`` bytes after its forward,
 and while the unit's own forward or backward runs the live bytes rise to ``prefix + peak`` where ``prefix``
 is what the units before it retain. The head (loss) runs with everything retained; what it leaves alive
 (``head_retained_bytes``) is counted in every unit's peak, since the backward of every unit runs after it.
@@ -24,107 +21,25 @@ earliest units' backward, and they were alive in the head's forward anyway: the 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, CostTable
+from .actions import (
+    MEMORY_POOR_PREFIX,
+    SEGMENT_PREFIX,
+    SINGLE,
+    Unit,
+    current_action,
+    is_legacy,
+    units_from_actions,
+    validate_action,
+    warn_legacy,
+)
+from .costs import KEEP, CostTable
+from .plan_files import chain_mismatch, plan_fields
 from .sizes import format_bytes, parse_bytes
-
-SEGMENT_PREFIX = "segment:"
-NESTED_PREFIX = "nested:"
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A run of blocks ``start..end`` (inclusive) handled as one piece by the runtime."""
-
-    kind: str  # "single", "segment" or "nested"
-    start: int
-    end: int
-    action: str  # the block action for "single"; "checkpoint" for the groups
-
-    @property
-    def size(self) -> int:
-        return self.end - self.start + 1
-
-
-@dataclass(frozen=True)
-class UnitTerms:
-    retained: int
-    peak: int
-    recompute_s: float
-    reexecutions: tuple[int, ...]  # block re-executions in backward, per block of the unit
-
-
-def validate_action(action: str) -> None:
-    if action in (KEEP, CHECKPOINT, OFFLOAD):
-        return
-    for prefix in (SELECTIVE_PREFIX, SEGMENT_PREFIX, NESTED_PREFIX):
-        if action.startswith(prefix) and len(action) > len(prefix):
-            return
-    raise ValueError(
-        f"unknown action {action!r}; use 'keep', 'checkpoint', 'offload', 'selective:<policy>', "
-        "'segment:<id>' or 'nested:<id>'"
-    )
-
-
-def units_from_actions(actions: list[str]) -> list[Unit]:
-    """Group a chain-ordered list of block actions into runtime units."""
-    units: list[Unit] = []
-    i = 0
-    while i < len(actions):
-        action = actions[i]
-        validate_action(action)
-        group = SEGMENT_PREFIX if action.startswith(SEGMENT_PREFIX) else None
-        group = NESTED_PREFIX if action.startswith(NESTED_PREFIX) else group
-        if group is None:
-            units.append(Unit("single", i, i, action))
-            i += 1
-            continue
-        j = i
-        while j + 1 < len(actions) and actions[j + 1] == action:
-            j += 1
-        units.append(Unit("segment" if group == SEGMENT_PREFIX else "nested", i, j, CHECKPOINT))
-        i = j + 1
-    return units
-
-
-def unit_terms(costs: CostTable, unit: Unit) -> UnitTerms:
-    """Retained bytes, peak bytes above the prefix, recompute seconds and re-executions of one unit."""
-    terms = _unit_terms(costs, unit)
-    return UnitTerms(terms.retained, terms.peak + costs.head_retained_bytes, terms.recompute_s, terms.reexecutions)
-
-
-def _unit_terms(costs: CostTable, unit: Unit) -> UnitTerms:
-    blocks = costs.blocks
-    b = blocks[unit.start : unit.end + 1]
-    temp = [max(x.fwd_temp_bytes, x.bwd_temp_bytes) for x in b]
-    if unit.kind == "single":
-        x = b[0]
-        saved = x.saved(unit.action)
-        keep = x.saved(KEEP)
-        peak = max(saved + x.fwd_temp_bytes, keep + temp[0] + x.bwd_extra_bytes.get(unit.action, 0))
-        calls = 0 if unit.action in (KEEP, OFFLOAD) else 1
-        return UnitTerms(saved, peak, x.recompute_s[unit.action], (calls,))
-    rc = [x.recompute_s[CHECKPOINT] for x in b]
-    ck = [x.saved(CHECKPOINT) for x in b]
-    retained = ck[-1]
-    fwd_peak = max(
-        (b[m - 1].output_bytes if m else 0) + ck[m] + b[m].fwd_temp_bytes for m in range(len(b))
-    )
-    if unit.kind == "segment":
-        running, bwd_peak = 0, 0
-        for m, x in enumerate(b):
-            running += x.saved(KEEP)
-            bwd_peak = max(bwd_peak, running + temp[m])
-        return UnitTerms(retained, max(fwd_peak, bwd_peak), sum(rc), (1,) * len(b))
-    # nested: block m's backward re-runs blocks 0..m of the group from the group's input
-    bwd_peak = max(
-        x.saved(KEEP) + (b[m - 1].output_bytes if m else 0) + temp[m] for m, x in enumerate(b)
-    )
-    recompute = sum(sum(rc[: m + 1]) for m in range(len(b)))
-    reexec = tuple(len(b) - m for m in range(len(b)))
-    return UnitTerms(retained, max(fwd_peak, bwd_peak), recompute, reexec)
+from .unit_terms import UnitTerms, unit_terms
 
 
 @dataclass(frozen=True)
@@ -139,13 +54,9 @@ class Simulation:
 def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulation:
     """Predict peak activation bytes and recompute seconds of running ``actions`` on ``costs``."""
     if isinstance(actions, dict):
-        if list(actions) != costs.fqns:
-            missing = [f for f in costs.fqns if f not in actions]
-            extra = [f for f in actions if f not in costs.fqns]
-            raise ValueError(
-                f"plan does not match the cost table's chain (missing {missing}, unknown {extra}); "
-                "plans must name every block in chain order"
-            )
+        problem = chain_mismatch(list(actions), costs.fqns, "the cost table's chain")
+        if problem:
+            raise ValueError(problem)
         actions = list(actions.values())
     if len(actions) != len(costs):
         raise ValueError(f"plan has {len(actions)} actions for a chain of {len(costs)} blocks")
@@ -155,7 +66,7 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
     reexec: list[int] = []
     unit_peaks = []
     units = units_from_actions(actions)
-    held = costs.held_args_bytes if any(not (u.kind == "single" and u.action == KEEP) for u in units) else 0
+    held = costs.held_args_bytes if any(not (u.kind == SINGLE and u.action == KEEP) for u in units) else 0
     for unit in units:
         terms = unit_terms(costs, unit)
         peak = max(peak, prefix + terms.peak + held)
@@ -201,8 +112,14 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for action in self.actions.values():
-            validate_action(action)
+        for fqn, action in self.actions.items():
+            try:
+                validate_action(action)
+            except ValueError as error:
+                raise ValueError(f"block {fqn!r}: {error}") from None
+        if any(is_legacy(a) for a in self.actions.values()):
+            warn_legacy("the plan", stacklevel=3)  # the caller of Plan(...)
+            self.actions = {fqn: current_action(a) for fqn, a in self.actions.items()}
 
     @classmethod
     def from_actions(
@@ -245,16 +162,11 @@ class Plan:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        data = json.loads(text)
-        return cls(
-            actions=dict(data["actions"]),
-            strategy=data.get("strategy", "custom"),
-            budget_bytes=data.get("budget_bytes"),
-            predicted_peak_bytes=data.get("predicted_peak_bytes"),
-            predicted_recompute_s=data.get("predicted_recompute_s"),
-            options=data.get("options", {}),
-        )
+    def from_json(cls, text: str, fqns: Sequence[str] | None = None) -> Plan:
+        """Read a plan written by :meth:`to_json`. With ``fqns`` (the chain's block FQNs in order, e.g.
+        ``costs.fqns``) the plan must name exactly those blocks in that order. Raises ValueError naming what
+        is wrong and the shape a plan file has (:data:`remat.plan_files.PLAN_FILE_SHAPE`)."""
+        return cls(**plan_fields(text, fqns))
 
     def table(self, costs: CostTable | None = None) -> str:
         """A per-block table: action, bytes kept after forward and recompute seconds (with ``costs``)."""
@@ -285,3 +197,21 @@ class Plan:
                 line += f"  {format_bytes(kept):>12}  {rec * 1e3:>12.3f}"
             lines.append(line)
         return "\n".join(lines)
+
+
+# Plans' vocabulary and unit terms are re-exported: they were defined here before remat.actions and
+# remat.unit_terms held them.
+__all__ = [
+    "MEMORY_POOR_PREFIX",
+    "SEGMENT_PREFIX",
+    "Plan",
+    "Simulation",
+    "Unit",
+    "UnitTerms",
+    "no_checkpoint_peak",
+    "resolve_budget",
+    "simulate",
+    "unit_terms",
+    "units_from_actions",
+    "validate_action",
+]

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from ..actions import MEMORY_POOR_PREFIX, SEGMENT_PREFIX
 from ..costs import CHECKPOINT, KEEP, CostTable
-from ..simulator import NESTED_PREFIX, SEGMENT_PREFIX
 from .pgac_mask import MaskFitter, quantile, score_mask
 
 
@@ -58,7 +58,7 @@ class PipelineRun:
         out: list[str] = []
         for p, acts in enumerate(self.actions[step]):
             for a in acts:
-                for prefix in (SEGMENT_PREFIX, NESTED_PREFIX):
+                for prefix in (SEGMENT_PREFIX, MEMORY_POOR_PREFIX):
                     if a.startswith(prefix):
                         a = f"{prefix}stage{p}.{a[len(prefix) :]}"
                 out.append(a)

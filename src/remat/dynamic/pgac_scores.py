@@ -13,7 +13,7 @@ tensor alive that the plan frees:
   before ``delta_l`` exists; the runtime hands the scorer each recomputed output, which the scorer holds until
   its ``delta_l`` arrives. Those outputs are inputs of the next recomputed blocks, alive until that block's
   backward, i.e. until just before ``delta_l``.
-* ``l`` is inside a memory-poor (nested) group: block ``m``'s recomputation re-derives ``a_0..a_{m-1}`` of the
+* ``l`` is inside a memory-poor group: block ``m``'s recomputation re-derives ``a_0..a_{m-1}`` of the
   group without storing them. The scorer holds only the latest one or two of these per group; the last one,
   ``a_{m-1}``, is block ``m``'s input (saved by block ``m`` anyway) and ``delta_{m-1}`` arrives right after block
   ``m``'s backward.
@@ -37,14 +37,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..actions import MEMORY_POOR, SINGLE
 from ..runtime import RematHandle
 
-FORWARD, SEGMENT, NESTED = "forward", "segment", "nested"
+FORWARD = "forward"  # a_l is the forward output; otherwise the unit kind (SEGMENT or MEMORY_POOR) says
 
 
 @dataclass(frozen=True)
 class _Source:
-    kind: str  # FORWARD, SEGMENT or NESTED
+    kind: str  # FORWARD, SEGMENT or MEMORY_POOR
     group: tuple[int, int]  # first and last block of the unit
 
 
@@ -53,10 +54,7 @@ def score_sources(handle: RematHandle) -> list[_Source]:
     sources: list[_Source] = []
     for unit in handle.plan.units():
         for i in range(unit.start, unit.end + 1):
-            if i == unit.end or unit.kind == "single":
-                kind = FORWARD
-            else:
-                kind = SEGMENT if unit.kind == "segment" else NESTED
+            kind = FORWARD if i == unit.end or unit.kind == SINGLE else unit.kind
             sources.append(_Source(kind, (unit.start, unit.end)))
     return sources
 
@@ -115,7 +113,7 @@ class GradientScorer:
         if src.kind == FORWARD or token is None or self._scored[i] is token:
             return
         self._held[i] = (token, out.detach())
-        if src.kind == NESTED:
+        if src.kind == MEMORY_POOR:
             # Only the latest re-derived output of the group is alive in the group's backward.
             start, end = src.group
             for j in range(start, end + 1):

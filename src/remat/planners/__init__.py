@@ -13,13 +13,7 @@ from ..simulator import Plan, resolve_budget
 from ..sizes import format_bytes
 from . import static
 from .errors import BudgetError
-
-
-def _optimal(costs: CostTable, budget: int | None = None, **options: Any) -> Plan:
-    from .optimal import optimal
-
-    return optimal(costs, budget, **options)
-
+from .optimal import min_peak_bytes, optimal
 
 STRATEGIES: dict[str, Callable[..., Plan]] = {
     "none": static.none,
@@ -28,18 +22,12 @@ STRATEGIES: dict[str, Callable[..., Plan]] = {
     "sqrt": static.sqrt,
     "memory_poor": static.memory_poor,
     "random": static.random,
-    "optimal": _optimal,
+    "optimal": optimal,
 }
 
 
 def minimum_peak_bytes(costs: CostTable) -> int:
     """The least predicted peak activation memory any plan reaches on ``costs``."""
-    try:
-        from .optimal import min_peak_bytes
-    except ImportError:
-        candidates = [static.memory_poor(costs), static.full(costs), static.sqrt(costs)]
-        candidates += [static.every_k(costs, k=k) for k in range(2, len(costs) + 1)]
-        return min(p.predicted_peak_bytes for p in candidates)
     return min_peak_bytes(costs)
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 import random as _random
 
+from ..actions import MEMORY_POOR_PREFIX, SEGMENT_PREFIX
 from ..costs import CHECKPOINT, KEEP, CostTable
-from ..simulator import NESTED_PREFIX, SEGMENT_PREFIX, Plan
+from ..simulator import Plan
 
 
 def none(costs: CostTable, budget: int | None = None) -> Plan:
@@ -51,7 +52,7 @@ def memory_poor(costs: CostTable, budget: int | None = None) -> Plan:
     (O(1) memory, L(L-1)/2 block re-executions). The last block is kept: its backward follows its forward
     immediately, so storing it costs nothing at the peak."""
     n = len(costs)
-    actions = [f"{NESTED_PREFIX}0"] * (n - 1) + [KEEP] if n else []
+    actions = [f"{MEMORY_POOR_PREFIX}0"] * (n - 1) + [KEEP] if n else []
     return Plan.from_actions(costs, actions, "memory_poor", budget)
 
 

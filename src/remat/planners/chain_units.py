@@ -1,0 +1,154 @@
+"""The units the optimal planner chooses among, as numpy columns: every single-block action and every group
+(segment or memory-poor) of a chain, with the terms of :mod:`remat.unit_terms`' vectorised form, listed by the
+block they start at or the block they end at. Also which actions a search may use, and plans back from units.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..actions import MEMORY_POOR_PREFIX, SEGMENT, SEGMENT_PREFIX
+from ..costs import CHECKPOINT, KEEP, CostTable
+from ..unit_terms import GROUP_KINDS, ChainNumbers, GroupTable, SingleTable, group_table, single_table
+
+
+@dataclass
+class Units:
+    """Units as columns: the single actions first, then the groups of each kind in ``group_kinds`` order."""
+
+    start: np.ndarray  # first block
+    end: np.ndarray  # last block
+    retained: np.ndarray
+    peak: np.ndarray
+    time: np.ndarray
+    reexec: np.ndarray  # block re-executions in backward, summed over the unit's blocks
+    code: np.ndarray  # a single action index, or len(singles) plus the group kind index
+
+
+@dataclass
+class ChainUnits:
+    """The single-action and group terms of one cost table, for searches with groups of at most ``longest``
+    blocks (group tables are cached per ``longest``). ``numbers`` is None when no group kind is allowed."""
+
+    singles: SingleTable
+    group_kinds: list[str]
+    numbers: ChainNumbers | None
+    head: int
+    stem: int
+    head_retained: int
+    _groups: dict[int, GroupTable] = field(default_factory=dict)
+    _starting: dict[tuple[int, int], Units] = field(default_factory=dict)
+
+    @classmethod
+    def from_costs(cls, costs: CostTable, actions: list[str] | None) -> ChainUnits:
+        singles, group_kinds = allowed_actions(costs, actions)
+        numbers = ChainNumbers.of(costs) if group_kinds else None
+        return cls(
+            single_table(costs, singles), group_kinds, numbers, int(costs.head_bytes), int(costs.stem_bytes),
+            int(costs.head_retained_bytes),
+        )  # fmt: skip
+
+    @property
+    def n(self) -> int:
+        return len(self.singles.keep)
+
+    def groups(self, longest: int) -> GroupTable:
+        if longest not in self._groups:
+            assert self.numbers is not None, "groups are only listed when a group kind is allowed"
+            self._groups[longest] = group_table(self.numbers, self.head_retained, longest, self.group_kinds)
+        return self._groups[longest]
+
+    def starting_at(self, start: int, longest: int) -> Units:
+        """Every unit that starts at block ``start``, groups of at most ``longest`` blocks (cached)."""
+        key = (start, longest)
+        if key not in self._starting:
+            lengths = np.arange(2, min(self.n - start, longest) + 1) if self.group_kinds else np.arange(0)
+            self._starting[key] = self._collect(np.full(len(lengths), start), lengths - 1, start, longest)
+        return self._starting[key]
+
+    def ending_at(self, end: int, longest: int) -> Units:
+        """Every unit that ends at block ``end``, groups of at most ``longest`` blocks."""
+        starts = np.arange(max(0, end - longest + 1), end) if self.group_kinds else np.arange(0)
+        return self._collect(starts, end - starts, end, longest)
+
+    def _collect(self, starts: np.ndarray, columns: np.ndarray, single_block: int, longest: int) -> Units:
+        """The singles of ``single_block`` followed by the groups (``starts``, ``columns``) of each kind."""
+        singles, i64 = self.singles, np.int64
+        n_single = len(singles.actions)
+        at = np.full(n_single, single_block, dtype=i64)
+        codes = np.arange(n_single, dtype=i64)
+        column = (singles.retained, singles.peak, singles.recompute_s)
+        parts = [(at, at, *(terms[:, single_block] for terms in column), singles.reexecutions, codes)]
+        if len(starts):
+            table = self.groups(min(longest, self.n))
+            for k, kind in enumerate(self.group_kinds):
+                parts.append((
+                    starts, starts + columns, table.retained[starts, columns], table.peak[kind][starts, columns],
+                    table.recompute_s[kind][starts, columns], table.reexecutions[kind][columns],
+                    np.full(len(starts), n_single + k, dtype=i64),
+                ))  # fmt: skip
+        return Units(*(np.concatenate(column) for column in zip(*parts)))
+
+    def actions_from_units(self, units: list[tuple[int, int, int]]) -> list[str]:
+        """Block actions of the chosen units ``(start, end, code)``."""
+        names = self.singles.actions
+        actions: list[str] = []
+        group_id = 0
+        for start, end, code in units:
+            if code < len(names):
+                actions.append(names[code])
+                continue
+            kind = self.group_kinds[code - len(names)]
+            prefix = SEGMENT_PREFIX if kind == SEGMENT else MEMORY_POOR_PREFIX
+            actions.extend([f"{prefix}{group_id}"] * (end - start + 1))
+            group_id += 1
+        return actions
+
+
+def allowed_actions(costs: CostTable, actions: list[str] | None) -> tuple[list[str], list[str]]:
+    """The single actions and group kinds a search may use: ``actions`` checked against the cost table, or
+    every common action and both group kinds when ``actions`` is None."""
+    available = costs.common_actions()
+    if KEEP not in available:
+        raise ValueError(
+            f"the cost table has no 'keep' costs for every block (common actions: {available}); "
+            "profile the model again, 'keep' is always measured"
+        )
+    groups_possible = CHECKPOINT in available
+    if actions is None:
+        return available, list(GROUP_KINDS) if groups_possible else []
+    singles: list[str] = []
+    groups: list[str] = []
+    for action in actions:
+        kind = action.rstrip(":")
+        if kind in GROUP_KINDS:
+            if not groups_possible:
+                raise ValueError(
+                    f"action {action!r} needs 'checkpoint' costs for every block, which the cost table lacks"
+                )
+            groups.append(kind)
+        elif action in available:
+            singles.append(action)
+        else:
+            raise ValueError(
+                f"action {action!r} is not available for every block of the cost table; choose among "
+                f"{available + list(GROUP_KINDS)}"
+            )
+    if not singles:
+        raise ValueError(f"actions={actions!r} names no single-block action; include at least 'keep'")
+    return [a for a in available if a in singles], [k for k in GROUP_KINDS if k in groups]
+
+
+def holding_arguments(costs: CostTable) -> CostTable:
+    """``costs`` with the held arguments counted in every unit's peak and the head's. The simulator counts
+    them so for every plan that is not all ``keep``; the search runs on this table, and keeping everything,
+    the one plan it overestimates, is weighed on its own."""
+    if not costs.held_args_bytes:
+        return costs
+    held = costs.held_args_bytes
+    return replace(
+        costs, head_bytes=costs.head_bytes + held, head_retained_bytes=costs.head_retained_bytes + held,
+        held_args_bytes=0,
+    )  # fmt: skip

@@ -1,0 +1,232 @@
+"""The per-unit terms of the memory and time model, written once: a scalar form for one unit (the simulator's)
+and a vectorised form over every unit of a chain (the planners'), side by side, tested against each other.
+
+Per block ``m`` a unit reads: ``saved[a][m]`` (bytes saved under action ``a``; ``keep[m]`` and ``checkpointed[m]``
+under ``keep`` and ``checkpoint``), ``output[m]``, ``fwd_temp[m]``, ``temp[m] = max(fwd_temp[m], bwd_temp[m])``,
+``bwd_extra[a][m]`` and ``recompute[a][m]`` (``rerun[m]`` under ``checkpoint``). Every peak is bytes above what
+the units before retain, and includes ``head_retained`` (what the head leaves alive while the chain's backward
+runs).
+
+A single block under action ``a``::
+
+    retained   = saved[a]
+    peak       = max(saved[a] + fwd_temp, keep + temp + bwd_extra[a]) + head_retained
+    recompute  = recompute[a]
+    re-runs    = 0 for keep and offload, else 1
+
+A group of blocks ``s..e``, with ``inside[m] = output[m-1]`` for ``m > s`` and ``0`` for ``m = s`` (the
+group's own input belongs to the unit before)::
+
+    retained              = checkpointed[e]
+    forward peak          = max over m of  inside[m] + checkpointed[m] + fwd_temp[m]
+    segment backward      = max over m of  (keep[s] + ... + keep[m]) + temp[m]
+    memory_poor backward  = max over m of  keep[m] + inside[m] + temp[m]
+    peak                  = max(forward peak, backward) + head_retained
+    segment recompute     = rerun[s] + ... + rerun[e]
+    memory_poor recompute = sum over m of (rerun[s] + ... + rerun[m])   (block m's backward re-runs s..m)
+    re-runs of block m    = 1 in a segment, e - m + 1 in a memory-poor group
+
+Sums of seconds run left to right in both forms (``itertools.accumulate`` and ``np.cumsum``, which numpy
+computes sequentially), so the two give the same floating-point numbers, not only close ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import numpy as np
+
+from .actions import MEMORY_POOR, SEGMENT, SINGLE, Unit
+from .costs import CHECKPOINT, KEEP, OFFLOAD, BlockCost, CostTable
+
+GROUP_KINDS = (SEGMENT, MEMORY_POOR)
+
+
+@dataclass(frozen=True)
+class UnitTerms:
+    retained: int
+    peak: int
+    recompute_s: float
+    reexecutions: tuple[int, ...]  # block re-executions in backward, per block of the unit
+
+
+def temp_bytes(block: BlockCost) -> int:
+    """``temp``: the larger of the block's forward and backward temporaries."""
+    return max(block.fwd_temp_bytes, block.bwd_temp_bytes)
+
+
+def reruns(action: str) -> int:
+    """How often a block under the single-block ``action`` re-runs in backward."""
+    return 0 if action in (KEEP, OFFLOAD) else 1
+
+
+def check_group_kind(kind: str) -> None:
+    if kind not in GROUP_KINDS:
+        raise ValueError(f"unknown group kind {kind!r}; use {SEGMENT!r} or {MEMORY_POOR!r}")
+
+
+# ---------------------------------------------------------------- scalar form: one unit
+
+
+def unit_terms(costs: CostTable, unit: Unit) -> UnitTerms:
+    """Retained bytes, peak bytes above the prefix, recompute seconds and re-executions of one unit."""
+    if unit.kind == SINGLE:
+        return single_terms(costs.blocks[unit.start], unit.action, costs.head_retained_bytes)
+    blocks = [BlockNumbers.of(b) for b in costs.blocks[unit.start : unit.end + 1]]
+    return group_terms(blocks, unit.kind, costs.head_retained_bytes)
+
+
+def single_terms(block: BlockCost, action: str, head_retained: int) -> UnitTerms:
+    """The terms of one block under the single-block ``action``."""
+    saved = block.saved(action)
+    backward = block.saved(KEEP) + temp_bytes(block) + block.bwd_extra_bytes.get(action, 0)
+    peak = max(saved + block.fwd_temp_bytes, backward) + head_retained
+    return UnitTerms(saved, peak, block.recompute_s[action], (reruns(action),))
+
+
+@dataclass(frozen=True)
+class BlockNumbers:
+    """The numbers of one block that the group formulas read (a group re-runs its blocks as checkpoints)."""
+
+    keep: int
+    checkpointed: int
+    output: int
+    fwd_temp: int
+    temp: int
+    rerun: float
+
+    @classmethod
+    def of(cls, block: BlockCost) -> BlockNumbers:
+        if CHECKPOINT not in block.recompute_s:
+            raise KeyError(
+                f"block {block.fqn!r} has no 'checkpoint' costs, which a segment or memory-poor group needs; "
+                "profile with 'checkpoint' included"
+            )
+        return cls(
+            keep=block.saved(KEEP),
+            checkpointed=block.saved(CHECKPOINT),
+            output=block.output_bytes,
+            fwd_temp=block.fwd_temp_bytes,
+            temp=temp_bytes(block),
+            rerun=block.recompute_s[CHECKPOINT],
+        )
+
+
+def group_terms(blocks: Sequence[BlockNumbers], kind: str, head_retained: int) -> UnitTerms:
+    """The terms of a group (``kind`` SEGMENT or MEMORY_POOR) of the consecutive ``blocks``."""
+    check_group_kind(kind)
+    inside = [0] + [b.output for b in blocks[:-1]]
+    forward_peak = max(inside[m] + b.checkpointed + b.fwd_temp for m, b in enumerate(blocks))
+    reruns_to = list(accumulate(b.rerun for b in blocks))  # reruns_to[m] = rerun[s] + ... + rerun[m]
+    if kind == SEGMENT:
+        keeps_to = list(accumulate(b.keep for b in blocks))
+        backward_peak = max(keeps_to[m] + b.temp for m, b in enumerate(blocks))
+        recompute, reexecutions = reruns_to[-1], (1,) * len(blocks)
+    else:
+        backward_peak = max(b.keep + inside[m] + b.temp for m, b in enumerate(blocks))
+        recompute = list(accumulate(reruns_to))[-1]
+        reexecutions = tuple(len(blocks) - m for m in range(len(blocks)))
+    peak = max(forward_peak, backward_peak) + head_retained
+    return UnitTerms(blocks[-1].checkpointed, peak, recompute, reexecutions)
+
+
+# ---------------------------------------------------------------- vectorised form: every unit of a chain
+
+
+@dataclass(frozen=True)
+class SingleTable:
+    """The terms of every block under every action in ``actions``: arrays of shape (actions, blocks)."""
+
+    actions: list[str]
+    keep: np.ndarray  # (blocks,): bytes saved under keep, what the other actions save against
+    retained: np.ndarray
+    peak: np.ndarray
+    recompute_s: np.ndarray
+    reexecutions: np.ndarray  # (actions,): re-runs per block, the same for every block
+
+
+def single_table(costs: CostTable, actions: Sequence[str]) -> SingleTable:
+    """:func:`single_terms` of every block of ``costs`` under every one of ``actions`` at once."""
+    blocks, n, i64 = costs.blocks, len(costs), np.int64
+    keep = np.array([b.saved(KEEP) for b in blocks], dtype=i64)
+    fwd_temp = np.array([b.fwd_temp_bytes for b in blocks], dtype=i64)
+    temp = np.array([temp_bytes(b) for b in blocks], dtype=i64)
+    saved = np.array([[b.saved(a) for b in blocks] for a in actions], dtype=i64).reshape(-1, n)
+    bwd_extra = np.array([[b.bwd_extra_bytes.get(a, 0) for b in blocks] for a in actions], dtype=i64).reshape(-1, n)
+    peak = np.maximum(saved + fwd_temp, keep + temp + bwd_extra) + int(costs.head_retained_bytes)
+    recompute = np.array([[b.recompute_s[a] for b in blocks] for a in actions], dtype=np.float64).reshape(-1, n)
+    return SingleTable(list(actions), keep, saved, peak, recompute, np.array([reruns(a) for a in actions], i64))
+
+
+@dataclass(frozen=True)
+class ChainNumbers:
+    """:class:`BlockNumbers` of every block of a chain, one array per number."""
+
+    keep: np.ndarray
+    checkpointed: np.ndarray
+    output: np.ndarray
+    fwd_temp: np.ndarray
+    temp: np.ndarray
+    rerun: np.ndarray
+
+    @classmethod
+    def of(cls, costs: CostTable) -> ChainNumbers:
+        rows = [BlockNumbers.of(b) for b in costs.blocks]
+        ints = {name: np.array([getattr(r, name) for r in rows], dtype=np.int64)
+                for name in ("keep", "checkpointed", "output", "fwd_temp", "temp")}  # fmt: skip
+        return cls(**ints, rerun=np.array([r.rerun for r in rows], dtype=np.float64))
+
+
+@dataclass(frozen=True)
+class GroupTable:
+    """The terms of every group ``s..s+j`` of a chain, ``j < longest``: arrays of shape (blocks, longest),
+    row ``s`` the first block, column ``j`` one less than the length. Entries with ``s + j`` past the chain's
+    last block are meaningless."""
+
+    retained: np.ndarray
+    peak: dict[str, np.ndarray]  # per group kind
+    recompute_s: dict[str, np.ndarray]
+    reexecutions: dict[str, np.ndarray]  # (longest,): re-runs summed over the group's blocks, per length
+
+
+def group_table(numbers: ChainNumbers, head_retained: int, longest: int, kinds: Sequence[str]) -> GroupTable:
+    """:func:`group_terms` of every group of up to ``longest`` blocks, for each of the group ``kinds``."""
+    for kind in kinds:
+        check_group_kind(kind)
+    n = len(numbers.keep)
+    column = np.arange(longest)[None, :]
+    block = np.minimum(np.arange(n)[:, None] + column, n - 1)  # block m of group (s, j); clamped past the end
+    inside = np.where(column > 0, numbers.output[block - 1], 0)
+    forward_peak = np.maximum.accumulate(inside + numbers.checkpointed[block] + numbers.fwd_temp[block], axis=1)
+    reruns_to = np.cumsum(numbers.rerun[block], axis=1)
+    length = np.arange(1, longest + 1, dtype=np.int64)
+    table = GroupTable(numbers.checkpointed[block], {}, {}, {})
+    if SEGMENT in kinds:
+        keeps_to = np.cumsum(numbers.keep[block], axis=1)
+        backward = np.maximum.accumulate(keeps_to + numbers.temp[block], axis=1)
+        table.peak[SEGMENT] = np.maximum(forward_peak, backward) + head_retained
+        table.recompute_s[SEGMENT] = reruns_to
+        table.reexecutions[SEGMENT] = length
+    if MEMORY_POOR in kinds:
+        backward = np.maximum.accumulate(numbers.keep[block] + inside + numbers.temp[block], axis=1)
+        table.peak[MEMORY_POOR] = np.maximum(forward_peak, backward) + head_retained
+        table.recompute_s[MEMORY_POOR] = np.cumsum(reruns_to, axis=1)
+        table.reexecutions[MEMORY_POOR] = length * (length + 1) // 2
+    return table
+
+
+__all__ = [
+    "GROUP_KINDS",
+    "BlockNumbers",
+    "ChainNumbers",
+    "GroupTable",
+    "SingleTable",
+    "UnitTerms",
+    "group_table",
+    "group_terms",
+    "single_table",
+    "single_terms",
+    "unit_terms",
+]
