@@ -1,0 +1,175 @@
+"""One table of units run through every form of the memory and time model: the simulator's scalar form, the
+vectorised tables of :mod:`remat.unit_terms`, and the columns the optimal planner searches over
+(:class:`remat.planners.chain_units.ChainUnits`, by start and by end). Every form must give the same numbers,
+floating-point seconds included."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from remat.actions import MEMORY_POOR, SEGMENT, SINGLE, Unit
+from remat.costs import BlockCost, CostTable
+from remat.planners.chain_units import ChainUnits, holding_arguments
+from remat.simulator import simulate, units_from_actions
+from remat.unit_terms import ChainNumbers, group_table, single_table, unit_terms
+
+SELECTIVE = "selective:dots_saveable"
+
+
+def block(i: int, keep: int, checkpointed: int, out: int, fwd_temp: int, bwd_temp: int, rerun: float) -> BlockCost:
+    """A block with costs for every single action; its selective and offload rows differ from keep and
+    checkpoint, and selective's backward peaks higher (``bwd_extra``)."""
+    saved = {"keep": keep, "checkpoint": checkpointed, SELECTIVE: (keep + checkpointed) // 2, "offload": out + 3}
+    # Seconds that are not sums of powers of two: the forms only agree if they add in the same order.
+    recompute = {"keep": 0.0, "checkpoint": rerun, SELECTIVE: rerun * 0.3, "offload": rerun * 0.11}
+    extra = {SELECTIVE: 7 + i, "offload": 2}
+    return BlockCost(f"b{i}", rerun, 2 * rerun, out, out, saved, recompute, fwd_temp, bwd_temp, extra)
+
+
+def chain(n: int, head_retained: int = 0, held_args: int = 0, forward_decides: bool = False) -> CostTable:
+    """Blocks of different sizes. Usually a unit's backward decides its peak (keep saves more than checkpoint);
+    with ``forward_decides`` checkpointing saves more than keeping (a block whose stored input is a copy) and
+    the forward temporaries are the larger ones, so the forward formulas decide."""
+    blocks = []
+    for i in range(n):
+        out, keep, temp = 10 + 3 * (i % 3), 90 + 17 * i, 5 + 11 * i
+        checkpointed = keep + 200 if forward_decides else out + 1
+        bwd_temp = temp // 2 if forward_decides else temp + 9 * (i % 2)
+        blocks.append(block(i, keep, checkpointed, out, temp, bwd_temp, math.sqrt(2 + i) / 1000))
+    return CostTable(blocks, stem_bytes=4, head_bytes=50, head_retained_bytes=head_retained, held_args_bytes=held_args)
+
+
+# (case id, cost table, the plan's block actions); every unit of every plan is checked.
+CASES = [
+    ("single keep", chain(1), ["keep"]),
+    ("single checkpoint", chain(1), ["checkpoint"]),
+    ("single selective", chain(1), [SELECTIVE]),
+    ("single offload", chain(1), ["offload"]),
+    ("every single action", chain(4), ["keep", "checkpoint", SELECTIVE, "offload"]),
+    ("segment of two", chain(2), ["segment:0"] * 2),
+    ("segment of the whole chain", chain(6), ["segment:0"] * 6),
+    ("segments back to back", chain(5), ["segment:a"] * 2 + ["segment:b"] * 3),
+    ("memory-poor group of two", chain(2), ["memory_poor:0"] * 2),
+    ("memory-poor group of the whole chain", chain(6), ["memory_poor:0"] * 6),
+    ("memory-poor group, forward decides", chain(5, forward_decides=True), ["memory_poor:0"] * 5),
+    ("segment, forward decides", chain(2, forward_decides=True), ["segment:0"] * 2),
+    ("checkpoint, forward decides", chain(1, forward_decides=True), ["checkpoint"]),
+    (
+        "head_retained",
+        chain(6, head_retained=37),
+        ["keep", "segment:0", "segment:0", "memory_poor:1", "memory_poor:1", SELECTIVE],
+    ),
+    ("bwd_extra of selective", chain(3, head_retained=5), [SELECTIVE, SELECTIVE, "offload"]),
+    ("held args", chain(4, held_args=23), ["keep", "memory_poor:0", "memory_poor:0", "checkpoint"]),
+    (
+        "mixed",
+        chain(9, head_retained=3, held_args=6),
+        [SELECTIVE, *["segment:0"] * 2, *["memory_poor:1"] * 3, "offload", "checkpoint", "keep"],
+    ),
+]
+
+Terms = tuple[int, int, float, int]  # retained bytes, peak bytes above the prefix, recompute seconds, re-runs
+
+
+def simulator_form(costs: CostTable, actions: list[str]) -> list[Terms]:
+    """The simulator: :func:`unit_terms` per unit, with the peaks :func:`simulate` charges (held args included)."""
+    sim = simulate(costs, actions)
+    units = units_from_actions(actions)
+    rows = []
+    for unit, peak in zip(units, sim.unit_peaks, strict=True):
+        terms = unit_terms(costs, unit)
+        rows.append((terms.retained, peak, terms.recompute_s, sum(terms.reexecutions)))
+    return rows
+
+
+def table_form(costs: CostTable, actions: list[str]) -> list[Terms]:
+    """:func:`single_table` and :func:`group_table` over the whole chain, on the table the planner searches
+    (held arguments folded into the head terms)."""
+    searched = holding_arguments(costs)
+    n = len(costs)
+    rows = []
+    for unit in units_from_actions(actions):
+        if unit.kind == SINGLE:
+            t = single_table(searched, [unit.action])
+            rows.append((t.retained[0, unit.start], t.peak[0, unit.start], t.recompute_s[0, unit.start],
+                         t.reexecutions[0]))  # fmt: skip
+            continue
+        g = group_table(ChainNumbers.of(searched), searched.head_retained_bytes, n, [SEGMENT, MEMORY_POOR])
+        s, j = unit.start, unit.size - 1
+        rows.append((g.retained[s, j], g.peak[unit.kind][s, j], g.recompute_s[unit.kind][s, j],
+                     g.reexecutions[unit.kind][j]))  # fmt: skip
+    return rows
+
+
+def planner_form(costs: CostTable, actions: list[str], by: str) -> list[Terms]:
+    """The columns the optimal planner's search reads: units listed by the block they start (``by="start"``,
+    the suffix bounds) or end at (``by="end"``, the search)."""
+    chain_units = ChainUnits.from_costs(holding_arguments(costs), None)
+    n = len(costs)
+    rows = []
+    for unit in units_from_actions(actions):
+        listed = chain_units.starting_at(unit.start, n) if by == "start" else chain_units.ending_at(unit.end, n)
+        rows.append(_pick(chain_units, listed, unit))
+    return rows
+
+
+def _pick(chain_units: ChainUnits, listed, unit: Unit) -> Terms:  # noqa: ANN001
+    if unit.kind == SINGLE:
+        code = chain_units.singles.actions.index(unit.action)
+    else:
+        code = len(chain_units.singles.actions) + chain_units.group_kinds.index(unit.kind)
+    (row,) = [r for r in range(len(listed.code)) if listed.code[r] == code and listed.start[r] == unit.start
+              and listed.end[r] == unit.end]  # fmt: skip
+    return listed.retained[row], listed.peak[row], listed.time[row], listed.reexec[row]
+
+
+def as_python(rows: list[Terms]) -> list[Terms]:
+    return [(int(r), int(p), float(t), int(x)) for r, p, t, x in rows]
+
+
+@pytest.mark.parametrize("name, costs, actions", CASES, ids=[c[0] for c in CASES])
+def test_every_form_gives_the_same_numbers(name: str, costs: CostTable, actions: list[str]) -> None:
+    expected = as_python(simulator_form(costs, actions))
+    assert len(expected) == len(units_from_actions(actions))
+    assert as_python(table_form(costs, actions)) == expected
+    assert as_python(planner_form(costs, actions, by="start")) == expected
+    assert as_python(planner_form(costs, actions, by="end")) == expected
+
+
+def test_the_table_exercises_what_it_names() -> None:
+    """Guards the table itself: the cases must reach the terms their names promise."""
+    by_name = {name: (costs, actions) for name, costs, actions in CASES}
+    kinds = {u.kind for _, _, actions in CASES for u in units_from_actions(actions)}
+    assert kinds == {SINGLE, SEGMENT, MEMORY_POOR}
+    for name in ("segment of the whole chain", "memory-poor group of the whole chain", "segment, forward decides",
+                 "memory-poor group, forward decides", "checkpoint, forward decides"):  # fmt: skip
+        costs, actions = by_name[name]
+        (unit,) = units_from_actions(actions)
+        blocks = costs.blocks[unit.start : unit.end + 1]
+        forward_peak = max(
+            (blocks[m - 1].output_bytes if m else 0) + b.saved("checkpoint") + b.fwd_temp_bytes
+            for m, b in enumerate(blocks)
+        )
+        decided_by_forward = unit_terms(costs, unit).peak == forward_peak
+        assert decided_by_forward == ("forward decides" in name), name
+    costs, actions = by_name["held args"]
+    held = simulate(costs, actions).unit_peaks[0] - unit_terms(costs, units_from_actions(actions)[0]).peak
+    assert held == costs.held_args_bytes
+    costs, actions = by_name["memory-poor group of the whole chain"]
+    (unit,) = units_from_actions(actions)
+    rerun = [b.recompute_s["checkpoint"] for b in costs.blocks]
+    assert unit_terms(costs, unit).reexecutions == (6, 5, 4, 3, 2, 1)
+    assert unit_terms(costs, unit).recompute_s == pytest.approx(sum(sum(rerun[: m + 1]) for m in range(6)))
+
+
+def test_group_kind_and_missing_checkpoint_costs_are_named() -> None:
+    costs = chain(3)
+    numbers = ChainNumbers.of(costs)
+    with pytest.raises(ValueError, match="unknown group kind 'nested'; use 'segment' or 'memory_poor'"):
+        group_table(numbers, 0, 3, ["nested"])
+    for b in costs.blocks:
+        del b.recompute_s["checkpoint"]
+    with pytest.raises(KeyError, match="no 'checkpoint' costs, which a segment or memory-poor group needs"):
+        unit_terms(costs, Unit(SEGMENT, 0, 1, "checkpoint"))
