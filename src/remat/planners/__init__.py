@@ -11,9 +11,8 @@ from typing import Any
 from ..costs import CostTable
 from ..simulator import Plan, resolve_budget
 from ..sizes import format_bytes
-from . import static
+from . import optimal, static
 from .errors import BudgetError
-from .optimal import min_peak_bytes, optimal
 
 STRATEGIES: dict[str, Callable[..., Plan]] = {
     "none": static.none,
@@ -22,13 +21,13 @@ STRATEGIES: dict[str, Callable[..., Plan]] = {
     "sqrt": static.sqrt,
     "memory_poor": static.memory_poor,
     "random": static.random,
-    "optimal": optimal,
+    "optimal": optimal.optimal,
 }
 
 
 def minimum_peak_bytes(costs: CostTable) -> int:
     """The least predicted peak activation memory any plan reaches on ``costs``."""
-    return min_peak_bytes(costs)
+    return optimal.min_peak_bytes(costs)
 
 
 def plan(
