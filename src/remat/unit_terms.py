@@ -181,28 +181,34 @@ class ChainNumbers:
 
 @dataclass(frozen=True)
 class GroupTable:
-    """The terms of every group ``s..s+j`` of a chain, ``j < longest``: arrays of shape (blocks, longest),
-    row ``s`` the first block, column ``j`` one less than the length. Entries with ``s + j`` past the chain's
-    last block are meaningless."""
+    """The terms of groups ``s..s+j``, ``j < longest``, for a run of first blocks ``s``: arrays of shape
+    (first blocks, longest), row ``r`` the group starting at the table's ``first`` block plus ``r``, column ``j``
+    one less than the length. Entries with ``s + j`` past the chain's last block are meaningless."""
 
+    first: int
     retained: np.ndarray
     peak: dict[str, np.ndarray]  # per group kind
     recompute_s: dict[str, np.ndarray]
     reexecutions: dict[str, np.ndarray]  # (longest,): re-runs summed over the group's blocks, per length
 
 
-def group_table(numbers: ChainNumbers, head_retained: int, longest: int, kinds: Sequence[str]) -> GroupTable:
-    """:func:`group_terms` of every group of up to ``longest`` blocks, for each of the group ``kinds``."""
+def group_table(
+    numbers: ChainNumbers, head_retained: int, longest: int, kinds: Sequence[str], first: int = 0, rows: int = -1
+) -> GroupTable:
+    """:func:`group_terms` of every group of up to ``longest`` blocks, for each of the group ``kinds``, starting
+    at each of the ``rows`` blocks from ``first`` on (``rows=-1``: every block from ``first`` to the end)."""
     for kind in kinds:
         check_group_kind(kind)
     n = len(numbers.keep)
+    rows = n - first if rows < 0 else rows
     column = np.arange(longest)[None, :]
-    block = np.minimum(np.arange(n)[:, None] + column, n - 1)  # block m of group (s, j); clamped past the end
+    starts = np.arange(first, first + rows)[:, None]
+    block = np.minimum(starts + column, n - 1)  # block m of group (s, j); clamped past the end
     inside = np.where(column > 0, numbers.output[block - 1], 0)
     forward_peak = np.maximum.accumulate(inside + numbers.checkpointed[block] + numbers.fwd_temp[block], axis=1)
     reruns_to = np.cumsum(numbers.rerun[block], axis=1)
     length = np.arange(1, longest + 1, dtype=np.int64)
-    table = GroupTable(numbers.checkpointed[block], {}, {}, {})
+    table = GroupTable(first, numbers.checkpointed[block], {}, {}, {})
     if SEGMENT in kinds:
         keeps_to = np.cumsum(numbers.keep[block], axis=1)
         backward = np.maximum.accumulate(keeps_to + numbers.temp[block], axis=1)

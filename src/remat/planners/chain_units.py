@@ -13,6 +13,8 @@ from ..actions import MEMORY_POOR_PREFIX, SEGMENT, SEGMENT_PREFIX
 from ..costs import CHECKPOINT, KEEP, CostTable
 from ..unit_terms import GROUP_KINDS, ChainNumbers, GroupTable, SingleTable, group_table, single_table
 
+ROWS_AT_ONCE = 64  # group starts whose terms starting_at computes in one table
+
 
 @dataclass
 class Units:
@@ -40,6 +42,7 @@ class ChainUnits:
     head_retained: int
     _groups: dict[int, GroupTable] = field(default_factory=dict)
     _starting: dict[tuple[int, int], Units] = field(default_factory=dict)
+    _rows: GroupTable | None = None  # the latest run of rows computed for starting_at
 
     @classmethod
     def from_costs(cls, costs: CostTable, actions: list[str] | None) -> ChainUnits:
@@ -55,40 +58,70 @@ class ChainUnits:
         return len(self.singles.keep)
 
     def groups(self, longest: int) -> GroupTable:
+        """The groups of at most ``longest`` blocks starting at every block (cached per ``longest``)."""
         if longest not in self._groups:
-            assert self.numbers is not None, "groups are only listed when a group kind is allowed"
-            self._groups[longest] = group_table(self.numbers, self.head_retained, longest, self.group_kinds)
+            self._groups[longest] = self._group_table(longest)
         return self._groups[longest]
 
     def starting_at(self, start: int, longest: int) -> Units:
-        """Every unit that starts at block ``start``, groups of at most ``longest`` blocks (cached)."""
+        """Every unit that starts at block ``start``, groups of at most ``longest`` blocks (cached: the bounds
+        on what a plan needs read them once per pass over the chain)."""
         key = (start, longest)
         if key not in self._starting:
-            lengths = np.arange(2, min(self.n - start, longest) + 1) if self.group_kinds else np.arange(0)
-            self._starting[key] = self._collect(np.full(len(lengths), start), lengths - 1, start, longest)
+            length = min(self.n - start, longest) if self.group_kinds else 1
+            picks = {}
+            if length > 1:
+                table, lengths = self._rows_for(start, longest), slice(1, length)
+                row = start - table.first
+                for kind in self.group_kinds:
+                    picks[kind] = (
+                        table.retained[row, lengths], table.peak[kind][row, lengths],
+                        table.recompute_s[kind][row, lengths], table.reexecutions[kind][lengths],
+                    )  # fmt: skip
+            starts = np.full(length - 1, start)
+            self._starting[key] = self._collect(start, starts, starts + np.arange(1, length), picks)
         return self._starting[key]
+
+    def _rows_for(self, start: int, longest: int) -> GroupTable:
+        """A table holding the groups of up to ``longest`` blocks that start at ``start``. Passes run from the
+        chain's end down, so the rows of the ROWS_AT_ONCE starts up to ``start`` are computed together."""
+        table = self._rows
+        if (
+            table is None
+            or not table.first <= start < table.first + len(table.retained)
+            or table.retained.shape[1] < min(self.n - start, longest)
+        ):
+            first = max(0, start - ROWS_AT_ONCE + 1)
+            table = self._rows = self._group_table(min(self.n - first, longest), first, start - first + 1)
+        return table
 
     def ending_at(self, end: int, longest: int) -> Units:
         """Every unit that ends at block ``end``, groups of at most ``longest`` blocks."""
         starts = np.arange(max(0, end - longest + 1), end) if self.group_kinds else np.arange(0)
-        return self._collect(starts, end - starts, end, longest)
-
-    def _collect(self, starts: np.ndarray, columns: np.ndarray, single_block: int, longest: int) -> Units:
-        """The singles of ``single_block`` followed by the groups (``starts``, ``columns``) of each kind."""
-        singles, i64 = self.singles, np.int64
-        n_single = len(singles.actions)
-        at = np.full(n_single, single_block, dtype=i64)
-        codes = np.arange(n_single, dtype=i64)
-        column = (singles.retained, singles.peak, singles.recompute_s)
-        parts = [(at, at, *(terms[:, single_block] for terms in column), singles.reexecutions, codes)]
+        picks = {}
         if len(starts):
             table = self.groups(min(longest, self.n))
-            for k, kind in enumerate(self.group_kinds):
-                parts.append((
-                    starts, starts + columns, table.retained[starts, columns], table.peak[kind][starts, columns],
-                    table.recompute_s[kind][starts, columns], table.reexecutions[kind][columns],
-                    np.full(len(starts), n_single + k, dtype=i64),
-                ))  # fmt: skip
+            cells = (starts - table.first, end - starts)
+            for kind in self.group_kinds:
+                picks[kind] = (table.retained[cells], table.peak[kind][cells], table.recompute_s[kind][cells],
+                               table.reexecutions[kind][cells[1]])  # fmt: skip
+        return self._collect(end, starts, np.full(len(starts), end), picks)
+
+    def _group_table(self, longest: int, first: int = 0, rows: int = -1) -> GroupTable:
+        assert self.numbers is not None, "groups are only listed when a group kind is allowed"
+        return group_table(self.numbers, self.head_retained, longest, self.group_kinds, first, rows)
+
+    def _collect(self, block: int, starts: np.ndarray, ends: np.ndarray, picks: dict[str, tuple]) -> Units:
+        """The singles of ``block`` followed by the groups ``starts..ends`` of each kind, whose retained bytes,
+        peaks, seconds and re-executions ``picks`` holds per kind."""
+        singles, i64 = self.singles, np.int64
+        n_single = len(singles.actions)
+        at = np.full(n_single, block, dtype=i64)
+        codes = np.arange(n_single, dtype=i64)
+        column = (singles.retained, singles.peak, singles.recompute_s)
+        parts = [(at, at, *(terms[:, block] for terms in column), singles.reexecutions, codes)]
+        for k, kind in enumerate(self.group_kinds if picks else ()):
+            parts.append((starts, ends, *picks[kind], np.full(len(starts), n_single + k, dtype=i64)))
         return Units(*(np.concatenate(column) for column in zip(*parts)))
 
     def actions_from_units(self, units: list[tuple[int, int, int]]) -> list[str]:
