@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import policies as _policies
+from .blocks import main_input_slot, main_tensor, replace_slot, resolve_blocks, slot_value, without_caches
 from .costs import CHECKPOINT, KEEP, SELECTIVE_PREFIX, BlockCost, CostTable
 from .profiler import (
     Batch,
@@ -37,7 +38,7 @@ from .profiler import (
     run_step,
     run_tracked,
 )
-from .runtime import _get_slot, _main_input_slot, _resolve_blocks, _with_slot, main_tensor, suspend_all, without_caches
+from .runtime import suspend_all
 
 # ---------------------------------------------------------------------------------------------------------
 # The transformer layer formula
@@ -312,9 +313,9 @@ def _meta_block_cost(
     """One block run alone under each action, as :func:`remat.profiler.measure_block` does on a real device:
     bytes kept after its forward (its input excluded, its output included), forward and backward
     transients; times from its FLOPs and the bytes its operators write."""
-    slot = _main_input_slot(args, kwargs)
-    main = _get_slot(args, kwargs, slot).detach().requires_grad_(True)
-    args, kwargs = _with_slot(args, kwargs, slot, main)
+    slot = main_input_slot(args, kwargs)
+    main = slot_value(args, kwargs, slot).detach().requires_grad_(True)
+    args, kwargs = replace_slot(args, kwargs, slot, main)
     trackers: dict[str, _LiveBytes] = {}
     times: dict[str, tuple[float, float]] = {}
     output_bytes = 0
@@ -404,7 +405,7 @@ def meta_cost_table(
     """
     device = device_throughput(device_flops)
     model = _meta_model(model_or_factory)
-    chain = _resolve_blocks(model, blocks)
+    chain = resolve_blocks(model, blocks)
     actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + _policies.get(p).name for p in policies]
     inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     tracker = _LiveBytes()

@@ -25,18 +25,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from . import policies as _policies
+from .blocks import main_input, main_input_slot, main_tensor, replace_slot, resolve_blocks, slot_value, without_caches
 from .checkpointing import checkpoint
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
 from .memory import LiveTensorTracker
-from .runtime import (
-    _get_slot,
-    _main_input_slot,
-    _resolve_blocks,
-    _with_slot,
-    main_tensor,
-    suspend_all,
-    without_caches,
-)
+from .runtime import suspend_all
 
 Batch = torch.Tensor | tuple[Any, ...] | list[Any] | dict[str, Any]
 
@@ -92,11 +85,11 @@ def measure_block(
     repeats: int = 3,
 ) -> BlockCost:
     """Costs of one block on these inputs, under each of ``actions`` (``"keep"`` must be among them)."""
-    slot = _main_input_slot(args, kwargs)
-    source = _get_slot(args, kwargs, slot)
+    slot = main_input_slot(args, kwargs)
+    source = slot_value(args, kwargs, slot)
     device = source.device
     main = source.detach().requires_grad_(True)
-    args, kwargs = without_caches(*_with_slot(args, kwargs, slot, main))
+    args, kwargs = without_caches(*replace_slot(args, kwargs, slot, main))
     trackers: dict[str, LiveTensorTracker] = {}
     output_bytes = 0
     times: dict[str, tuple[float, float, float]] = {}
@@ -297,7 +290,7 @@ class BlockArguments:
         self._storages: list[tuple[weakref.ref, int]] = []
 
     def add(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        main = _get_slot(args, kwargs, _main_input_slot(args, kwargs))
+        main = main_input(args, kwargs)
         for t in tree_flatten((args, kwargs))[0]:
             if not isinstance(t, torch.Tensor) or t is main or isinstance(t, nn.Parameter):
                 continue
@@ -328,7 +321,7 @@ class BlockProfiler:
         repeats: int = 3,
     ) -> None:
         self.model = model
-        self.chain = _resolve_blocks(model, blocks)
+        self.chain = resolve_blocks(model, blocks)
         self.policies = tuple(policies)
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
@@ -364,7 +357,7 @@ class BlockProfiler:
             tracker = self._tracker
             if i == 0 and tracker is not None:
                 tracker.mark("stem")
-            main = _get_slot(args, kwargs, _main_input_slot(args, kwargs))
+            main = main_input(args, kwargs)
             self._device = main.device
             self._arguments.add(args, kwargs)
             actions = self.actions or default_actions(main.device, self.policies)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
 from . import policies
-from .chain import find_blocks
+from .blocks import BlocksArg, main_input_slot, main_tensor, replace_slot, resolve_blocks, slot_value, without_caches
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .rng import RngSnapshot, forked
 from .simulator import Plan, Unit
@@ -54,22 +54,6 @@ def suspend_all() -> Iterator[None]:
         _GLOBAL.suspended -= 1
 
 
-def main_tensor(value: Any) -> torch.Tensor | None:
-    """The hidden-state tensor of a block's output: the tensor itself, or the first tensor inside it."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict):
-        value = list(value.values())
-    elif hasattr(value, "__dataclass_fields__"):
-        value = [getattr(value, f) for f in value.__dataclass_fields__]
-    if isinstance(value, list | tuple):
-        for item in value:
-            found = main_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook``, never traced by ``torch.compile`` (as FSDP2 does with its hooks): with compiled blocks
     (``block.compile()``) the checkpoint regions open and close in eager code around the compiled forward."""
@@ -84,43 +68,6 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:
     if b is None or a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
         return False
     return a.data_ptr() == b.data_ptr() and a.device == b.device
-
-
-def without_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A block's arguments with key/value caches (Hugging Face ``*Cache`` objects) replaced by ``None``.
-
-    A block run again (recomputation, isolated measurement) must not append to the step's cache. In training
-    the cache starts empty each forward, so a layer attends to exactly its current keys with or without it.
-    """
-
-    def drop(value: Any) -> Any:
-        return None if type(value).__name__.endswith("Cache") else value
-
-    return tuple(drop(v) for v in args), {k: drop(v) for k, v in kwargs.items()}
-
-
-def _main_input_slot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any]:
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return "arg", i
-    if "hidden_states" in kwargs:
-        return "kw", "hidden_states"
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            return "kw", k
-    raise RuntimeError("a block was called without any tensor argument; remat cannot find its input")
-
-
-def _get_slot(args: tuple[Any, ...], kwargs: dict[str, Any], slot: tuple[str, Any]) -> Any:
-    return args[slot[1]] if slot[0] == "arg" else kwargs[slot[1]]
-
-
-def _with_slot(args: tuple[Any, ...], kwargs: dict[str, Any], slot: tuple[str, Any], value: Any):
-    if slot[0] == "arg":
-        args = args[: slot[1]] + (value,) + args[slot[1] + 1 :]
-    else:
-        kwargs = {**kwargs, slot[1]: value}
-    return args, kwargs
 
 
 @dataclass
@@ -324,16 +271,16 @@ class RematHandle:
         return gen
 
     def _record(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_CallRecord, Any]:
-        slot = _main_input_slot(args, kwargs)
-        main = _get_slot(args, kwargs, slot)
-        stripped_args, stripped_kwargs = without_caches(*_with_slot(args, kwargs, slot, None))
+        slot = main_input_slot(args, kwargs)
+        main = slot_value(args, kwargs, slot)
+        stripped_args, stripped_kwargs = without_caches(*replace_slot(args, kwargs, slot, None))
         rng = RngSnapshot.take(main)
         return _CallRecord(i, stripped_args, stripped_kwargs, slot, main.requires_grad, rng), main
 
     def _run_block(self, record: _CallRecord, main: torch.Tensor, timed: bool) -> torch.Tensor | None:
         """Re-run one block in recomputation, from ``main`` and the recorded other arguments."""
         _, module = self.blocks[record.index]
-        args, kwargs = _with_slot(record.args, record.kwargs, record.slot, main)
+        args, kwargs = replace_slot(record.args, record.kwargs, record.slot, main)
         fqn = self.fqns[record.index]
         sync = timed and self.time_recompute and main.is_cuda
         if sync:
@@ -437,28 +384,17 @@ class RematHandle:
         region.generator = self._start_generator(recompute, noop_context_fn, group["input"])
 
 
-def _resolve_blocks(
-    model: nn.Module, blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None
-) -> list[tuple[str, nn.Module]]:
-    if blocks is None:
-        return find_blocks(model)
-    blocks = list(blocks)
-    if blocks and isinstance(blocks[0], str):
-        return find_blocks(model, names=blocks)  # type: ignore[arg-type]
-    return [(str(f), m) for f, m in blocks]  # type: ignore[misc]
-
-
 def apply(
     model: nn.Module,
     plan: Plan,
-    blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None = None,
+    blocks: BlocksArg = None,
     *,
     time_recompute: bool = True,
 ) -> RematHandle:
     """Install ``plan`` on ``model`` and return the handle (``set_plan``, ``remove``, ``stats``)."""
     if getattr(model, "_remat_handle", None) is not None:
         raise RuntimeError("remat is already applied to this model; call handle.set_plan(plan) to change it")
-    chain = _resolve_blocks(model, blocks)
+    chain = resolve_blocks(model, blocks)
     handle = RematHandle(model, chain, plan, time_recompute=time_recompute)
     model._remat_handle = handle  # type: ignore[assignment]
     return handle

@@ -27,8 +27,8 @@ from typing import Any
 
 from torch import nn
 
+from ..blocks import resolve_blocks
 from ..chain import find_blocks
-from ..runtime import _resolve_blocks
 
 
 def compile_blocks(
@@ -41,7 +41,7 @@ def compile_blocks(
     """
     handle = getattr(model, "_remat_handle", None)
     if blocks is not None:
-        chain = _resolve_blocks(model, blocks)
+        chain = resolve_blocks(model, blocks)
     elif handle is not None:
         chain = list(handle.blocks)
     else:

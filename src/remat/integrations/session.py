@@ -35,11 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..blocks import resolve_blocks
 from ..costs import CHECKPOINT, CostTable
 from ..planners import STRATEGIES
 from ..planners import plan as make_plan
 from ..profiler import BlockProfiler, profile
-from ..runtime import RecomputeStats, RematHandle, _resolve_blocks, apply
+from ..runtime import RecomputeStats, RematHandle, apply
 from ..simulator import Plan
 from ..sizes import parse_bytes
 
@@ -134,7 +135,7 @@ class RematSession:
         self._global_hooks: list[Any] = []
         self._owners: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._removed = False
-        chain = _resolve_blocks(model, blocks)
+        chain = resolve_blocks(model, blocks)
 
         if strategy == "pgac":
             unknown = set(options) - PGAC_OPTIONS
