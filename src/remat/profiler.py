@@ -28,7 +28,7 @@ from .blocks import BlocksArg, main_input, main_input_slot, replace_slot, resolv
 from .chain_bounds import ChainBounds
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
 from .memory import LiveTensorTracker
-from .runtime import suspend_all
+from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step
 
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]

@@ -24,7 +24,7 @@ from ..blocks import BlocksArg, main_input_slot, main_tensor, replace_slot, reso
 from ..chain_bounds import ChainBounds
 from ..costs import CHECKPOINT, KEEP, SELECTIVE_PREFIX, BlockCost, CostTable
 from ..memory import LiveTensorTracker
-from ..runtime import suspend_all
+from ..suspension import suspend_all
 from ..training_step import Batch, run_step
 from .time_model import DeviceThroughput, device_throughput, flops_time_model
 
