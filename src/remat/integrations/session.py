@@ -43,6 +43,7 @@ from ..profiler import BlockProfiler, profile
 from ..runtime import RecomputeStats, RematHandle, apply
 from ..simulator import Plan
 from ..sizes import parse_bytes
+from .wrappers import is_sharded
 
 log = logging.getLogger("remat.integrations")
 
@@ -250,8 +251,6 @@ class RematSession:
         if not (torch.is_grad_enabled() and self.model.training):
             return
         if self._profiler is None:
-            from .distributed import is_sharded
-
             _refuse_compiled(self.handle.blocks)
             if is_sharded(self.model):
                 raise RuntimeError(
