@@ -373,9 +373,14 @@ def apply(
     time_recompute: bool = True,
 ) -> RematHandle:
     """Install ``plan`` on ``model`` and return the handle (``set_plan``, ``remove``, ``stats``); Note [4]."""
-    if getattr(model, "_remat_handle", None) is not None:
+    if applied_handle(model) is not None:
         raise RuntimeError("remat is already applied to this model; call handle.set_plan(plan) to change it")
     chain = resolve_blocks(model, blocks)
     handle = RematHandle(model, chain, plan, time_recompute=time_recompute)
     model._remat_handle = handle  # type: ignore[assignment]
     return handle
+
+
+def applied_handle(model: nn.Module) -> RematHandle | None:
+    """The handle of the plan applied to ``model`` with :func:`apply` (until ``remove``), or ``None``."""
+    return getattr(model, "_remat_handle", None)

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..blocks import resolve_blocks
 from ..chain import find_blocks
+from ..runtime import applied_handle
 
 
 def compile_blocks(
@@ -39,7 +40,7 @@ def compile_blocks(
     The chain is the one remat applied to ``model`` (if any), else ``blocks`` or :func:`remat.find_blocks`.
     Parameter names and ``state_dict`` keys do not change.
     """
-    handle = getattr(model, "_remat_handle", None)
+    handle = applied_handle(model)
     if blocks is not None:
         chain = resolve_blocks(model, blocks)
     elif handle is not None:
