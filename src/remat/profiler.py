@@ -35,6 +35,8 @@ __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", 
 
 
 def default_actions(device: torch.device, policies: Iterable[str] = ("dots_saveable",)) -> list[str]:
+    """The actions a block is profiled under: keep, checkpoint, ``selective:<policy>`` for each of ``policies``,
+    and offload on CUDA."""
     actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + _policies.get(p).name for p in policies]
     if device.type == "cuda":
         actions.append(OFFLOAD)
