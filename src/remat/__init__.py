@@ -14,11 +14,11 @@ from . import policies
 from .chain import find_blocks
 from .checkpointing import Checkpoint, checkpoint, checkpoint_fn, checkpointed
 from .costs import BlockCost, CostTable
-from .memory import measure
+from .memory import MemoryReport, measure
 from .planners import STRATEGIES, BudgetError, plan
 from .profiler import profile
-from .runtime import apply
-from .simulator import Plan, simulate
+from .runtime import RematHandle, apply
+from .simulator import Plan, Simulation, simulate
 from .sizes import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -32,9 +32,12 @@ __all__ = [
     "Checkpoint",
     "CostTable",
     "DTR",
+    "MemoryReport",
     "PGAC",
     "Plan",
+    "RematHandle",
     "STRATEGIES",
+    "Simulation",
     "apply",
     "checkpoint",
     "checkpoint_fn",

@@ -1,7 +1,8 @@
 """Peak-memory meters: a live-tensor tracker (any device, exact per storage) and CUDA allocator statistics.
 
 ``measure()`` wraps a training step. On CPU it runs a :class:`LiveTensorTracker`, a ``TorchDispatchMode``
-that records every storage created by an operator and when it dies. Its figures:
+that records every storage created by an operator and when it dies (the one tracker of the package: the
+profiler and the ``meta`` estimator measure blocks with it too). Its figures:
 
 * ``peak_bytes``: the most bytes created inside the region that were alive at once (views, ``detach`` and
   in-place results share an existing storage and create none);
@@ -28,29 +29,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-def _storage_ptr(t: torch.Tensor) -> int | None:
-    """Address of ``t``'s storage (``None`` when it has none, or no data yet)."""
+def storage_key(t: torch.Tensor) -> int | None:
+    """Identity of ``t``'s storage while it lives (``None`` when it has none). It is the storage's address in
+    memory, so it works on ``meta`` too, where data pointers are all 0; a freed address may be reused."""
     try:
-        return t.untyped_storage().data_ptr() or None
-    except (RuntimeError, NotImplementedError):
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):
         return None
 
 
 class LiveTensorTracker(TorchDispatchMode):
     """Records allocation and death of every storage an operator creates while the mode is active.
 
-    Events are kept so that peaks can be computed afterwards excluding storages that outlive the region;
-    ``mark(label)`` notes the current position so figures at that moment can be read after the run.
+    Works on every device, ``meta`` included (where storages have no data). Events are kept so that peaks can
+    be computed afterwards excluding storages that outlive the region (its survivors: those still alive at
+    :meth:`close`, such as parameter gradients); ``mark(label)`` notes the current position so figures at that
+    moment can be read after the run.
     """
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         super().__init__()
         self.device_type = torch.device(device).type if device is not None else None
         self._paused = 0
-        self._live: dict[int, int] = {}
-        self._events: list[tuple[int, int]] = []  # (storage key, +nbytes on alloc / -nbytes on free)
+        self._live: dict[int, tuple[int, int]] = {}  # storage key -> (event id, nbytes)
+        self._events: list[tuple[int, int]] = []  # (event id, +nbytes on alloc / -nbytes on free)
         self._marks: list[tuple[str, int]] = []
-        self._next_key = 0
+        self._next_id = 0
         self._finalizers: list[weakref.finalize] = []
         self.live_bytes = 0
         self.peak_live_bytes = 0
@@ -60,39 +64,33 @@ class LiveTensorTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self._closed and not self._paused:
             # Outputs that share an input's storage (views, in-place results, detach) were not created here.
-            inputs = {_storage_ptr(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and _storage_ptr(t) not in inputs:
-                    self._track(t)
+                if isinstance(t, torch.Tensor):
+                    self._track(t, inputs)
         return out
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, inputs: set[int | None]) -> None:
         if self.device_type is not None and t.device.type != self.device_type:
             return
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+        key = storage_key(t)
+        if key is None or key in inputs or key in self._live:
             return
-        if getattr(storage, "_remat_tracked", None) is self:
-            return
+        storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        key = self._next_key
-        self._next_key += 1
-        try:
-            storage._remat_tracked = self  # type: ignore[attr-defined]
-        except AttributeError:
-            return
-        self._live[key] = nbytes
-        self._events.append((key, nbytes))
+        event_id = self._next_id  # storage addresses are reused once freed; events get ids of their own
+        self._next_id += 1
+        self._live[key] = (event_id, nbytes)
+        self._events.append((event_id, nbytes))
         self.live_bytes += nbytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         self._finalizers.append(weakref.finalize(storage, self._free, key))
 
     def _free(self, key: int) -> None:
-        nbytes = self._live.pop(key, None)
-        if nbytes is None or self._closed:
+        event_id, nbytes = self._live.pop(key, (None, 0))
+        if event_id is None or self._closed:
             return
-        self._events.append((key, -nbytes))
+        self._events.append((event_id, -nbytes))
         self.live_bytes -= nbytes
 
     @contextmanager
@@ -105,8 +103,18 @@ class LiveTensorTracker(TorchDispatchMode):
             self._paused -= 1
 
     def mark(self, label: str) -> None:
-        """Remember this moment under ``label``; read it later with :meth:`bytes_at`."""
+        """Remember this moment under ``label``; read it later with :meth:`bytes_at`. A label marked again
+        refers to its latest mark."""
         self._marks.append((label, len(self._events)))
+
+    def has_mark(self, label: str) -> bool:
+        return any(name == label for name, _ in self._marks)
+
+    def _index(self, label: str) -> int:
+        for name, index in reversed(self._marks):
+            if name == label:
+                return index
+        raise KeyError(f"no mark named {label!r}")
 
     def close(self) -> None:
         """Stop recording; storages still alive now are the survivors of the region."""
@@ -117,14 +125,15 @@ class LiveTensorTracker(TorchDispatchMode):
 
     @property
     def survivors(self) -> set[int]:
-        return set(self._live)
+        """Event ids of the storages alive (after :meth:`close`: alive when it was called)."""
+        return {event_id for event_id, _ in self._live.values()}
 
     def _series(self, exclude_survivors: bool) -> list[int]:
         """Live bytes after each event (index i = after i events)."""
         skip = self.survivors if exclude_survivors else set()
         live, series = 0, [0]
-        for key, delta in self._events:
-            if key not in skip:
+        for event_id, delta in self._events:
+            if event_id not in skip:
                 live += delta
             series.append(live)
         return series
@@ -133,16 +142,14 @@ class LiveTensorTracker(TorchDispatchMode):
         return max(self._series(exclude_survivors))
 
     def bytes_at(self, label: str, exclude_survivors: bool = True) -> int:
-        series = self._series(exclude_survivors)
-        for name, index in reversed(self._marks):
-            if name == label:
-                return series[index]
-        raise KeyError(f"no mark named {label!r}")
+        return self._series(exclude_survivors)[self._index(label)]
 
     def peak_between(self, start: str, end: str, exclude_survivors: bool = True) -> int:
-        series = self._series(exclude_survivors)
-        index = {name: i for name, i in self._marks}
-        return max(series[index[start] : index[end] + 1])
+        return max(self._series(exclude_survivors)[self._index(start) : self._index(end) + 1])
+
+    def written_between(self, start: str, end: str) -> int:
+        """Bytes of all storages created between the marks, survivors included (work the device does)."""
+        return sum(delta for _, delta in self._events[self._index(start) : self._index(end)] if delta > 0)
 
     def timeline(self, exclude_survivors: bool = True) -> list[int]:
         """Live bytes after every allocation or free, for plots of memory over one step."""

@@ -8,121 +8,83 @@ forward the hooks read the current plan's units and open/close the matching regi
   checkpoint), with a per-op policy for selective;
 * ``segment`` groups: one frame opened before the first block and closed after the last, recomputed in
   backward by re-running the blocks in order from the segment's input;
-* ``nested`` groups (memory-poor): one frame per block whose recomputation re-derives the block's input from
+* ``memory_poor`` groups: one frame per block whose recomputation re-derives the block's input from
   the group's input without storing anything;
 * ``offload``: ``torch.autograd.graph.save_on_cpu`` around the block.
 
 Nothing is re-wrapped when the plan changes (``handle.set_plan``), and ``handle.remove()`` removes the hooks,
 leaving the model exactly as it was. ``handle.stats`` counts block re-executions and recompute seconds.
-Every recomputation restores the RNG state the block saw in forward, so dropout replays exactly.
+Every recomputation restores the RNG state the block saw in forward, so dropout replays exactly. The rules
+the hooks keep are stated once, as Note [1] to Note [6] below the imports, and cited where they apply.
 """
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
+from torch.utils.checkpoint import noop_context_fn
 
 from . import policies
 from .actions import MEMORY_POOR
-from .chain import find_blocks
+from .blocks import BlocksArg, main_tensor, resolve_blocks
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
-from .rng import RngSnapshot, forked
+from .regions import CallRecord, OpenRegion, eager, open_checkpoint_frame, same_tensor
+from .rng import forked
 from .simulator import Plan, Unit
+from .suspension import all_suspended
 
-_GENERATOR_HAS_EARLY_STOP = "early_stop" in inspect.signature(_checkpoint_without_reentrant_generator).parameters
+# Note [1] Segments.
+# A segment (blocks start..end of one unit) is one checkpoint frame: opened by the pre-hook of its first block
+# with the segment's input as the frame's only input, closed by the forward hook of its last block. The open
+# region is kept in self._open under the unit's start index and gathers one CallRecord per block; backward
+# recomputes the segment by re-running the records in order, each on the previous one's output. That replays
+# the forward only if the blocks run in chain order within one forward, each on the previous block's output
+# unchanged (regions.same_tensor also accepts an identity autograd function, as FSDP2 inserts); otherwise the
+# hooks raise and name the way out: 'checkpoint' per block.
+#
+# Note [2] Memory-poor groups.
+# A memory-poor group stores only its input. Each block has a frame of its own whose only input is the group's
+# input; recomputing block m re-runs blocks start..m-1 under no_grad from it (storing nothing), then block m with
+# grad on its rebuilt input, detached. While the group's forward runs, self._memory_poor holds the group's input, the
+# records so far and the last output; it is dropped when the group's last block closes. As in Note [1], each
+# block must receive the previous block's output.
+#
+# Note [3] RNG replay.
+# A recomputation must draw the random numbers the forward drew (dropout), or gradients differ from a step
+# without checkpointing. Each CallRecord takes an RngSnapshot of its main input's devices before the block runs
+# in forward; a recomputation runs inside rng.forked (the step's own RNG stream does not advance) and restores a
+# block's snapshot right before re-running it. So torch's frame is opened with preserve_rng_state=False
+# (regions.open_checkpoint_frame): the snapshots are per block, which segments and groups (one frame, several
+# blocks) need.
+#
+# Note [4] Hooks installed once.
+# apply() registers per block one forward pre-hook (opens regions) and one forward hook with always_call=True
+# (closes them, also when the block raises), and marks the model, so a second apply() is refused. Nothing is
+# wrapped: parameter names and state_dict keys stay. The hooks are kept out of torch.compile (regions.eager) and
+# do nothing while inactive: grad disabled, during a recomputation (a re-run block must not open a region of
+# its own), under handle.suspended() or suspend_all() (the profiler runs blocks alone).
+#
+# Note [5] What set_plan may change.
+# Between steps, set_plan may change every block's action and the grouping into segments and memory-poor
+# groups; no hook is added or removed. The plan must name every block of the chain in chain order, and
+# selective policies are looked up there, so a bad plan fails in set_plan, not in the middle of a forward. It is
+# not called during a forward (the hooks would look up units the open regions were not opened under). A backward
+# still to come for a finished forward recomputes under the plan that forward ran with: its frames hold their
+# own records.
+#
+# Note [6] Teardown.
+# remove() removes every hook, forgets open regions and deletes the mark on the model, which then behaves and
+# serialises as before apply(). Regions close in the forward hook that ends them (Note [4]); the per-thread
+# counters (recomputing, suspended) are restored in finally blocks.
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
-
-_GLOBAL = threading.local()
-
-
-@contextmanager
-def suspend_all() -> Iterator[None]:
-    """Within this context every applied plan is ignored in this thread (blocks run as without remat)."""
-    _GLOBAL.suspended = getattr(_GLOBAL, "suspended", 0) + 1
-    try:
-        yield
-    finally:
-        _GLOBAL.suspended -= 1
-
-
-def main_tensor(value: Any) -> torch.Tensor | None:
-    """The hidden-state tensor of a block's output: the tensor itself, or the first tensor inside it."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict):
-        value = list(value.values())
-    elif hasattr(value, "__dataclass_fields__"):
-        value = [getattr(value, f) for f in value.__dataclass_fields__]
-    if isinstance(value, list | tuple):
-        for item in value:
-            found = main_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
-def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook``, never traced by ``torch.compile`` (as FSDP2 does with its hooks): with compiled blocks
-    (``block.compile()``) the checkpoint regions open and close in eager code around the compiled forward."""
-    return torch.compiler.disable(hook)
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Whether ``a`` is ``b``, or ``b`` passed through an identity autograd function (a new tensor object on the
-    same memory, as FSDP2's pre-forward hook makes of every block input): what segments need to hold."""
-    if a is b:
-        return True
-    if b is None or a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
-        return False
-    return a.data_ptr() == b.data_ptr() and a.device == b.device
-
-
-def without_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A block's arguments with key/value caches (Hugging Face ``*Cache`` objects) replaced by ``None``.
-
-    A block run again (recomputation, isolated measurement) must not append to the step's cache. In training
-    the cache starts empty each forward, so a layer attends to exactly its current keys with or without it.
-    """
-
-    def drop(value: Any) -> Any:
-        return None if type(value).__name__.endswith("Cache") else value
-
-    return tuple(drop(v) for v in args), {k: drop(v) for k, v in kwargs.items()}
-
-
-def _main_input_slot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any]:
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return "arg", i
-    if "hidden_states" in kwargs:
-        return "kw", "hidden_states"
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            return "kw", k
-    raise RuntimeError("a block was called without any tensor argument; remat cannot find its input")
-
-
-def _get_slot(args: tuple[Any, ...], kwargs: dict[str, Any], slot: tuple[str, Any]) -> Any:
-    return args[slot[1]] if slot[0] == "arg" else kwargs[slot[1]]
-
-
-def _with_slot(args: tuple[Any, ...], kwargs: dict[str, Any], slot: tuple[str, Any], value: Any):
-    if slot[0] == "arg":
-        args = args[: slot[1]] + (value,) + args[slot[1] + 1 :]
-    else:
-        kwargs = {**kwargs, slot[1]: value}
-    return args, kwargs
-
 
 @dataclass
 class RecomputeStats:
@@ -148,28 +110,6 @@ class RecomputeStats:
         return sum(self.seconds.values())
 
 
-@dataclass
-class _CallRecord:
-    """What a block was called with in forward, without its main input (which must not be kept alive)."""
-
-    index: int
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    slot: tuple[str, Any]
-    requires_grad: bool
-    rng: RngSnapshot
-
-
-@dataclass
-class _OpenRegion:
-    unit: Unit
-    generator: Any = None
-    context: Any = None
-    records: list[_CallRecord] = field(default_factory=list)
-    last_output: torch.Tensor | None = None
-    group_input: torch.Tensor | None = None
-
-
 class RematHandle:
     """The live application of a plan to a model. Create it with :func:`apply`."""
 
@@ -188,12 +128,12 @@ class RematHandle:
         self.time_recompute = time_recompute
         self._observers: list[OutputObserver] = []
         self._local = threading.local()
-        self._open: dict[int, _OpenRegion] = {}
+        self._open: dict[int, OpenRegion] = {}
         self._hooks: list[Any] = []
         self._removed = False
-        self._nested: dict[str, Any] | None = None
+        self._memory_poor: dict[str, Any] | None = None
         self.set_plan(plan)
-        for i, (_, module) in enumerate(blocks):
+        for i, (_, module) in enumerate(blocks):  # Note [4]
             self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(i), with_kwargs=True))
             self._hooks.append(
                 module.register_forward_hook(self._make_post_hook(i), with_kwargs=True, always_call=True)
@@ -201,7 +141,7 @@ class RematHandle:
 
     # ----- plan -----
     def set_plan(self, plan: Plan) -> None:
-        """Switch to ``plan`` from the next forward on; no hooks are added or removed."""
+        """Switch to ``plan`` from the next forward on; no hooks are added or removed (Note [5])."""
         if list(plan.actions) != self.fqns:
             unknown = [f for f in plan.actions if f not in self.fqns]
             missing = [f for f in self.fqns if f not in plan.actions]
@@ -233,7 +173,7 @@ class RematHandle:
 
     # ----- lifecycle -----
     def remove(self) -> None:
-        """Remove every hook; the model behaves and serialises exactly as before ``apply``."""
+        """Remove every hook; the model behaves and serialises exactly as before ``apply`` (Note [6])."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -253,10 +193,11 @@ class RematHandle:
 
     # ----- hooks -----
     def _inactive(self) -> bool:
+        # Note [4]
         return (
             getattr(self._local, "recomputing", 0) > 0
             or getattr(self._local, "suspended", 0) > 0
-            or getattr(_GLOBAL, "suspended", 0) > 0
+            or all_suspended()
             or not torch.is_grad_enabled()
         )
 
@@ -278,9 +219,9 @@ class RematHandle:
             elif unit.kind == "segment":
                 self._enter_segment_block(i, unit, args, kwargs)
             else:
-                self._enter_nested_block(i, unit, args, kwargs)
+                self._enter_memory_poor_block(i, unit, args, kwargs)
 
-        return _eager(hook)
+        return eager(hook)
 
     def _make_post_hook(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -292,15 +233,15 @@ class RematHandle:
             out = main_tensor(output)
             if region is not None:
                 region.last_output = out
-                if unit.kind == MEMORY_POOR and self._nested is not None:
-                    self._nested["last"] = out
+                if unit.kind == MEMORY_POOR and self._memory_poor is not None:
+                    self._memory_poor["last"] = out
                 if unit.kind != "segment" or i == unit.end:
                     self._close(key)
             if out is not None and torch.is_grad_enabled():
                 for observer in self._observers:
                     observer(i, out, False)
 
-        return _eager(hook)
+        return eager(hook)
 
     def _close(self, key: int) -> None:
         region = self._open.pop(key)
@@ -314,27 +255,12 @@ class RematHandle:
             else:
                 raise RuntimeError("internal error: a checkpoint region did not close")
         if region.unit.kind == MEMORY_POOR and key == region.unit.end:
-            self._nested = None
+            self._memory_poor = None
 
-    def _start_generator(self, recompute: Callable[..., None], context_fn: Callable[[], Any], *args: Any):
-        head = (recompute, False, context_fn, "default", False)
-        if _GENERATOR_HAS_EARLY_STOP:
-            head = (*head, True)
-        gen = _checkpoint_without_reentrant_generator(*head, *args)
-        next(gen)
-        return gen
-
-    def _record(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_CallRecord, Any]:
-        slot = _main_input_slot(args, kwargs)
-        main = _get_slot(args, kwargs, slot)
-        stripped_args, stripped_kwargs = without_caches(*_with_slot(args, kwargs, slot, None))
-        rng = RngSnapshot.take(main)
-        return _CallRecord(i, stripped_args, stripped_kwargs, slot, main.requires_grad, rng), main
-
-    def _run_block(self, record: _CallRecord, main: torch.Tensor, timed: bool) -> torch.Tensor | None:
+    def _run_block(self, record: CallRecord, main: torch.Tensor, timed: bool) -> torch.Tensor | None:
         """Re-run one block in recomputation, from ``main`` and the recorded other arguments."""
         _, module = self.blocks[record.index]
-        args, kwargs = _with_slot(record.args, record.kwargs, record.slot, main)
+        args, kwargs = record.arguments(main)
         fqn = self.fqns[record.index]
         sync = timed and self.time_recompute and main.is_cuda
         if sync:
@@ -342,7 +268,7 @@ class RematHandle:
         start = time.perf_counter()
         self.stats.calls[fqn] += 1
         try:
-            record.rng.restore()
+            record.rng.restore()  # Note [3]
             out = main_tensor(module(*args, **kwargs))
         finally:
             if sync:
@@ -360,13 +286,13 @@ class RematHandle:
         action = unit.action
         if action == KEEP:
             return
-        region = _OpenRegion(unit)
+        region = OpenRegion(unit)
         if action == OFFLOAD:
             region.context = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
             region.context.__enter__()
             self._open[i] = region
             return
-        record, main = self._record(i, args, kwargs)
+        record, main = CallRecord.take(i, args, kwargs)
         context_fn = noop_context_fn
         if action.startswith(SELECTIVE_PREFIX):
             context_fn = policies.get(action[len(SELECTIVE_PREFIX) :]).context_fn
@@ -379,12 +305,13 @@ class RematHandle:
 
         region.records.append(record)
         self._open[i] = region
-        region.generator = self._start_generator(recompute, context_fn, main)
+        region.generator = open_checkpoint_frame(recompute, context_fn, main)
 
     def _enter_segment_block(self, i: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        record, main = self._record(i, args, kwargs)
+        # Note [1]
+        record, main = CallRecord.take(i, args, kwargs)
         if i == unit.start:
-            region = _OpenRegion(unit)
+            region = OpenRegion(unit)
             records = region.records
 
             def recompute(saved_main: torch.Tensor) -> None:
@@ -395,7 +322,7 @@ class RematHandle:
 
             records.append(record)
             self._open[i] = region
-            region.generator = self._start_generator(recompute, noop_context_fn, main)
+            region.generator = open_checkpoint_frame(recompute, noop_context_fn, main)
             return
         region = self._open.get(unit.start)
         if region is None:
@@ -403,7 +330,7 @@ class RematHandle:
                 f"block {self.fqns[i]!r} ran without the start of its segment {self.fqns[unit.start]!r}; "
                 "segments need their blocks called in chain order within one forward"
             )
-        if not _same_tensor(main, region.last_output):
+        if not same_tensor(main, region.last_output):
             raise RuntimeError(
                 f"blocks {self.fqns[i - 1]!r} and {self.fqns[i]!r} cannot share a segment: the model changes "
                 "the output of the first before passing it to the second. Checkpoint them separately "
@@ -411,19 +338,20 @@ class RematHandle:
             )
         region.records.append(record)
 
-    def _enter_nested_block(self, i: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        record, main = self._record(i, args, kwargs)
+    def _enter_memory_poor_block(self, i: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # Note [2]
+        record, main = CallRecord.take(i, args, kwargs)
         if i == unit.start:
-            self._nested = {"input": main, "records": [], "last": None}
-        group = self._nested
-        if group is None or (i > unit.start and not _same_tensor(main, group["last"])):
+            self._memory_poor = {"input": main, "records": [], "last": None}
+        group = self._memory_poor
+        if group is None or (i > unit.start and not same_tensor(main, group["last"])):
             raise RuntimeError(
                 f"block {self.fqns[i]!r} of a memory-poor group did not receive the previous block's output; "
                 "memory-poor groups need blocks called in chain order, each on the previous output"
             )
         previous = list(group["records"])
         group["records"].append(record)
-        region = _OpenRegion(unit, records=[record])
+        region = OpenRegion(unit, records=[record])
 
         def recompute(group_input: torch.Tensor) -> None:
             with self._recomputing(), forked(record.rng.devices, record.rng.device_type):
@@ -435,31 +363,25 @@ class RematHandle:
                 self._run_block(record, current, timed=True)
 
         self._open[i] = region
-        region.generator = self._start_generator(recompute, noop_context_fn, group["input"])
-
-
-def _resolve_blocks(
-    model: nn.Module, blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None
-) -> list[tuple[str, nn.Module]]:
-    if blocks is None:
-        return find_blocks(model)
-    blocks = list(blocks)
-    if blocks and isinstance(blocks[0], str):
-        return find_blocks(model, names=blocks)  # type: ignore[arg-type]
-    return [(str(f), m) for f, m in blocks]  # type: ignore[misc]
+        region.generator = open_checkpoint_frame(recompute, noop_context_fn, group["input"])
 
 
 def apply(
     model: nn.Module,
     plan: Plan,
-    blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None = None,
+    blocks: BlocksArg = None,
     *,
     time_recompute: bool = True,
 ) -> RematHandle:
-    """Install ``plan`` on ``model`` and return the handle (``set_plan``, ``remove``, ``stats``)."""
-    if getattr(model, "_remat_handle", None) is not None:
+    """Install ``plan`` on ``model`` and return the handle (``set_plan``, ``remove``, ``stats``); Note [4]."""
+    if applied_handle(model) is not None:
         raise RuntimeError("remat is already applied to this model; call handle.set_plan(plan) to change it")
-    chain = _resolve_blocks(model, blocks)
+    chain = resolve_blocks(model, blocks)
     handle = RematHandle(model, chain, plan, time_recompute=time_recompute)
     model._remat_handle = handle  # type: ignore[assignment]
     return handle
+
+
+def applied_handle(model: nn.Module) -> RematHandle | None:
+    """The handle of the plan applied to ``model`` with :func:`apply` (until ``remove``), or ``None``."""
+    return getattr(model, "_remat_handle", None)

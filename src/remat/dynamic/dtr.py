@@ -25,8 +25,8 @@ otherwise count as tracked memory of that step.
 Tensors that user code can still reach (parameters, buffers, inputs, anything referenced outside DTR,
 views included) are never evicted. ``dtr.stats`` has evictions, rematerializations, recompute seconds and
 the peak tracked bytes, for the last step and in total. The engine is in :mod:`.dtr_runtime`, the graph and
-the heuristics in :mod:`.dtr_graph`, rematerialization in :mod:`.dtr_remat`, output prediction in
-:mod:`.dtr_predict`.
+the heuristics in :mod:`.dtr_graph`, eviction in :mod:`.dtr_evict`, rematerialization in :mod:`.dtr_remat`,
+which operators replay in :mod:`.dtr_ops`, output prediction in :mod:`.dtr_predict`.
 
 What the budget covers: every storage created during the step while it is alive, except gradients of
 parameters (they outlive the step); that is ``remat.measure().activation_bytes`` plus whatever the step

@@ -1,6 +1,6 @@
 """Rematerialization: getting an evicted cell back by replaying its record, evicted ancestors first.
 
-:class:`Rematerializer` is the half of :class:`~remat.dynamic.dtr_runtime.DTRRuntime` that rebuilds
+:class:`Rematerializer` is the part of :class:`~remat.dynamic.dtr_runtime.DTRRuntime` that rebuilds
 tensors. It walks the evicted ancestors without recursion (chains can be thousands of operators long),
 keeps the parents of the operator being replayed resident while room is made for its outputs, replays
 random operators with the RNG state they first ran with, and gives each rebuilt storage the layout the

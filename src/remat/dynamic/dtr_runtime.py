@@ -7,7 +7,7 @@ tensors (:meth:`pack`) and DTR holds the saved storage itself, so once user code
 its only owner. Before an operator runs, the bytes it will create are predicted and resident cells are
 evicted, smallest heuristic score first, until the budget holds. A cell is evicted only if DTR is the sole
 owner of its storage — the storage's reference count tells: user code, autograd and views each hold one —
-and it can be recomputed. :meth:`unpack` rebuilds evicted cells (:mod:`.dtr_remat`).
+and it can be recomputed (:mod:`.dtr_evict`). :meth:`unpack` rebuilds evicted cells (:mod:`.dtr_remat`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -24,26 +23,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..planners.errors import BudgetError
 from ..rng import RngSnapshot
 from ..sizes import format_bytes
+from .dtr_evict import Evictor
 from .dtr_graph import CELL, CONST, FRESH, SCRATCH, SELF, ArgRef, Cell, EqClass, Handle, Record, Step, alias, geometry
-from .dtr_graph import storage_refs as _storage_refs
+from .dtr_ops import is_replayable, scratch_arguments, written_arguments
 from .dtr_predict import LeafGradients, OutputPredictor
 from .dtr_remat import Rematerializer, clone_storage, tensor_on
 
 _KEY_ATTR = "_remat_dtr_key"
 _KEYS = itertools.count(1)
-_REPLAY_NAMESPACES = frozenset({"aten", "prims"})
-# Operators that change a tensor's storage or have effects beyond their outputs: never replayed.
-_NO_REPLAY = frozenset({"set_", "resize_", "resize_as_", "_resize_output_", "record_stream", "_assert_async"})
-# Batch norm in training updates the running statistics (arguments 3 and 4) in place, declared in its schema
-# or not; its outputs do not depend on them, so a replay runs on copies and updates them only once.
-_BATCH_NORMS = frozenset(
-    {"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "cudnn_batch_norm",
-     "miopen_batch_norm"}
-)  # fmt: skip
-_WRITES: dict[Any, list[tuple[int, str, bool]]] = {}  # operator -> its arguments declared as written
 
 
 @dataclass
@@ -59,32 +48,6 @@ class StepStats:
     step_s: float = 0.0
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    spots = _WRITES.get(func)
-    if spots is None:
-        spots = [
-            (i, a.name, a.kwarg_only)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        ]
-        _WRITES[func] = spots
-    found: list[torch.Tensor] = []
-    for i, name, kwarg_only in spots:
-        value = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
-        for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, torch.Tensor):
-                found.append(t)
-    return found
-
-
-def _scratch(func: Any, args: tuple) -> list[torch.Tensor]:
-    if func._opname not in _BATCH_NORMS or len(args) < 5:
-        return []
-    if func._opname != "_batch_norm_with_update" and not (len(args) > 5 and args[5] is True):
-        return []
-    return [t for t in args[3:5] if isinstance(t, torch.Tensor)]
-
-
 def _storage_key(t: torch.Tensor) -> int | None:
     try:
         return getattr(t.untyped_storage(), _KEY_ATTR, None)
@@ -92,7 +55,7 @@ def _storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
-class DTRRuntime(Rematerializer, TorchDispatchMode):
+class DTRRuntime(Evictor, Rematerializer, TorchDispatchMode):
     """Tracks, evicts and rematerializes the tensors of one step; with ``budget=None`` it only measures."""
 
     def __init__(
@@ -116,7 +79,6 @@ class DTRRuntime(Rematerializer, TorchDispatchMode):
         self._finalizers: dict[int, weakref.finalize] = {}
         self._predictor = predictor if predictor is not None else OutputPredictor()
         self._leaf_grads = LeafGradients()
-        self._warned = False
         self._t0 = time.perf_counter()
 
     # ----------------------------------------------------------------- operators of the program
@@ -148,8 +110,8 @@ class DTRRuntime(Rematerializer, TorchDispatchMode):
             if in_bytes + out_bytes > self.budget:
                 raise self.too_small(func, in_bytes, out_bytes)
             self.make_room(out_bytes, func)
-        scratch = _scratch(func, args)
-        written = [t for t in _written(func, args, kwargs) if not any(t is u for u in scratch)]
+        scratch = scratch_arguments(func, args)
+        written = [t for t in written_arguments(func, args, kwargs) if not any(t is u for u in scratch)]
         for t in written:  # contents that evicted tensors rely on must survive the write
             cell = self.cell_of(t)
             if cell is not None and cell.anchored:
@@ -203,7 +165,7 @@ class DTRRuntime(Rematerializer, TorchDispatchMode):
                 pending = in_backward and self._leaf_grads.claim(o)
                 self.register(Cell(0, o.untyped_storage().nbytes(), geometry(o), None, cost), o, pending)
             return
-        replayable = func.namespace in _REPLAY_NAMESPACES and func._opname not in _NO_REPLAY
+        replayable = is_replayable(func)
         if len(written_cells) != len(written):  # writes into tensors from outside the region
             replayable = False
         if len(written_cells) == 1 and not new:
@@ -365,53 +327,7 @@ class DTRRuntime(Rematerializer, TorchDispatchMode):
         if fin is not None:
             fin.detach()
 
-    # ----------------------------------------------------------------- eviction
-    def make_room(self, incoming: int, func: Any) -> None:
-        while self.tracked + incoming > self.budget:
-            victim = self._pick()
-            if victim is None:
-                self._over_budget(incoming, func)
-                return
-            self.stats.evictions += 1
-            if self.held.get(victim.key) is victim:
-                del self.held[victim.key]
-            victim.own = None  # DTR was the only owner: the storage dies here and _on_free accounts for it
-
-    def _pick(self) -> Cell | None:
-        best, best_score = None, float("inf")
-        for cell in list(self.held.values()):
-            if cell.locks or cell.anchored or cell.pending or _storage_refs(cell.own) != 1:
-                continue
-            if not self._secure(cell) or cell.anchored:
-                continue
-            score = self.score(cell, self.clock)
-            if score < best_score:
-                best, best_score = cell, score
-        return best
-
-    def _secure(self, cell: Cell) -> bool:
-        """Whether ``cell`` can always be recomputed: its record replays and every ancestor can be recomputed
-        or is kept. Resident cells that cannot be recomputed are anchored (kept) once something needs them."""
-        stack: list[tuple[Cell, bool]] = [(cell, False)]
-        while stack:
-            c, expanded = stack.pop()
-            if c.secure or c.lost:
-                continue
-            rec = c.record
-            ok = rec is not None and rec.replayable and all(r.tensor._version == r.version for r in rec.consts())
-            if ok and not expanded:
-                stack.append((c, True))
-                stack.extend((p, False) for p in rec.parents() if not (p.secure or p.lost))
-                continue
-            if ok and all(p.secure for p in rec.parents()):
-                c.secure = True
-            elif c.resident:
-                c.anchored = c.secure = True
-                self.hold(c)
-            else:
-                c.lost = True
-        return cell.secure
-
+    # ----------------------------------------------------------------- copy on write
     def _copy_on_write(self, cell: Cell) -> None:
         """An anchored cell is about to be overwritten in place: move its contents to a private copy, and give
         the storage being written a new cell that cannot be recomputed."""
@@ -428,29 +344,6 @@ class DTRRuntime(Rematerializer, TorchDispatchMode):
             self.held[cell.key] = cell
         finally:
             self.internal -= 1
-
-    def _over_budget(self, incoming: int, func: Any) -> None:
-        self.stats.over_budget_ops += 1
-        message = (
-            f"DTR cannot keep tracked memory within the budget of {format_bytes(self.budget)} before {func}: "
-            f"{format_bytes(self.tracked)} is resident and {format_bytes(incoming)} more is needed, but no "
-            "resident tensor can be evicted (all are held by user code or autograd, in use, or cannot be "
-            "recomputed). Raise the budget, use a smaller batch, or drop references to activations."
-        )
-        if self.strict:
-            raise BudgetError(message)
-        if not self._warned:
-            self._warned = True
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def too_small(self, func: Any, in_bytes: int, out_bytes: int) -> BudgetError:
-        need = in_bytes + out_bytes
-        return BudgetError(
-            f"the DTR budget of {format_bytes(self.budget)} is below what operator {func} needs: "
-            f"{format_bytes(need)} at once ({format_bytes(in_bytes)} of inputs and {format_bytes(out_bytes)} "
-            f"of outputs). Give a budget of at least {format_bytes(need)} (bytes, a string like '64MiB', or "
-            "a larger fraction), or a smaller batch."
-        )
 
     # ----------------------------------------------------------------- autograd hooks
     def pack(self, t: torch.Tensor) -> Any:

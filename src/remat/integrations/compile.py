@@ -27,8 +27,9 @@ from typing import Any
 
 from torch import nn
 
+from ..blocks import resolve_blocks
 from ..chain import find_blocks
-from ..runtime import _resolve_blocks
+from ..runtime import applied_handle
 
 
 def compile_blocks(
@@ -39,9 +40,9 @@ def compile_blocks(
     The chain is the one remat applied to ``model`` (if any), else ``blocks`` or :func:`remat.find_blocks`.
     Parameter names and ``state_dict`` keys do not change.
     """
-    handle = getattr(model, "_remat_handle", None)
+    handle = applied_handle(model)
     if blocks is not None:
-        chain = _resolve_blocks(model, blocks)
+        chain = resolve_blocks(model, blocks)
     elif handle is not None:
         chain = list(handle.blocks)
     else:

@@ -33,6 +33,7 @@ from torch import nn
 from ..costs import CostTable
 from ..simulator import Plan
 from .session import RematSession
+from .wrappers import is_sharded, is_wrapped
 
 
 def free_port() -> int:
@@ -45,22 +46,6 @@ def free_port() -> int:
 def default_backend() -> str:
     """``"nccl"`` when CUDA is available, else ``"gloo"``."""
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` or one of its modules was sharded with FSDP2's ``fully_shard``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _is_wrapped(model: nn.Module) -> bool:
-    return isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ in (
-        "FullyShardedDataParallel",
-        "DeepSpeedEngine",
-    )
 
 
 def prepare(
@@ -82,7 +67,7 @@ def prepare(
     Arguments as for :class:`~remat.integrations.session.RematSession`. Call it on every rank, after
     ``init_process_group``; with ``batch=`` each rank profiles its sample and rank 0's table is used by all.
     """
-    if _is_wrapped(model):
+    if is_wrapped(model):
         raise ValueError(
             f"the model is already wrapped ({type(model).__name__}); put the plan on the inner model first, then "
             "wrap it: session = prepare(model, ...); model = DistributedDataParallel(model)"

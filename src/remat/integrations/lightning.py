@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..blocks import resolve_blocks
 from ..costs import CostTable
-from ..runtime import _resolve_blocks
 from ..simulator import Plan
 from .session import RematSession, check_strategy
 
@@ -100,7 +100,7 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str | None = None) -> None:
         if stage not in (None, "fit") or (self.session is not None and not self.session.removed):
             return
-        chain = _resolve_blocks(pl_module, self.blocks)
+        chain = resolve_blocks(pl_module, self.blocks)
         self.root = forward_root(pl_module, [f for f, _ in chain])
         root = pl_module.get_submodule(self.root) if self.root else pl_module
         prefix = self.root + "." if self.root else ""

@@ -35,13 +35,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..blocks import resolve_blocks
 from ..costs import CHECKPOINT, CostTable
 from ..planners import STRATEGIES
 from ..planners import plan as make_plan
 from ..profiler import BlockProfiler, profile
-from ..runtime import RecomputeStats, RematHandle, _resolve_blocks, apply
+from ..runtime import RecomputeStats, RematHandle, apply
 from ..simulator import Plan
 from ..sizes import parse_bytes
+from .wrappers import is_sharded
 
 log = logging.getLogger("remat.integrations")
 
@@ -134,7 +136,7 @@ class RematSession:
         self._global_hooks: list[Any] = []
         self._owners: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._removed = False
-        chain = _resolve_blocks(model, blocks)
+        chain = resolve_blocks(model, blocks)
 
         if strategy == "pgac":
             unknown = set(options) - PGAC_OPTIONS
@@ -249,8 +251,6 @@ class RematSession:
         if not (torch.is_grad_enabled() and self.model.training):
             return
         if self._profiler is None:
-            from .distributed import is_sharded
-
             _refuse_compiled(self.handle.blocks)
             if is_sharded(self.model):
                 raise RuntimeError(

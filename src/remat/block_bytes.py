@@ -1,0 +1,80 @@
+"""The byte fields of a block's :class:`~remat.costs.BlockCost`, from one tracked run per action.
+
+:func:`run_tracked` runs one forward and backward of a block under an action inside a live-bytes tracker
+(:class:`~remat.memory.LiveTensorTracker`) and marks the moments the fields are read at; :class:`ByteTerms`
+derives the fields from the trackers of all actions. The profiler (real device) and the meta estimator
+(``meta`` device) share both, so their byte figures are derived alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .block_run import backward_releasing_output, clear_grads, run_action
+from .blocks import main_tensor
+from .costs import KEEP
+from .memory import LiveTensorTracker
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements (not of its whole storage)."""
+    return t.numel() * t.element_size()
+
+
+def run_tracked(
+    tracker: LiveTensorTracker,
+    module: nn.Module,
+    action: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    main: torch.Tensor,
+    output_bytes: Callable[[torch.Tensor], int] = tensor_bytes,
+) -> int:
+    """One forward and backward of the block under ``action`` inside ``tracker``, marked ``start``,
+    ``fwd_end``, ``bwd_start`` and ``bwd_end``; returns ``output_bytes`` of the output."""
+    with tracker:
+        tracker.mark("start")
+        out = main_tensor(run_action(module, action, args, kwargs))
+        tracker.mark("fwd_end")
+        grad = torch.ones_like(out)
+        nbytes = output_bytes(out)
+        holder = [out]
+        del out
+        tracker.mark("bwd_start")
+        backward_releasing_output(holder, grad)
+        tracker.mark("bwd_end")
+        del grad
+        main.grad = None
+    # Close while the parameter gradients are alive: like in a real step they outlive the region, so they are
+    # survivors, not activations, and stay out of the backward transient.
+    tracker.close()
+    clear_grads(module)
+    return nbytes
+
+
+@dataclass
+class ByteTerms:
+    """The byte fields of a :class:`BlockCost`, read from one tracked run per action (see :func:`run_tracked`)."""
+
+    saved: dict[str, int]
+    fwd_temp: int
+    bwd_temp: int
+    bwd_extra: dict[str, int]
+
+    @classmethod
+    def from_trackers(cls, trackers: dict[str, LiveTensorTracker]) -> ByteTerms:
+        saved = {action: t.bytes_at("fwd_end") for action, t in trackers.items()}
+        bwd_peak = {action: t.peak_between("bwd_start", "bwd_end") for action, t in trackers.items()}
+        keep = trackers[KEEP]
+        return cls(
+            saved=saved,
+            fwd_temp=max(0, keep.peak_between("start", "fwd_end") - saved[KEEP]),
+            bwd_temp=max(0, bwd_peak[KEEP] - saved[KEEP]),
+            # how much higher the backward peaked under an action than under keep (only the positive ones)
+            bwd_extra={a: p - bwd_peak[KEEP] for a, p in bwd_peak.items() if a != KEEP and p > bwd_peak[KEEP]},
+        )

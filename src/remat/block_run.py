@@ -1,0 +1,94 @@
+"""Running one block under one action, aside from the step, and backing out of it as a real step would.
+
+The profiler (real device) and the meta estimator run each block alone under ``keep``, ``checkpoint``,
+``selective:<policy>`` and ``offload``. They share these pieces:
+
+* :func:`run_action`: the block's forward under an action, through the same machinery training uses;
+* :func:`backward_releasing_output`: its backward without keeping the output alive, as in a real step;
+* :class:`GradsRestored` and :func:`clear_grads`: parameter gradients set aside while a measurement runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpointing import checkpoint
+from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
+
+
+def run_action(module: Callable[..., Any], action: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``module(*args, **kwargs)`` under ``action``: plainly (``keep``), in a non-reentrant checkpoint
+    (``checkpoint``, ``selective:<policy>``) or with saved tensors on CPU (``offload``)."""
+    if action == KEEP:
+        return module(*args, **kwargs)
+    if action == CHECKPOINT:
+        return checkpoint(module, *args, **kwargs)
+    if action.startswith(SELECTIVE_PREFIX):
+        return checkpoint(module, *args, policy=action[len(SELECTIVE_PREFIX) :], **kwargs)
+    if action == OFFLOAD:
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return module(*args, **kwargs)
+    raise ValueError(f"cannot profile action {action!r}")
+
+
+class GradsRestored:
+    """Set parameter gradients aside while a measurement runs, and put them back afterwards."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+
+    def __enter__(self) -> None:
+        self.saved = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def __exit__(self, *exc: Any) -> None:
+        for p, g in zip(self.params, self.saved):
+            p.grad = g
+
+
+def clear_grads(module: nn.Module) -> None:
+    """Drop the gradients a measured backward left on ``module``'s parameters."""
+    for p in module.parameters():
+        p.grad = None
+
+
+_EDGE_BACKWARD: bool | None = None
+
+
+def edge_backward_supported() -> bool:
+    """Whether this torch's ``autograd.backward`` accepts a ``GradientEdge`` (torch >= 2.7). Probed once; call
+    it before a tracked region so the probe's tensors are not counted."""
+    global _EDGE_BACKWARD
+    if _EDGE_BACKWARD is None:
+        try:
+            from torch.autograd.graph import get_gradient_edge
+
+            probe = torch.zeros(1, requires_grad=True)
+            torch.autograd.backward(get_gradient_edge(probe * 2), torch.ones(1))
+            _EDGE_BACKWARD = True
+        except (ImportError, TypeError, RuntimeError, AttributeError):
+            _EDGE_BACKWARD = False
+    return _EDGE_BACKWARD
+
+
+def backward_releasing_output(holder: list[torch.Tensor], grad: torch.Tensor) -> None:
+    """Backward from the tensor in ``holder`` (which is emptied) without keeping it alive during backward.
+
+    In a real step a block's output is freed once the next block's backward has run, before the block's own
+    backward starts (unless the block's own graph saved it). Backing out of the output's gradient edge
+    reproduces that, so the measured backward transient does not count the output on top of the saved bytes.
+    """
+    out = holder.pop()
+    if not edge_backward_supported():
+        torch.autograd.backward(out, grad)
+        return
+    from torch.autograd.graph import get_gradient_edge
+
+    edge = get_gradient_edge(out)
+    del out
+    torch.autograd.backward(edge, grad)

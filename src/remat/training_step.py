@@ -1,0 +1,44 @@
+"""One training step of a model on a sample batch: the forward, the loss, the backward.
+
+``batch`` is what the user would pass to ``model``: a tensor, a tuple or list of positional arguments, or a
+dict of keyword arguments. The loss is ``loss_fn(output)``, by default ``output.loss`` when the model returns
+one, else the sum of its (first) output tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .blocks import main_tensor
+
+Batch = torch.Tensor | tuple[Any, ...] | list[Any] | dict[str, Any]
+
+
+def run_step(model: nn.Module, batch: Batch, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
+    """One forward and backward of ``model`` on ``batch``; returns the loss (detached)."""
+    if isinstance(batch, dict):
+        output = model(**batch)
+    elif isinstance(batch, tuple | list):
+        output = model(*batch)
+    else:
+        output = model(batch)
+    loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+    loss.backward()
+    return loss.detach()
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output.loss`` when the model returns one, else the sum of the (first) output tensor."""
+    loss = getattr(output, "loss", None)
+    if isinstance(output, dict) and output.get("loss") is not None:
+        loss = output["loss"]
+    if loss is not None:
+        return loss
+    tensor = main_tensor(output)
+    if tensor is None:
+        raise ValueError("the model output has no tensor; pass loss_fn=... to remat.profile")
+    return tensor.float().sum()
