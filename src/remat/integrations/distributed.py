@@ -32,6 +32,7 @@ from torch import nn
 
 from ..costs import CostTable
 from ..simulator import Plan
+from .process_group import is_sharded
 from .session import RematSession
 
 
@@ -45,15 +46,6 @@ def free_port() -> int:
 def default_backend() -> str:
     """``"nccl"`` when CUDA is available, else ``"gloo"``."""
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` or one of its modules was sharded with FSDP2's ``fully_shard``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _is_wrapped(model: nn.Module) -> bool:

@@ -42,6 +42,7 @@ from ..profiler import BlockProfiler, profile
 from ..runtime import RecomputeStats, RematHandle, _resolve_blocks, apply
 from ..simulator import Plan
 from ..sizes import parse_bytes
+from .process_group import distributed_world, is_sharded
 
 log = logging.getLogger("remat.integrations")
 
@@ -51,15 +52,6 @@ PGAC_OPTIONS = frozenset(
 SYNC_MODES = (None, "local", "global")
 
 Blocks = Sequence[str] | Sequence[tuple[str, nn.Module]] | None
-
-
-def distributed_world(process_group: Any = None) -> int:
-    """Number of ranks in ``process_group`` (1 when torch.distributed is not initialised)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(process_group)
 
 
 def _refuse_compiled(chain: Sequence[tuple[str, nn.Module]]) -> None:
@@ -249,8 +241,6 @@ class RematSession:
         if not (torch.is_grad_enabled() and self.model.training):
             return
         if self._profiler is None:
-            from .distributed import is_sharded
-
             _refuse_compiled(self.handle.blocks)
             if is_sharded(self.model):
                 raise RuntimeError(
