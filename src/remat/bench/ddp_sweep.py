@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .childproc import child_env, emit, parse
+from .records import JsonlWriter
 
 NPROC = 2
 
@@ -25,8 +26,6 @@ NPROC = 2
 def run_sync_sweep(config: Any, layers: int | None, budget: dict[str, Any], modes: list[str], out_path: Path,
                    costs_path: Path) -> list[dict[str, Any]]:
     """Run each sync mode under torchrun; append its records to ``out_path``; return the summaries."""
-    from .runner import JsonlWriter
-
     summaries = []
     writer = JsonlWriter(out_path)
     try:

@@ -27,20 +27,7 @@ from typing import Any
 from ..sizes import format_bytes
 from . import stats
 from .claims import Claim, claims, context_notes, fmt_ms, fmt_p, fmt_pct, mean_of
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    from .runner import read_jsonl
-
-    return read_jsonl(path)
-
-
-
-
-
-
-
-
+from .records import read_jsonl
 
 
 class Results:
@@ -53,10 +40,10 @@ class Results:
             raise FileNotFoundError(f"{out} has no config.json: it is not a `remat bench` results folder")
         self.config = json.loads(config_path.read_text())
         self.settings = self.config["settings"]
-        self.runs_all = _read_jsonl(out / "runs.jsonl")
+        self.runs_all = read_jsonl(out / "runs.jsonl")
         self.runs = [r for r in self.runs_all if r.get("status") == "ok"]
         ok = {(r["strategy"], r["seed"]) for r in self.runs}
-        self.steps = [s for s in _read_jsonl(out / "steps.jsonl") if (s["strategy"], s["seed"]) in ok]
+        self.steps = [s for s in read_jsonl(out / "steps.jsonl") if (s["strategy"], s["seed"]) in ok]
         self.timed = [s for s in self.steps if s.get("timed")]
         order = self.config.get("all_strategies", [])
         present = {r["strategy"] for r in self.runs}
@@ -65,7 +52,7 @@ class Results:
         self.budget = self.config["budget"]["bytes"]
         self.env = self.config["environment"]
         self.command = self.config["commands"][-1] if self.config.get("commands") else ""
-        self.ddp = _read_jsonl(out / "ddp.jsonl")
+        self.ddp = read_jsonl(out / "ddp.jsonl")
 
     def first(self, name: str) -> str | None:
         """The first strategy label of ``name`` (unswept options first)."""
