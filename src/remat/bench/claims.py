@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..sizes import format_bytes
 from . import stats
+from .formatting import fmt_ms, fmt_pct, mean_of, p_text
 
 if TYPE_CHECKING:
-    from .report import Results
+    from .results import Results
 
 
 @dataclass
@@ -31,32 +32,6 @@ class Claim:
 
     def to_dict(self) -> dict[str, str]:
         return dict(self.__dict__)
-
-
-def mean_of(values: Any) -> float | None:
-    data = [float(v) for v in values if v is not None]
-    return sum(data) / len(data) if data else None
-
-
-def fmt_ms(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value * 1e3:.{digits}f}"
-
-
-def fmt_pct(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value * 100:+.{digits}f}%"
-
-
-def fmt_p(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:.2g}" if value >= 1e-4 else "<1e-4"
-
-
-def p_text(value: float | None) -> str:
-    """``"p = 0.03"`` or ``"p < 1e-4"``."""
-    if value is not None and value < 1e-4:
-        return "p < 1e-4"
-    return f"p = {fmt_p(value)}"
 
 
 def claims(res: Results) -> list[Claim]:
