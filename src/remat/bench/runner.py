@@ -16,7 +16,7 @@ The loop, in order:
 Memory is measured with the live-tensor tracker (``remat.measure``) on dedicated steps only -- the first step
 after warm-up and the last step (plus every ``--measure-every`` steps) -- because the tracker slows the step;
 those steps are left out of every timing figure. ``compile_budget`` runs in a child process and is measured
-by the whole-process high-water mark (:mod:`remat.bench.procmem`).
+by the whole-process high-water mark (:mod:`remat.bench.procmem`, :mod:`remat.bench.compile_child`).
 
 ``--resume`` keeps finished (strategy, seed) runs, drops the steps of unfinished ones and runs them again.
 """
@@ -35,6 +35,7 @@ import torch
 from ..costs import CostTable
 from .budget import parse_budget, resolve_bench_budget
 from .checks import all_specs, resolve_layers, validate
+from .compile_child import run_child
 from .config import BenchConfig, BenchError, add_arguments, config_from_args
 from .ddp_sweep import run_sync_sweep
 from .environment import default_threads, environment, loadavg
@@ -197,8 +198,6 @@ def run_one(job: dict[str, Any], spec: StrategySpec, costs: CostTable, steps_wri
     started = time.perf_counter()
     try:
         if spec.name == "compile_budget":
-            from .procmem import run_child
-
             run = run_child(job, emit)
         else:
             controller = make_controller(spec, costs, job["budget_bytes"], job["seed"], job["steps"])

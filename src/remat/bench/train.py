@@ -3,8 +3,8 @@
 :func:`execute_run` builds the model from the seed, loads the seed's batches, installs the strategy's
 controller (:mod:`remat.bench.strategies`), trains with AdamW while timing the forward, backward and optimizer
 of every step, measures memory on the designated steps only, evaluates on the fixed validation batches and
-returns the run's record. :func:`execute_child_job` is the same run inside the ``compile_budget`` child
-process, measured with the whole-process meter of :mod:`remat.bench.procmem`.
+returns the run's record. The ``compile_budget`` child process runs the same loop with the whole-process
+meter (:mod:`remat.bench.compile_child`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..costs import CostTable
-from .strategies import Controller, StrategySpec
+from .strategies import Controller
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -241,72 +241,3 @@ def summarize_run(job: dict[str, Any], records: list[dict[str, Any]], info: dict
             run[key] = info[key]
     run["_info"] = info
     return run
-
-
-def execute_child_job(job: dict[str, Any], emit: Emit) -> dict[str, Any]:
-    """The compile child's run (see :mod:`remat.bench.procmem`): the run, then one eager no-checkpoint step
-    measured the same way as the reference for the whole-process figures."""
-    from .procmem import ProcessPeakMeter, process_meter_problem
-    from .strategies import CompileController
-
-    spec = StrategySpec(job["strategy"], tuple(tuple(o) for o in job["options"]))
-    problem = process_meter_problem()
-    meter_factory: Callable[[], Any]
-    if problem is None:
-        meter_factory, method = ProcessPeakMeter, ProcessPeakMeter.method
-    else:
-        meter_factory, method = _NullMeter, f"not measured: {problem}"
-    try:
-        run = execute_run(job, CompileController(spec, job["budget_fraction"]), emit,
-                          meter_factory=meter_factory, memory_method=method)
-    except Exception as err:  # reported to the parent as a failed run
-        return {"strategy": job["label"], "strategy_name": job["strategy"], "seed": job["seed"],
-                "status": "failed", "error": f"{type(err).__name__}: {err}"}
-    run.pop("_info", None)
-    # Whole-process bytes are not the tracker's activation bytes: no verdict against the budget from them.
-    run["within_budget"] = None
-    if problem is None:
-        reference = _eager_reference(job)
-        run["reference_none_process_bytes"] = reference
-        peak = run.get("peak_activation_bytes")
-        run["process_ratio_to_none"] = peak / reference if peak is not None and reference else None
-    else:
-        run["peak_activation_bytes"] = None
-    run["memory_note"] = (
-        "whole-process VmHWM growth over the step (parameter gradients included); compare with "
-        "reference_none_process_bytes, one eager no-checkpoint step measured the same way"
-        if problem is None else method
-    )
-    return run
-
-
-class _NullMeter:
-    activation_bytes = 0
-    peak_bytes = 0
-
-    def __enter__(self) -> _NullMeter:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-
-def _eager_reference(job: dict[str, Any]) -> int:
-    """Whole-process peak growth of one eager no-checkpoint step (after one unmeasured step)."""
-    from .procmem import ProcessPeakMeter
-
-    data = load_data(job)
-    spec = build(job, data)
-    optimizer = torch.optim.AdamW(spec.module.parameters(), lr=job["lr"])
-    batches = data.train_batches()
-    result = 0
-    for i in range(2):
-        batch = data.batch_kwargs(next(batches), job["device"])
-        meter = ProcessPeakMeter() if i else contextlib.nullcontext()
-        with meter:
-            spec.loss_fn(spec.module(**batch)).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if i:
-            result = meter.activation_bytes
-    return result
