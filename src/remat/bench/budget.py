@@ -10,7 +10,7 @@ from ..costs import CostTable
 from ..simulator import no_checkpoint_peak
 from ..sizes import format_bytes, parse_bytes
 from .config import BenchError
-from .strategies import budget_fraction
+from .static_plans import budget_fraction
 
 
 def parse_budget(text: str) -> float | int:

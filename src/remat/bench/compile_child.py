@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from .childproc import child_env, emit, parse
+from .controllers import CompileController
 from .procmem import CHILD_ENV, ProcessPeakMeter, process_meter_problem
-from .strategies import CompileController, StrategySpec
+from .strategies import StrategySpec
 from .train import Emit, build, execute_run, load_data
 
 

@@ -37,13 +37,14 @@ from .budget import parse_budget, resolve_bench_budget
 from .checks import all_specs, resolve_layers, validate
 from .compile_child import run_child
 from .config import BenchConfig, BenchError, add_arguments, config_from_args
+from .controllers import make_controller
 from .ddp_sweep import run_sync_sweep
 from .environment import default_threads, environment, loadavg
 from .output_folder import check_out, prepare_out
 from .progress import ProgressLog
 from .records import JsonlWriter, json_default, read_jsonl, safe_name
 from .report import build_report
-from .strategies import StrategySpec, make_controller
+from .strategies import StrategySpec
 from .train import execute_run, profile_costs
 
 # The `remat` command builds `remat bench` from these two: add_arguments, then run_from_args.

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..costs import CostTable
-from .strategies import Controller
+from .controllers import Controller
 
 Emit = Callable[[dict[str, Any]], None]
 
