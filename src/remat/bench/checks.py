@@ -29,7 +29,8 @@ def resolve_layers(config: BenchConfig) -> int | None:
 
 def validate(config: BenchConfig) -> dict[str, Any]:
     """Check everything that needs no training; returns what the data check found. Raises BenchError."""
-    from .data import DataUnavailableError, check_data_available
+    from .data import check_data_available
+    from .data_sources import DataUnavailableError
     from .models import list_models, model_config
 
     if config.model not in list_models():
