@@ -34,7 +34,7 @@ class Claim:
         return dict(self.__dict__)
 
 
-def claims(res: Results) -> list[Claim]:
+def evaluate_claims(res: Results) -> list[Claim]:
     """The expected outcomes of section 3.1 of the PGAC proposal against what this run measured."""
     P, S, D = res.pgac_label, res.static_label, res.dtr_label
     out = [

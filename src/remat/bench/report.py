@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .claims import claims
+from .claims import evaluate_claims
 from .figures import make_plots
 from .markdown import render_markdown
 from .results import Results
@@ -39,7 +39,7 @@ def build_report(out: Path | str) -> dict[str, Any]:
     res = Results(Path(out))
     rows = strategy_rows(res)
     cmp = comparisons(res)
-    claim_list = claims(res)
+    claim_list = evaluate_claims(res)
     exact = loss_differences(res)
     figures = make_plots(res, rows)
     write_csv(res.out / "summary.csv", rows)

@@ -39,7 +39,7 @@ from .compile_child import run_child
 from .config import BenchConfig, BenchError, add_arguments, config_from_args
 from .controllers import make_controller
 from .ddp_sweep import run_sync_sweep
-from .environment import default_threads, environment, loadavg
+from .machine import default_threads, environment, loadavg
 from .output_folder import check_out, prepare_out
 from .progress import ProgressLog
 from .records import JsonlWriter, json_default, read_jsonl, safe_name
