@@ -13,6 +13,7 @@ import torch
 
 
 def default_threads() -> int:
+    """Intra-op threads when ``--threads`` is 0: half the cores."""
     return max(1, (os.cpu_count() or 2) // 2)
 
 
