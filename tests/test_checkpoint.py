@@ -78,9 +78,7 @@ def grads_of(module: nn.Module, *leaves: torch.Tensor) -> list[torch.Tensor]:
 def test_plain_call_when_grad_is_disabled(monkeypatch: pytest.MonkeyPatch, context: Any) -> None:
     frames = []
     real = remat.checkpointing._torch_checkpoint
-    monkeypatch.setattr(
-        remat.checkpointing, "_torch_checkpoint", lambda *a, **k: frames.append(1) or real(*a, **k)
-    )
+    monkeypatch.setattr(remat.checkpointing, "_torch_checkpoint", lambda *a, **k: frames.append(1) or real(*a, **k))
     block = CountingModule(mlp())
     x = torch.randn(4, 32, requires_grad=True)
     with context():

@@ -35,8 +35,25 @@ def test_plan_prints_a_table_and_fits_the_budget(tmp_path, capsys):
 
 
 def test_plan_on_the_meta_device_needs_no_memory(capsys):
-    args = ["plan", "--model", "gpt2", "--device", "meta", "--layers", "4", "--hidden", "512", "--heads", "8",
-            "--batch-size", "4", "--seq-len", "512", "--budget", "0.9"]
+    args = [
+        "plan",
+        "--model",
+        "gpt2",
+        "--device",
+        "meta",
+        "--layers",
+        "4",
+        "--hidden",
+        "512",
+        "--heads",
+        "8",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "512",
+        "--budget",
+        "0.9",
+    ]
     assert main(args) == 0
     assert "costs from meta" in capsys.readouterr().out
 

@@ -146,7 +146,9 @@ def test_meta_table_byte_terms_equal_remat_profile_on_cpu() -> None:
         assert (estimated.fwd_temp_bytes, estimated.bwd_temp_bytes) == (real.fwd_temp_bytes, real.bwd_temp_bytes)
     assert meta.held_args_bytes == measured.held_args_bytes > 0
     assert (meta.stem_bytes, meta.head_bytes, meta.head_retained_bytes) == (
-        measured.stem_bytes, measured.head_bytes, measured.head_retained_bytes
+        measured.stem_bytes,
+        measured.head_bytes,
+        measured.head_retained_bytes,
     )
 
 

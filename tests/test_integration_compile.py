@@ -77,7 +77,7 @@ def test_dropout_under_compile_is_not_redrawn_in_recomputation() -> None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for i, block in enumerate(self.blocks):
-                step = (lambda h, b=block: self.drop(b(h)))  # noqa: E731
+                step = lambda h, b=block: self.drop(b(h))  # noqa: E731
                 x = step(x) if self.policies is None else remat.checkpoint(step, x, policy=self.policies[i])
             return x.square().mean()
 

@@ -206,8 +206,18 @@ def test_example_train_ddp_runs_under_torchrun(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-        str(distributed.free_port()), str(ROOT / "examples" / "train_ddp.py"), "--steps", "3", "--budget", "0.7",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(distributed.free_port()),
+        str(ROOT / "examples" / "train_ddp.py"),
+        "--steps",
+        "3",
+        "--budget",
+        "0.7",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

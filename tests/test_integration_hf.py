@@ -33,7 +33,11 @@ def gpt2(n_layer: int = 3) -> torch.nn.Module:
 
 def bert(n_layer: int = 3) -> torch.nn.Module:
     config = transformers.BertConfig(
-        num_hidden_layers=n_layer, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
+        num_hidden_layers=n_layer,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=VOCAB,
         max_position_embeddings=SEQ * 2,
     )
     assert config.hidden_dropout_prob > 0
@@ -211,8 +215,14 @@ def test_trainer_profiles_first_step_then_runs_the_plan(tmp_path: Any) -> None:
     data = [batch(i) for i in range(6)]
     data = [{k: v[0] for k, v in item.items()} for item in data]
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True, report_to=[],
-        save_strategy="no", logging_steps=1, disable_tqdm=True,
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
     )
     result = transformers.Trainer(model=model, args=args, train_dataset=data).train()
     assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))

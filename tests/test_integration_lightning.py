@@ -104,8 +104,14 @@ def fit(callbacks: list[Any]) -> nn.Module:
     torch.manual_seed(0)
     module = LitNet()
     trainer = L.Trainer(
-        max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
     )
     trainer.fit(module)
     return module

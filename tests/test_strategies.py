@@ -80,7 +80,11 @@ def test_strategy_gives_the_gradients_of_no_checkpointing(strategy: str, options
 def test_strategy_action_shapes() -> None:
     costs = uniform_costs([f"b{i}" for i in range(5)])
     assert list(remat.plan(costs, "every_k", k=2).actions.values()) == [
-        "segment:0", "segment:0", "segment:1", "segment:1", "checkpoint"
+        "segment:0",
+        "segment:0",
+        "segment:1",
+        "segment:1",
+        "checkpoint",
     ]
     assert list(remat.plan(costs, "every_k", k=3).actions.values()) == ["segment:0"] * 3 + ["segment:1"] * 2
     assert list(remat.plan(costs, "memory_poor").actions.values()) == ["memory_poor:0"] * 4 + ["keep"]

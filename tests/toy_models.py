@@ -70,9 +70,7 @@ def step(model: nn.Module, *inputs: torch.Tensor, seed: int = 1234) -> tuple[tor
     leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
     loss = model(*leaves)
     loss.backward()
-    grads: dict[str, Any] = {
-        name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()
-    }
+    grads: dict[str, Any] = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
     for i, leaf in enumerate(leaves):
         grads[f"input:{i}"] = None if leaf.grad is None else leaf.grad.clone()
     return loss.detach(), grads

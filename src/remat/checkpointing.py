@@ -51,9 +51,7 @@ def checkpoint(
     options: dict[str, Any] = {}
     if policy is not None:
         options["context_fn"] = _context_fn(policy)
-    return _torch_checkpoint(
-        fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs
-    )
+    return _torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs)
 
 
 def checkpointed(
@@ -108,9 +106,7 @@ def _strip_prefix_hook(module: nn.Module, state_dict: dict[str, Any], prefix: st
             state_dict[prefix + key[len(prefix + _WRAPPED) :]] = state_dict.pop(key)
 
 
-def _add_prefix_hook(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
-) -> None:
+def _add_prefix_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
     for key in list(state_dict):
         if key.startswith(prefix) and not key.startswith(prefix + _WRAPPED):
             state_dict[prefix + _WRAPPED + key[len(prefix) :]] = state_dict.pop(key)
@@ -131,9 +127,7 @@ class Checkpoint(nn.Module):
         self._register_load_state_dict_pre_hook(_add_prefix_hook, with_module=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(
-            self.module, *args, policy=self.policy, preserve_rng_state=self.preserve_rng_state, **kwargs
-        )
+        return checkpoint(self.module, *args, policy=self.policy, preserve_rng_state=self.preserve_rng_state, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:

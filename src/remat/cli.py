@@ -42,7 +42,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _build(args: argparse.Namespace):  # noqa: ANN202
     from .bench.models import build_model, parse_model_id
 
-    name, preset = (parse_model_id(args.model) if "-" in args.model else (args.model, args.preset or "tiny"))
+    name, preset = parse_model_id(args.model) if "-" in args.model else (args.model, args.preset or "tiny")
     if args.preset and "-" not in args.model:
         preset = args.preset
     overrides = {
@@ -164,16 +164,23 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     s, b, h, a = args.seq_len, args.batch_size, args.hidden, args.heads
     per_layer = transformer_layer_activation_bytes(s, b, h, a, **common)
     recompute = transformer_layer_activation_bytes(s, b, h, a, **common, full_recompute=True)
-    print(f"transformer layer, s={s} b={b} h={h} a={a}, {args.dtype}, dropout={not args.no_dropout}, "
-          f"flash={args.flash}, {args.activation}")
+    print(
+        f"transformer layer, s={s} b={b} h={h} a={a}, {args.dtype}, dropout={not args.no_dropout}, "
+        f"flash={args.flash}, {args.activation}"
+    )
     print(f"  activations per layer:            {format_bytes(per_layer)}")
     print(f"  per layer with full recompute:    {format_bytes(recompute)}")
     print(f"  {args.layers} layers:                       {format_bytes(per_layer * args.layers)}")
     print(f"  {args.layers} layers, full recompute:       {format_bytes(recompute * args.layers)}")
     _write_json(
         args.json,
-        {"per_layer_bytes": per_layer, "per_layer_full_recompute_bytes": recompute, "layers": args.layers,
-         "total_bytes": per_layer * args.layers, "total_full_recompute_bytes": recompute * args.layers},
+        {
+            "per_layer_bytes": per_layer,
+            "per_layer_full_recompute_bytes": recompute,
+            "layers": args.layers,
+            "total_bytes": per_layer * args.layers,
+            "total_full_recompute_bytes": recompute * args.layers,
+        },
     )
     return 0
 
@@ -222,8 +229,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
             "plan": json.loads(result.plan.to_json()) if result.plan else None,
             "overhead": result.overhead,
             "batch_options": [
-                {"batch_size": o.batch_size, "fits": o.plan is not None, "step_s": o.step_s,
-                 "throughput": o.throughput}
+                {"batch_size": o.batch_size, "fits": o.plan is not None, "step_s": o.step_s, "throughput": o.throughput}
                 for o in result.batch_options
             ],
         },

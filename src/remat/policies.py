@@ -68,8 +68,21 @@ DOT_OPS: frozenset[Any] = frozenset(
 FRESH_BUFFER_OPS: frozenset[Any] = frozenset(
     getattr(aten, name)
     for name in (
-        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
-        "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "scalar_tensor",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "zeros",
+        "zeros_like",
+        "new_zeros",
+        "ones",
+        "ones_like",
+        "new_ones",
+        "full",
+        "full_like",
+        "new_full",
+        "scalar_tensor",
     )
     if hasattr(aten, name)
 )

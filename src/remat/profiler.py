@@ -64,8 +64,11 @@ def measure_block(
     edge_backward_supported()  # probe once here, not inside a tracked region
     identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     rng_devices = [device.index or 0] if device.type == "cuda" else []
-    with suspend_all(), identity, GradsRestored(module), torch.random.fork_rng(
-        devices=rng_devices, device_type=device.type
+    with (
+        suspend_all(),
+        identity,
+        GradsRestored(module),
+        torch.random.fork_rng(devices=rng_devices, device_type=device.type),
     ):
         for action in actions:
             trackers[action] = LiveTensorTracker(device)

@@ -86,6 +86,7 @@ from .suspension import all_suspended
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
 
+
 @dataclass
 class RecomputeStats:
     """Block re-executions in backward and the seconds they took, per block FQN."""
@@ -146,9 +147,7 @@ class RematHandle:
             unknown = [f for f in plan.actions if f not in self.fqns]
             missing = [f for f in self.fqns if f not in plan.actions]
             if unknown:
-                raise ValueError(
-                    f"plan names blocks not in the model's chain: {unknown}; the chain is {self.fqns}"
-                )
+                raise ValueError(f"plan names blocks not in the model's chain: {unknown}; the chain is {self.fqns}")
             raise ValueError(f"plan must give an action for every block in chain order; missing {missing}")
         units = plan.units()
         for unit in units:

@@ -6,4 +6,17 @@ compare checkpointing strategies.
 ``energy`` reads NVML or RAPL energy counters where the hardware exposes them; ``stats`` gives means,
 confidence intervals and paired t-tests; the runner, report and plots build on them. Each submodule is
 imported on its own, so using one does not pull in the heavy dependencies of another.
+
+The modules, in the order a ``remat bench`` run uses them:
+
+- input: ``config`` (options, :class:`~remat.bench.config.BenchConfig`), ``strategies`` (strategy strings),
+  ``budget``, ``checks`` (everything checked before training), ``output_folder``, ``machine``;
+- data and models: ``data`` (``data_sources``, ``tokenizers``, ``batches``, ``text_data``, ``image_data``),
+  ``models``;
+- training: ``runner`` (the orchestration and the entry points), ``train`` (one run), ``static_plans`` and
+  ``controllers`` (each strategy in the loop), ``compile_child`` and ``procmem`` (``compile_budget`` in a child
+  process under the whole-process meter), ``ddp_sweep`` (the torchrun sync ablation), ``childproc``,
+  ``records`` (JSON-lines files), ``progress``, ``energy``;
+- report: ``report`` (``python -m remat.bench.report``), ``results``, ``summary``, ``stats``, ``claims``,
+  ``formatting``, ``figures``, ``plots``, ``markdown``.
 """

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..sizes import format_bytes
 from . import stats
+from .formatting import fmt_ms, fmt_pct, mean_of, p_text
 
 if TYPE_CHECKING:
-    from .report import Results
+    from .results import Results
 
 
 @dataclass
@@ -33,33 +34,7 @@ class Claim:
         return dict(self.__dict__)
 
 
-def mean_of(values: Any) -> float | None:
-    data = [float(v) for v in values if v is not None]
-    return sum(data) / len(data) if data else None
-
-
-def fmt_ms(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value * 1e3:.{digits}f}"
-
-
-def fmt_pct(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value * 100:+.{digits}f}%"
-
-
-def fmt_p(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:.2g}" if value >= 1e-4 else "<1e-4"
-
-
-def p_text(value: float | None) -> str:
-    """``"p = 0.03"`` or ``"p < 1e-4"``."""
-    if value is not None and value < 1e-4:
-        return "p < 1e-4"
-    return f"p = {fmt_p(value)}"
-
-
-def claims(res: Results) -> list[Claim]:
+def evaluate_claims(res: Results) -> list[Claim]:
     """The expected outcomes of section 3.1 of the PGAC proposal against what this run measured."""
     P, S, D = res.pgac_label, res.static_label, res.dtr_label
     out = [
@@ -70,7 +45,8 @@ def claims(res: Results) -> list[Claim]:
         _fidelity_claim(res, P),
         _energy_claim(res, P, S),
         Claim(
-            "Robust across NLP and CV tasks, depths and widths", "stable behaviour",
+            "Robust across NLP and CV tasks, depths and widths",
+            "stable behaviour",
             f"one model here ({res.settings['model']}-{res.settings['preset']})",
             "needs one bench per model: `remat bench --model gpt2|bert|vit|mlp`, then compare the reports",
             "not measurable here",
@@ -92,12 +68,15 @@ def _recompute_claim(res: Results, P: str | None, B: str | None, against: str, b
     if c.mean is None or c.baseline_mean is None:
         return Claim(what, expected, "no paired steps", "paired t-test", "not measurable here")
     if c.baseline_mean == 0:
-        return Claim(what, expected, f"{B} recomputes nothing ({fmt_ms(c.mean)} ms for {P})", "-",
-                     "not measurable here")
+        return Claim(
+            what, expected, f"{B} recomputes nothing ({fmt_ms(c.mean)} ms for {P})", "-", "not measurable here"
+        )
     reduction = -c.relative_diff if c.relative_diff is not None else None
     ci = f"[{fmt_ms(c.ci_low)}, {fmt_ms(c.ci_high)}]"
-    measured = (f"{fmt_pct(c.relative_diff)} ({P} {fmt_ms(c.mean)} ms vs {B} {fmt_ms(c.baseline_mean)} ms per step; "
-                f"difference 95% CI {ci} ms)")
+    measured = (
+        f"{fmt_pct(c.relative_diff)} ({P} {fmt_ms(c.mean)} ms vs {B} {fmt_ms(c.baseline_mean)} ms per step; "
+        f"difference 95% CI {ci} ms)"
+    )
     test = f"paired t-test on recompute seconds, {c.n} (seed, step) pairs, {p_text(c.p_value)}"
     ok = reduction is not None and reduction >= band[0] and c.significant
     if ok and reduction is not None and reduction > band[1]:
@@ -115,8 +94,10 @@ def _memory_claim(res: Results, P: str | None) -> Claim:
         return Claim(what, expected, "no measured step", "-", "not measurable here")
     peak = max(s["peak_activation_bytes"] for s in measured_steps)
     predicted = mean_of(r.get("predicted_peak_bytes") for r in res.runs_of(P))
-    measured = (f"max {format_bytes(peak)} = {peak / res.budget:.0%} of the budget over {len(measured_steps)} "
-                f"measured steps (plan predicted {format_bytes(predicted)})")
+    measured = (
+        f"max {format_bytes(peak)} = {peak / res.budget:.0%} of the budget over {len(measured_steps)} "
+        f"measured steps (plan predicted {format_bytes(predicted)})"
+    )
     test = "live-tensor tracker peak on every measured step of every seed, compared with the budget"
     return Claim(what, expected, measured, test, "confirmed" if peak <= res.budget else "not confirmed")
 
@@ -131,8 +112,9 @@ def _throughput_claim(res: Results, P: str | None, S: str | None) -> Claim:
         return Claim(what, expected, "no paired steps", "paired t-test", "not measurable here")
     unit = (res.runs_of(P) or [{}])[0].get("unit", "items")
     within = all(r.get("within_budget") for r in res.runs_of(P))
-    measured = (f"{fmt_pct(c.relative_diff)} (mean per-step {c.mean:,.0f} vs {c.baseline_mean:,.0f} {unit}/s)"
-                + ("" if within else "; PGAC exceeded the budget"))
+    measured = f"{fmt_pct(c.relative_diff)} (mean per-step {c.mean:,.0f} vs {c.baseline_mean:,.0f} {unit}/s)" + (
+        "" if within else "; PGAC exceeded the budget"
+    )
     test = f"paired t-test on per-step throughput, {c.n} (seed, step) pairs, {p_text(c.p_value)}"
     ok = c.relative_diff >= 0.10 and c.significant and within
     return Claim(what, expected, measured, test, "confirmed" if ok else "not confirmed")
@@ -153,10 +135,14 @@ def _fidelity_claim(res: Results, P: str | None) -> Claim:
     rel = [abs(mine[s][metric] - ref[s][metric]) / abs(ref[s][metric]) for s in seeds]
     c = stats.paired_test([mine[s]["val_loss"] for s in seeds], [ref[s]["val_loss"] for s in seeds])
     mine_mean, ref_mean = mean_of(mine[s][metric] for s in seeds), mean_of(ref[s][metric] for s in seeds)
-    measured = (f"largest relative difference {max(rel):.3%} over {len(seeds)} seed(s) "
-                f"({P} {mine_mean:.4g} vs none {ref_mean:.4g})")
-    test = (f"same seeds, same {res.config.get('settings', {}).get('eval_batches')} validation batches; paired "
-            f"t-test on validation loss over seeds: {c.reason or p_text(c.p_value)}")
+    measured = (
+        f"largest relative difference {max(rel):.3%} over {len(seeds)} seed(s) "
+        f"({P} {mine_mean:.4g} vs none {ref_mean:.4g})"
+    )
+    test = (
+        f"same seeds, same {res.config.get('settings', {}).get('eval_batches')} validation batches; paired "
+        f"t-test on validation loss over seeds: {c.reason or p_text(c.p_value)}"
+    )
     return Claim(what, expected, measured, test, "confirmed" if max(rel) < 0.005 else "not confirmed")
 
 
@@ -177,8 +163,10 @@ def _energy_claim(res: Results, P: str | None, S: str | None) -> Claim:
         return run["energy_j"] / max(1, run["timed_steps"])
 
     c = stats.paired_test([per_step(mine[s]) for s in seeds], [per_step(ref[s]) for s in seeds])
-    measured = (f"{fmt_pct(c.relative_diff)} ({c.mean:.3g} vs {c.baseline_mean:.3g} J per timed step; "
-                f"{mean_of(mine[s]['energy_kwh'] for s in seeds):.3g} kWh per run)")
+    measured = (
+        f"{fmt_pct(c.relative_diff)} ({c.mean:.3g} vs {c.baseline_mean:.3g} J per timed step; "
+        f"{mean_of(mine[s]['energy_kwh'] for s in seeds):.3g} kWh per run)"
+    )
     source = mine[seeds[0]].get("energy_source")
     test = f"{source} counters, paired over {len(seeds)} seed(s): {c.reason or p_text(c.p_value)}"
     ok = c.relative_diff is not None and c.relative_diff <= -0.10 and c.significant
@@ -233,4 +221,4 @@ def identical_plans(res: Results) -> list[tuple[str, str]]:
         if runs and all(r.get("plan") for r in runs) and res.name_of[label] != "pgac":
             plans[label] = tuple((r["seed"], tuple(sorted(r["plan"].items()))) for r in runs)
     labels = list(plans)
-    return [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:] if plans[a] == plans[b]]
+    return [(a, b) for i, a in enumerate(labels) for b in labels[i + 1 :] if plans[a] == plans[b]]

@@ -18,25 +18,38 @@ from pathlib import Path
 from typing import Any
 
 from .childproc import child_env, emit, parse
+from .records import JsonlWriter
 
 NPROC = 2
 
 
-def run_sync_sweep(config: Any, layers: int | None, budget: dict[str, Any], modes: list[str], out_path: Path,
-                   costs_path: Path) -> list[dict[str, Any]]:
+def run_sync_sweep(
+    config: Any, layers: int | None, budget: dict[str, Any], modes: list[str], out_path: Path, costs_path: Path
+) -> list[dict[str, Any]]:
     """Run each sync mode under torchrun; append its records to ``out_path``; return the summaries."""
-    from .runner import JsonlWriter
-
     summaries = []
     writer = JsonlWriter(out_path)
     try:
         for mode in modes:
             job = {
-                "model": config.model, "preset": config.preset, "layers": layers, "dropout": config.dropout,
-                "tokenizer": config.tokenizer, "dataset": config.dataset, "max_bytes": config.max_bytes,
-                "seq_len": config.seq_len, "batch_size": config.batch_size, "lr": config.lr, "seed": 0,
-                "steps": config.steps, "warmup": config.warmup, "threads": 1, "device": "cpu",
-                "budget_bytes": budget["bytes"], "costs_path": str(costs_path.resolve()), "sync": mode,
+                "model": config.model,
+                "preset": config.preset,
+                "layers": layers,
+                "dropout": config.dropout,
+                "tokenizer": config.tokenizer,
+                "dataset": config.dataset,
+                "max_bytes": config.max_bytes,
+                "seq_len": config.seq_len,
+                "batch_size": config.batch_size,
+                "lr": config.lr,
+                "seed": 0,
+                "steps": config.steps,
+                "warmup": config.warmup,
+                "threads": 1,
+                "device": "cpu",
+                "budget_bytes": budget["bytes"],
+                "costs_path": str(costs_path.resolve()),
+                "sync": mode,
                 "options": _pgac_options(config),
             }
             summary = _launch(job, writer)
@@ -55,8 +68,17 @@ def _pgac_options(config: Any) -> dict[str, Any]:
 
 def _launch(job: dict[str, Any], writer: Any) -> dict[str, Any]:
     env = child_env(OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(NPROC),
-           "-m", "remat.bench.ddp_sweep", json.dumps(job)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(NPROC),
+        "-m",
+        "remat.bench.ddp_sweep",
+        json.dumps(job),
+    ]
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     summary: dict[str, Any] | None = None
@@ -68,8 +90,12 @@ def _launch(job: dict[str, Any], writer: Any) -> dict[str, Any]:
                 summary = record
     if summary is None:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        summary = {"record": "summary", "sync": job["sync"], "status": "failed",
-                   "error": f"torchrun exited with code {proc.returncode}: {tail}"}
+        summary = {
+            "record": "summary",
+            "sync": job["sync"],
+            "status": "failed",
+            "error": f"torchrun exited with code {proc.returncode}: {tail}",
+        }
         writer.write(summary)
     summary["wall_s"] = time.perf_counter() - started
     return summary
@@ -93,8 +119,9 @@ def worker(job: dict[str, Any]) -> None:
     spec = build(job, data)  # the model seed is job["seed"] on every rank: identical weights
     model = spec.module
     costs = CostTable.from_json(Path(job["costs_path"]).read_text())
-    pgac = remat.PGAC(model, job["budget_bytes"], costs=costs, sync=job["sync"], total_steps=job["steps"],
-                      measure=0, **job["options"])
+    pgac = remat.PGAC(
+        model, job["budget_bytes"], costs=costs, sync=job["sync"], total_steps=job["steps"], measure=0, **job["options"]
+    )
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=job["lr"])
     pgac.attach(optimizer)
@@ -110,12 +137,21 @@ def worker(job: dict[str, Any]) -> None:
         optimizer.zero_grad(set_to_none=True)
         step_time = time.perf_counter() - t0
         ran = pgac.history[-1].actions
-        records.append({
-            "record": "step", "sync": job["sync"], "rank": rank, "step": step, "loss": float(loss.detach()),
-            "step_time_s": step_time, "recompute_time_s": pgac.handle.stats.total_seconds,
-            "stored": [a == KEEP for a in ran], "scores": list(pgac.history[-1].scores), "tau": pgac.tau,
-            "warmup": step < job["warmup"],
-        })
+        records.append(
+            {
+                "record": "step",
+                "sync": job["sync"],
+                "rank": rank,
+                "step": step,
+                "loss": float(loss.detach()),
+                "step_time_s": step_time,
+                "recompute_time_s": pgac.handle.stats.total_seconds,
+                "stored": [a == KEEP for a in ran],
+                "scores": list(pgac.history[-1].scores),
+                "tau": pgac.tau,
+                "warmup": step < job["warmup"],
+            }
+        )
         pgac.handle.stats.reset()
     pgac.remove()
     gathered: list[Any] = [None] * world
@@ -137,21 +173,28 @@ def _summarize(job: dict[str, Any], gathered: list[list[dict[str, Any]]]) -> dic
     steps = len(gathered[0])
     agree = sum(1 for i in range(steps) if all(g[i]["stored"] == gathered[0][i]["stored"] for g in gathered))
     return {
-        "record": "summary", "sync": job["sync"], "status": "ok", "ranks": len(gathered), "steps": steps,
+        "record": "summary",
+        "sync": job["sync"],
+        "status": "ok",
+        "ranks": len(gathered),
+        "steps": steps,
         "step_time_s": mean([r["step_time_s"] for records in timed for r in records]),
         "recompute_time_s": mean([r["recompute_time_s"] for records in timed for r in records]),
         "mask_agreement": agree / steps if steps else None,
         "final_loss": mean([records[-1]["loss"] for records in gathered]),
         "mean_stored_blocks": mean([sum(r["stored"]) for records in timed for r in records]),
-        "budget_bytes": job["budget_bytes"], "options": job["options"],
+        "budget_bytes": job["budget_bytes"],
+        "options": job["options"],
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: torchrun --nproc_per_node 2 -m remat.bench.ddp_sweep JOB_JSON (started by remat bench)",
-              file=sys.stderr)
+        print(
+            "usage: torchrun --nproc_per_node 2 -m remat.bench.ddp_sweep JOB_JSON (started by remat bench)",
+            file=sys.stderr,
+        )
         return 2
     worker(json.loads(args[0]))
     return 0

@@ -45,8 +45,15 @@ class EnergyReading:
         return self.joules / self.seconds
 
     def to_dict(self) -> dict[str, Any]:
-        return {"joules": self.joules, "kwh": self.kwh, "watts": self.watts, "seconds": self.seconds,
-                "source": self.source, "reason": self.reason, "by_source": dict(self.by_source)}
+        return {
+            "joules": self.joules,
+            "kwh": self.kwh,
+            "watts": self.watts,
+            "seconds": self.seconds,
+            "source": self.source,
+            "reason": self.reason,
+            "by_source": dict(self.by_source),
+        }
 
 
 class CounterUnavailable(Exception):
@@ -146,8 +153,13 @@ class EnergyMeter:
     is synchronised before each read so queued kernels count in the interval they were launched in.
     """
 
-    def __init__(self, sources: str | Sequence[str] = "auto", *, gpu_index: int | None = None,
-                 powercap_root: Path | str = POWERCAP_ROOT) -> None:
+    def __init__(
+        self,
+        sources: str | Sequence[str] = "auto",
+        *,
+        gpu_index: int | None = None,
+        powercap_root: Path | str = POWERCAP_ROOT,
+    ) -> None:
         if isinstance(sources, str):
             sources = _auto_sources() if sources == "auto" else (sources,)
         unknown = set(sources) - {"nvml", "rapl"}
@@ -204,8 +216,7 @@ class EnergyMeter:
         if joules is None and not reason:
             reason = "no energy source requested"
         source = "+".join(by_source) if by_source else "none"
-        self.reading = EnergyReading(joules=joules, seconds=seconds, source=source, reason=reason,
-                                     by_source=by_source)
+        self.reading = EnergyReading(joules=joules, seconds=seconds, source=source, reason=reason, by_source=by_source)
         return self.reading
 
     def __enter__(self) -> EnergyMeter:

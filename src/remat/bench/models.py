@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .mlp_chain import MLPChain
+
 # Presets use family-neutral keys; _FIELDS maps them onto each Hugging Face config class.
 _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {
@@ -42,31 +44,72 @@ _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # take 28x28 grey images as they are; base and large keep ViT's 224x224 RGB, 16x16-patch geometry
     # (197 tokens), and the data module resizes the digits to match (see ``data.load_dataset``).
     "vit": {
-        "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, intermediate_size=256,
-                     image_size=28, patch_size=7, num_channels=1, num_labels=10),
-        "small": dict(num_layers=6, hidden_size=256, num_heads=8, intermediate_size=1024,
-                      image_size=28, patch_size=4, num_channels=1, num_labels=10),
-        "base": dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072,
-                     image_size=224, patch_size=16, num_channels=3, num_labels=10),
-        "large": dict(num_layers=24, hidden_size=1024, num_heads=16, intermediate_size=4096,
-                      image_size=224, patch_size=16, num_channels=3, num_labels=10),
+        "tiny": dict(
+            num_layers=2,
+            hidden_size=64,
+            num_heads=4,
+            intermediate_size=256,
+            image_size=28,
+            patch_size=7,
+            num_channels=1,
+            num_labels=10,
+        ),
+        "small": dict(
+            num_layers=6,
+            hidden_size=256,
+            num_heads=8,
+            intermediate_size=1024,
+            image_size=28,
+            patch_size=4,
+            num_channels=1,
+            num_labels=10,
+        ),
+        "base": dict(
+            num_layers=12,
+            hidden_size=768,
+            num_heads=12,
+            intermediate_size=3072,
+            image_size=224,
+            patch_size=16,
+            num_channels=3,
+            num_labels=10,
+        ),
+        "large": dict(
+            num_layers=24,
+            hidden_size=1024,
+            num_heads=16,
+            intermediate_size=4096,
+            image_size=224,
+            patch_size=16,
+            num_channels=3,
+            num_labels=10,
+        ),
     },
     "mlp": {
-        "tiny": dict(num_layers=4, hidden_size=64, intermediate_size=256,
-                     image_size=28, num_channels=1, num_labels=10),
-        "small": dict(num_layers=8, hidden_size=512, intermediate_size=2048,
-                      image_size=28, num_channels=1, num_labels=10),
-        "base": dict(num_layers=16, hidden_size=2048, intermediate_size=8192,
-                     image_size=28, num_channels=1, num_labels=10),
+        "tiny": dict(num_layers=4, hidden_size=64, intermediate_size=256, image_size=28, num_channels=1, num_labels=10),
+        "small": dict(
+            num_layers=8, hidden_size=512, intermediate_size=2048, image_size=28, num_channels=1, num_labels=10
+        ),
+        "base": dict(
+            num_layers=16, hidden_size=2048, intermediate_size=8192, image_size=28, num_channels=1, num_labels=10
+        ),
     },
 }
 
 # Family-neutral key -> field of the Hugging Face config class (keys not listed have the same name).
 _FIELDS: dict[str, dict[str, str]] = {
-    "gpt2": {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head",
-             "intermediate_size": "n_inner", "max_positions": "n_positions"},
-    "bert": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-             "max_positions": "max_position_embeddings"},
+    "gpt2": {
+        "num_layers": "n_layer",
+        "hidden_size": "n_embd",
+        "num_heads": "n_head",
+        "intermediate_size": "n_inner",
+        "max_positions": "n_positions",
+    },
+    "bert": {
+        "num_layers": "num_hidden_layers",
+        "num_heads": "num_attention_heads",
+        "max_positions": "max_position_embeddings",
+    },
     "vit": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"},
     "mlp": {},
 }
@@ -194,8 +237,9 @@ def build_model(
         loss_fn=output_loss,
         config=_summary(name, preset, cfg),
         num_params=sum(p.numel() for p in module.parameters()),
-        block_container=_block_container(module, cfg["num_layers"] if name == "mlp" else
-                                         getattr(cfg, _FIELDS[name]["num_layers"])),
+        block_container=_block_container(
+            module, cfg["num_layers"] if name == "mlp" else getattr(cfg, _FIELDS[name]["num_layers"])
+        ),
         seed=seed,
     )
 
@@ -208,50 +252,6 @@ def output_loss(output: Any) -> torch.Tensor:
     return loss
 
 
-class ResidualMLPBlock(nn.Module):
-    """``x + Dropout(W2 GELU(W1 LayerNorm(x)))``: one repeated layer of :class:`MLPChain`."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, dropout: float) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden_size)
-        self.fc1 = nn.Linear(hidden_size, intermediate_size)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(intermediate_size, hidden_size)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.fc2(self.act(self.fc1(self.norm(x)))))
-
-
-@dataclass
-class MLPOutput:
-    """What :class:`MLPChain` returns, shaped like a Hugging Face output."""
-
-    logits: torch.Tensor
-    loss: torch.Tensor | None = None
-
-
-class MLPChain(nn.Module):
-    """An image classifier: flatten, project, ``blocks`` (an ``nn.Sequential`` of identical residual MLP
-    blocks), then a normalised linear head with a cross-entropy loss when labels are given."""
-
-    def __init__(self, *, input_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
-                 num_labels: int, dropout: float) -> None:
-        super().__init__()
-        self.stem = nn.Linear(input_size, hidden_size)
-        self.blocks = nn.Sequential(
-            *[ResidualMLPBlock(hidden_size, intermediate_size, dropout) for _ in range(num_layers)]
-        )
-        self.head_norm = nn.LayerNorm(hidden_size)
-        self.head = nn.Linear(hidden_size, num_labels)
-
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> MLPOutput:
-        hidden = self.blocks(self.stem(pixel_values.flatten(1)))
-        logits = self.head(self.head_norm(hidden))
-        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
-        return MLPOutput(logits=logits, loss=loss)
-
-
 def _check_name(name: str) -> str:
     if name not in _PRESETS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(_PRESETS)}")
@@ -260,23 +260,26 @@ def _check_name(name: str) -> str:
 
 def _check_preset(name: str, preset: str) -> str:
     if preset.startswith(name + "-"):
-        preset = preset[len(name) + 1:]
+        preset = preset[len(name) + 1 :]
     if preset not in _PRESETS[name]:
-        raise ValueError(
-            f"unknown preset {preset!r} for model {name!r}; known presets: {', '.join(_PRESETS[name])}"
-        )
+        raise ValueError(f"unknown preset {preset!r} for model {name!r}; known presets: {', '.join(_PRESETS[name])}")
     return preset
 
 
 def _config_class(name: str) -> type:
     import transformers
 
-    return {"gpt2": transformers.GPT2Config, "bert": transformers.BertConfig,
-            "vit": transformers.ViTConfig}[name]
+    return {"gpt2": transformers.GPT2Config, "bert": transformers.BertConfig, "vit": transformers.ViTConfig}[name]
 
 
-def _make_config(name: str, preset: str, dropout: float | None, attn_implementation: str,
-                 vocab_size: int | None, overrides: Mapping[str, Any]) -> Any:
+def _make_config(
+    name: str,
+    preset: str,
+    dropout: float | None,
+    attn_implementation: str,
+    vocab_size: int | None,
+    overrides: Mapping[str, Any],
+) -> Any:
     """The Hugging Face config object (a plain dict for the MLP) of ``name`` at ``preset``."""
     values = dict(_PRESETS[name][preset])
     if vocab_size is not None:
@@ -329,8 +332,11 @@ def _instantiate(name: str, cfg: Any) -> nn.Module:
         )
     import transformers
 
-    cls = {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM,
-           "vit": transformers.ViTForImageClassification}[name]
+    cls = {
+        "gpt2": transformers.GPT2LMHeadModel,
+        "bert": transformers.BertForMaskedLM,
+        "vit": transformers.ViTForImageClassification,
+    }[name]
     module = cls(cfg)
     if name == "gpt2":
         # The class name does not tell transformers which loss it computes; say it (silences a warning).

@@ -44,8 +44,17 @@ def pareto(points: Sequence[Mapping[str, Any]], budget_bytes: int | None, path: 
         if p.get("ci_low") is not None and p.get("ci_high") is not None:
             err = [[max(0.0, y - p["ci_low"])], [max(0.0, p["ci_high"] - y)]]
         color = f"C{i % 10}"
-        ax.errorbar(x, y, yerr=err, fmt=_MARKERS[i % len(_MARKERS)], color=color, capsize=3, markersize=8,
-                    markerfacecolor="none" if over else color, label=p["label"] + (" (over budget)" if over else ""))
+        ax.errorbar(
+            x,
+            y,
+            yerr=err,
+            fmt=_MARKERS[i % len(_MARKERS)],
+            color=color,
+            capsize=3,
+            markersize=8,
+            markerfacecolor="none" if over else color,
+            label=p["label"] + (" (over budget)" if over else ""),
+        )
         ax.annotate(p["label"], (x, y), textcoords="offset points", xytext=(6, 5), fontsize=8)
     front = pareto_front([(p["memory_bytes"], p["step_ms"]) for p in usable])
     if len(front) > 1:
@@ -70,8 +79,9 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, flo
     return front
 
 
-def loss_curves(curves: Mapping[str, tuple[Sequence[int], Sequence[float]]], warmup: int, path: Path,
-                footer: str) -> Path:
+def loss_curves(
+    curves: Mapping[str, tuple[Sequence[int], Sequence[float]]], warmup: int, path: Path, footer: str
+) -> Path:
     """Training loss per step for each strategy (mean over seeds). Exact strategies lie on top of each other."""
     fig, ax = plt.subplots(figsize=(8, 4.8))
     styles = ["-", "--", ":", "-."]
@@ -87,12 +97,14 @@ def loss_curves(curves: Mapping[str, tuple[Sequence[int], Sequence[float]]], war
     return _finish(fig, path, footer)
 
 
-def mask_heatmap(histories: Mapping[str, tuple[Sequence[str], Sequence[Sequence[bool]]]], path: Path,
-                 footer: str) -> Path:
+def mask_heatmap(
+    histories: Mapping[str, tuple[Sequence[str], Sequence[Sequence[bool]]]], path: Path, footer: str
+) -> Path:
     """PGAC's mask over steps: one row per block, one column per step, dark = activations stored."""
     n = max(1, len(histories))
-    fig, axes = plt.subplots(n, 1, figsize=(9, 1.2 + 0.35 * max(len(f) for f, _ in histories.values()) * n + 0.6),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        n, 1, figsize=(9, 1.2 + 0.35 * max(len(f) for f, _ in histories.values()) * n + 0.6), squeeze=False
+    )
     from matplotlib.colors import ListedColormap
 
     cmap = ListedColormap(["#f2f2f2", "#1f4e79"])
@@ -129,8 +141,12 @@ def time_breakdown(rows: Sequence[Mapping[str, Any]], path: Path, footer: str) -
     """Mean step time split into forward, backward (without recomputation), recomputation and optimizer."""
     fig, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(rows) + 3), 4.6))
     labels = [r["label"] for r in rows]
-    parts = [("forward", "forward_ms"), ("backward (excl. recompute)", "backward_net_ms"),
-             ("recompute", "recompute_ms"), ("optimizer", "optimizer_ms")]
+    parts = [
+        ("forward", "forward_ms"),
+        ("backward (excl. recompute)", "backward_net_ms"),
+        ("recompute", "recompute_ms"),
+        ("optimizer", "optimizer_ms"),
+    ]
     bottom = [0.0] * len(rows)
     for j, (name, key) in enumerate(parts):
         values = [float(r.get(key) or 0.0) for r in rows]

@@ -1,4 +1,4 @@
-"""Whole-process peak memory, and the child process that runs ``compile_budget`` under it.
+"""Whole-process peak memory: the meter that sees what ``torch.compile``d code allocates.
 
 The live-tensor tracker of :func:`remat.measure` does not see allocations made inside ``torch.compile``d
 code. On Linux the process's resident high-water mark does: in a process started with
@@ -8,22 +8,15 @@ after the step, ``VmHWM`` minus the resident size before it is the step's peak g
 the parameter gradients the step creates, which the tracker's ``activation_bytes`` leaves out, so the child
 also measures one eager no-checkpoint step of the same model the same way, and reports rank against that.
 
-``python -m remat.bench.procmem JOB_JSON`` is the child: it runs one training run (see
-`remat.bench.train.execute_run`) and prints one ``REMAT {json}`` line per step and one for the run.
+The ``compile_budget`` run that uses this meter runs in a child process: see :mod:`remat.bench.compile_child`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from .childproc import child_env, emit, parse
 
 CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 _STATUS = Path("/proc/self/status")
@@ -69,49 +62,3 @@ class ProcessPeakMeter:
     def __exit__(self, *exc: Any) -> None:
         self.peak_bytes = _status_bytes("VmHWM")
         self.activation_bytes = max(0, self.peak_bytes - self._start)
-
-
-def run_child(job: dict[str, Any], on_record: Callable[[dict[str, Any]], None], timeout_s: float | None = None
-              ) -> dict[str, Any]:
-    """Run ``job`` in a child process with the allocator settings above; every step record goes to
-    ``on_record`` as it arrives; returns the run record (``status`` "failed" with the reason if it failed)."""
-    env = child_env(**CHILD_ENV)
-    cmd = [sys.executable, "-m", "remat.bench.procmem", json.dumps(job)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    run: dict[str, Any] | None = None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        record = parse(line)
-        if record is None:
-            continue
-        if record.get("record") == "run":
-            run = record
-        else:
-            on_record(record)
-    try:
-        stderr = proc.communicate(timeout=timeout_s)[1]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stderr = proc.communicate()[1]
-    if run is None:
-        tail = "\n".join((stderr or "").strip().splitlines()[-15:])
-        run = {"status": "failed", "error": f"the compile child exited with code {proc.returncode}: {tail}"}
-    return run
-
-
-def main(argv: list[str] | None = None) -> int:
-    from .train import execute_child_job
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m remat.bench.procmem JOB_JSON (started by remat bench)", file=sys.stderr)
-        return 2
-    job = json.loads(args[0])
-    run = execute_child_job(job, emit)
-    run["record"] = "run"
-    emit(run)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

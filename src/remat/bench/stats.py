@@ -107,8 +107,9 @@ def summarize(values: Iterable[float], confidence: float = 0.95) -> Summary:
     return Summary(mean, low, high, n, std, confidence, reason)
 
 
-def _pair(strategy: Mapping[Hashable, float] | Sequence[float],
-          baseline: Mapping[Hashable, float] | Sequence[float]) -> tuple[list[float], list[float], int]:
+def _pair(
+    strategy: Mapping[Hashable, float] | Sequence[float], baseline: Mapping[Hashable, float] | Sequence[float]
+) -> tuple[list[float], list[float], int]:
     if isinstance(strategy, Mapping) != isinstance(baseline, Mapping):
         raise TypeError("pass both strategy and baseline as mappings (paired by key) or both as sequences")
     if isinstance(strategy, Mapping) and isinstance(baseline, Mapping):
@@ -116,14 +117,18 @@ def _pair(strategy: Mapping[Hashable, float] | Sequence[float],
         unpaired = len(strategy) + len(baseline) - 2 * len(keys)
         return [strategy[k] for k in keys], [baseline[k] for k in keys], unpaired
     if len(strategy) != len(baseline):
-        raise ValueError(f"sequences pair by position and need equal lengths; got {len(strategy)} and "
-                         f"{len(baseline)} (pass mappings keyed by (seed, step) to pair by key)")
+        raise ValueError(
+            f"sequences pair by position and need equal lengths; got {len(strategy)} and "
+            f"{len(baseline)} (pass mappings keyed by (seed, step) to pair by key)"
+        )
     return list(strategy), list(baseline), 0
 
 
-def paired_test(strategy: Mapping[Hashable, float] | Sequence[float],
-                baseline: Mapping[Hashable, float] | Sequence[float],
-                confidence: float = 0.95) -> Comparison:
+def paired_test(
+    strategy: Mapping[Hashable, float] | Sequence[float],
+    baseline: Mapping[Hashable, float] | Sequence[float],
+    confidence: float = 0.95,
+) -> Comparison:
     """Paired t-test of ``strategy`` against ``baseline``.
 
     Mappings are paired by key (e.g. ``(seed, step)``; keys present on one side only are counted in
@@ -135,8 +140,17 @@ def paired_test(strategy: Mapping[Hashable, float] | Sequence[float],
     n = len(a)
 
     def result(**fields: Any) -> Comparison:
-        base: dict[str, Any] = dict(mean=None, baseline_mean=None, diff=None, ci_low=None, ci_high=None,
-                                    p_value=None, statistic=None, relative_diff=None, reason="")
+        base: dict[str, Any] = dict(
+            mean=None,
+            baseline_mean=None,
+            diff=None,
+            ci_low=None,
+            ci_high=None,
+            p_value=None,
+            statistic=None,
+            relative_diff=None,
+            reason="",
+        )
         return Comparison(**{**base, **fields}, n=n, unpaired=unpaired, confidence=confidence)
 
     if n == 0:
@@ -144,20 +158,30 @@ def paired_test(strategy: Mapping[Hashable, float] | Sequence[float],
     mean, base_mean = math.fsum(a) / n, math.fsum(b) / n
     diffs = [x - y for x, y in zip(a, b)]
     diff = math.fsum(diffs) / n
-    common = dict(mean=mean, baseline_mean=base_mean, diff=diff,
-                  relative_diff=diff / base_mean if base_mean != 0 else None)
+    common = dict(
+        mean=mean, baseline_mean=base_mean, diff=diff, relative_diff=diff / base_mean if base_mean != 0 else None
+    )
     if n == 1:
         return result(**common, reason="one pair: no test")
     if all(d == diffs[0] for d in diffs):
         if diffs[0] == 0:
-            return result(**common, ci_low=0.0, ci_high=0.0, p_value=1.0, statistic=0.0,
-                          reason="identical measurements: no difference")
-        return result(**common, ci_low=diff, ci_high=diff,
-                      reason=f"every pair differs by exactly {diffs[0]:g}: zero variance, the t-test is undefined")
+            return result(
+                **common,
+                ci_low=0.0,
+                ci_high=0.0,
+                p_value=1.0,
+                statistic=0.0,
+                reason="identical measurements: no difference",
+            )
+        return result(
+            **common,
+            ci_low=diff,
+            ci_high=diff,
+            reason=f"every pair differs by exactly {diffs[0]:g}: zero variance, the t-test is undefined",
+        )
     _, _, low, high = _mean_interval(diffs, confidence)
     test = _scipy_stats().ttest_rel(a, b)
-    return result(**common, ci_low=low, ci_high=high, p_value=float(test.pvalue),
-                  statistic=float(test.statistic))
+    return result(**common, ci_low=low, ci_high=high, p_value=float(test.pvalue), statistic=float(test.statistic))
 
 
 def drop_warmup(rows: Iterable[Mapping[str, Any]], warmup: int, step_key: str = "step") -> list[Mapping[str, Any]]:
@@ -165,8 +189,9 @@ def drop_warmup(rows: Iterable[Mapping[str, Any]], warmup: int, step_key: str = 
     return [row for row in rows if row[step_key] >= warmup]
 
 
-def _grouped(rows: Iterable[Mapping[str, Any]], value: str, strategy_key: str,
-             by: Sequence[str]) -> dict[Any, dict[tuple[Any, ...], float]]:
+def _grouped(
+    rows: Iterable[Mapping[str, Any]], value: str, strategy_key: str, by: Sequence[str]
+) -> dict[Any, dict[tuple[Any, ...], float]]:
     """strategy -> key -> value, averaging rows that share a key (e.g. steps when pairing by seed)."""
     sums: dict[Any, dict[tuple[Any, ...], list[float]]] = {}
     for row in rows:
@@ -178,15 +203,29 @@ def _grouped(rows: Iterable[Mapping[str, Any]], value: str, strategy_key: str,
     return {s: {k: math.fsum(v) / len(v) for k, v in per_key.items()} for s, per_key in sums.items()}
 
 
-def summarize_by(rows: Iterable[Mapping[str, Any]], *, value: str, strategy_key: str = "strategy",
-                 by: Sequence[str] = ("seed", "step"), confidence: float = 0.95) -> dict[Any, Summary]:
+def summarize_by(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    value: str,
+    strategy_key: str = "strategy",
+    by: Sequence[str] = ("seed", "step"),
+    confidence: float = 0.95,
+) -> dict[Any, Summary]:
     """Per strategy, the :func:`summarize` of ``value`` over its keys ``by`` (duplicates averaged)."""
-    return {s: summarize(per_key.values(), confidence)
-            for s, per_key in _grouped(rows, value, strategy_key, by).items()}
+    return {
+        s: summarize(per_key.values(), confidence) for s, per_key in _grouped(rows, value, strategy_key, by).items()
+    }
 
 
-def compare(rows: Iterable[Mapping[str, Any]], *, value: str, baseline: Any, strategy_key: str = "strategy",
-            by: Sequence[str] = ("seed", "step"), confidence: float = 0.95) -> dict[Any, Comparison]:
+def compare(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    value: str,
+    baseline: Any,
+    strategy_key: str = "strategy",
+    by: Sequence[str] = ("seed", "step"),
+    confidence: float = 0.95,
+) -> dict[Any, Comparison]:
     """Every strategy in ``rows`` against ``baseline`` by :func:`paired_test`, pairing rows on ``by``.
 
     ``by=("seed",)`` first averages each seed's steps, so the test is over seeds.
@@ -194,5 +233,4 @@ def compare(rows: Iterable[Mapping[str, Any]], *, value: str, baseline: Any, str
     groups = _grouped(rows, value, strategy_key, by)
     if baseline not in groups:
         raise ValueError(f"baseline {baseline!r} has no rows; strategies present: {sorted(map(str, groups))}")
-    return {s: paired_test(per_key, groups[baseline], confidence)
-            for s, per_key in groups.items() if s != baseline}
+    return {s: paired_test(per_key, groups[baseline], confidence) for s, per_key in groups.items() if s != baseline}

@@ -3,8 +3,8 @@
 :func:`execute_run` builds the model from the seed, loads the seed's batches, installs the strategy's
 controller (:mod:`remat.bench.strategies`), trains with AdamW while timing the forward, backward and optimizer
 of every step, measures memory on the designated steps only, evaluates on the fixed validation batches and
-returns the run's record. :func:`execute_child_job` is the same run inside the ``compile_budget`` child
-process, measured with the whole-process meter of :mod:`remat.bench.procmem`.
+returns the run's record. The ``compile_budget`` child process runs the same loop with the whole-process
+meter (:mod:`remat.bench.compile_child`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..costs import CostTable
-from .strategies import Controller, StrategySpec
+from .controllers import Controller
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -58,8 +58,14 @@ def profile_costs(job: dict[str, Any], repeats: int) -> tuple[CostTable, dict[st
     spec = build(job, data)
     batch = data.batch_kwargs(next(data.train_batches()), job["device"])
     costs = remat.profile(spec.module, batch, loss_fn=spec.loss_fn, repeats=repeats)
-    facts = {"data": data.describe(), "model": spec.config, "num_params": spec.num_params,
-             "unit": spec.unit, "kind": spec.kind, "items_per_step": spec.count_items(batch)}
+    facts = {
+        "data": data.describe(),
+        "model": spec.config,
+        "num_params": spec.num_params,
+        "unit": spec.unit,
+        "kind": spec.kind,
+        "items_per_step": spec.count_items(batch),
+    }
     return costs, facts
 
 
@@ -103,10 +109,15 @@ class _EnergySteps:
                 self.joules += reading.joules
 
 
-def execute_run(job: dict[str, Any], controller: Controller, emit: Emit, *,
-                meter_factory: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-                memory_method: str = "tracker", on_step: Callable[[dict[str, Any]], None] | None = None
-                ) -> dict[str, Any]:
+def execute_run(
+    job: dict[str, Any],
+    controller: Controller,
+    emit: Emit,
+    *,
+    meter_factory: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    memory_method: str = "tracker",
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Train one (strategy, seed) run; ``emit`` gets each step record; returns the run record."""
     started = time.perf_counter()
     torch.set_num_threads(job["threads"])
@@ -149,14 +160,24 @@ def execute_run(job: dict[str, Any], controller: Controller, emit: Emit, *,
                 t3 = time.perf_counter()
             step_time = t3 - t0
             record = {
-                **base, "step": step, "loss": float(loss.detach()), "step_time_s": step_time,
-                "forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2,
+                **base,
+                "step": step,
+                "loss": float(loss.detach()),
+                "step_time_s": step_time,
+                "forward_s": t1 - t0,
+                "backward_s": t2 - t1,
+                "optimizer_s": t3 - t2,
                 **controller.take_step_stats(),
                 "peak_activation_bytes": int(mem.activation_bytes) if measured else None,
                 "peak_bytes": int(mem.peak_bytes) if measured else None,
                 "memory_method": memory_method if measured else None,
-                "memory_measured": measured, "warmup": step < job["warmup"], "timed": timed,
-                "items": items, "throughput": items / step_time, "energy_j": joules["joules"], "t": time.time(),
+                "memory_measured": measured,
+                "warmup": step < job["warmup"],
+                "timed": timed,
+                "items": items,
+                "throughput": items / step_time,
+                "energy_j": joules["joules"],
+                "t": time.time(),
             }
             records.append(record)
             emit(record)
@@ -197,8 +218,15 @@ def evaluate(model: torch.nn.Module, spec: Any, data: Any, n: int, device: torch
     }
 
 
-def summarize_run(job: dict[str, Any], records: list[dict[str, Any]], info: dict[str, Any],
-                  evaluation: dict[str, Any], energy: _EnergySteps, wall_s: float, spec: Any) -> dict[str, Any]:
+def summarize_run(
+    job: dict[str, Any],
+    records: list[dict[str, Any]],
+    info: dict[str, Any],
+    evaluation: dict[str, Any],
+    energy: _EnergySteps,
+    wall_s: float,
+    spec: Any,
+) -> dict[str, Any]:
     """The run's line of runs.jsonl: means over the timed steps, the measured memory, validation, energy."""
     timed = [r for r in records if r["timed"]]
     measured = [r for r in records if r["memory_measured"]]
@@ -214,99 +242,45 @@ def summarize_run(job: dict[str, Any], records: list[dict[str, Any]], info: dict
     peak = max(peaks) if peaks else None
     plan = info.get("plan") or {}
     run = {
-        "strategy": job["label"], "strategy_name": job["strategy"], "options": dict(map(tuple, job["options"])),
-        "seed": job["seed"], "status": "ok", "steps": job["steps"], "warmup": job["warmup"],
-        "timed_steps": len(timed), "measured_steps": [r["step"] for r in measured],
-        "budget_bytes": budget, "budget_fraction": job["budget_fraction"],
+        "strategy": job["label"],
+        "strategy_name": job["strategy"],
+        "options": dict(map(tuple, job["options"])),
+        "seed": job["seed"],
+        "status": "ok",
+        "steps": job["steps"],
+        "warmup": job["warmup"],
+        "timed_steps": len(timed),
+        "measured_steps": [r["step"] for r in measured],
+        "budget_bytes": budget,
+        "budget_fraction": job["budget_fraction"],
         "predicted_peak_bytes": plan.get("predicted_peak_bytes"),
         "predicted_recompute_s": plan.get("predicted_recompute_s"),
-        "plan_fits": plan.get("fits"), "plan": plan.get("actions"), "plan_options": plan.get("options"),
+        "plan_fits": plan.get("fits"),
+        "plan": plan.get("actions"),
+        "plan_options": plan.get("options"),
         "peak_activation_bytes": peak,
         "memory_method": measured[0]["memory_method"] if measured else None,
         "within_budget": (peak <= budget) if peak is not None else None,
-        "step_time_s": mean("step_time_s"), "forward_s": mean("forward_s"), "backward_s": mean("backward_s"),
-        "optimizer_s": mean("optimizer_s"), "recompute_time_s": mean("recompute_time_s"),
+        "step_time_s": mean("step_time_s"),
+        "forward_s": mean("forward_s"),
+        "backward_s": mean("backward_s"),
+        "optimizer_s": mean("optimizer_s"),
+        "recompute_time_s": mean("recompute_time_s"),
         "recompute_overhead": (sum(recompute) / total_time) if timed and None not in recompute and total_time else None,
         "throughput": sum(r["items"] for r in timed) / total_time if total_time else None,
-        "unit": spec.unit, "final_loss": records[-1]["loss"] if records else None,
+        "unit": spec.unit,
+        "final_loss": records[-1]["loss"] if records else None,
         "mean_stored_blocks": mean("stored_blocks"),
         **evaluation,
         "energy_j": energy.joules if energy.available else None,
         "energy_kwh": energy.joules / 3.6e6 if energy.available else None,
-        "energy_source": energy.source, "energy_note": energy.reason,
-        "wall_s": wall_s, "t": time.time(),
+        "energy_source": energy.source,
+        "energy_note": energy.reason,
+        "wall_s": wall_s,
+        "t": time.time(),
     }
     for key in ("dtr", "activation_memory_budget"):
         if key in info:
             run[key] = info[key]
     run["_info"] = info
     return run
-
-
-def execute_child_job(job: dict[str, Any], emit: Emit) -> dict[str, Any]:
-    """The compile child's run (see :mod:`remat.bench.procmem`): the run, then one eager no-checkpoint step
-    measured the same way as the reference for the whole-process figures."""
-    from .procmem import ProcessPeakMeter, process_meter_problem
-    from .strategies import CompileController
-
-    spec = StrategySpec(job["strategy"], tuple(tuple(o) for o in job["options"]))
-    problem = process_meter_problem()
-    meter_factory: Callable[[], Any]
-    if problem is None:
-        meter_factory, method = ProcessPeakMeter, ProcessPeakMeter.method
-    else:
-        meter_factory, method = _NullMeter, f"not measured: {problem}"
-    try:
-        run = execute_run(job, CompileController(spec, job["budget_fraction"]), emit,
-                          meter_factory=meter_factory, memory_method=method)
-    except Exception as err:  # reported to the parent as a failed run
-        return {"strategy": job["label"], "strategy_name": job["strategy"], "seed": job["seed"],
-                "status": "failed", "error": f"{type(err).__name__}: {err}"}
-    run.pop("_info", None)
-    # Whole-process bytes are not the tracker's activation bytes: no verdict against the budget from them.
-    run["within_budget"] = None
-    if problem is None:
-        reference = _eager_reference(job)
-        run["reference_none_process_bytes"] = reference
-        peak = run.get("peak_activation_bytes")
-        run["process_ratio_to_none"] = peak / reference if peak is not None and reference else None
-    else:
-        run["peak_activation_bytes"] = None
-    run["memory_note"] = (
-        "whole-process VmHWM growth over the step (parameter gradients included); compare with "
-        "reference_none_process_bytes, one eager no-checkpoint step measured the same way"
-        if problem is None else method
-    )
-    return run
-
-
-class _NullMeter:
-    activation_bytes = 0
-    peak_bytes = 0
-
-    def __enter__(self) -> _NullMeter:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-
-def _eager_reference(job: dict[str, Any]) -> int:
-    """Whole-process peak growth of one eager no-checkpoint step (after one unmeasured step)."""
-    from .procmem import ProcessPeakMeter
-
-    data = load_data(job)
-    spec = build(job, data)
-    optimizer = torch.optim.AdamW(spec.module.parameters(), lr=job["lr"])
-    batches = data.train_batches()
-    result = 0
-    for i in range(2):
-        batch = data.batch_kwargs(next(batches), job["device"])
-        meter = ProcessPeakMeter() if i else contextlib.nullcontext()
-        with meter:
-            spec.loss_fn(spec.module(**batch)).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if i:
-            result = meter.activation_bytes
-    return result

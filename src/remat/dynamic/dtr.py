@@ -96,9 +96,7 @@ class DTRStats:
 
 def _check_budget(budget: Any) -> None:
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
-        raise TypeError(
-            f"a DTR budget is bytes (int), a string like '1.5GiB', or a float in (0, 1]; got {budget!r}"
-        )
+        raise TypeError(f"a DTR budget is bytes (int), a string like '1.5GiB', or a float in (0, 1]; got {budget!r}")
     if isinstance(budget, float) and not 0.0 < budget <= 1.0:
         raise ValueError(
             f"a float DTR budget is a fraction of the no-checkpoint activation memory and must be in (0, 1], "

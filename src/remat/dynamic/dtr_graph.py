@@ -40,9 +40,7 @@ def alias(src: torch.Tensor, geom: Geometry) -> torch.Tensor:
             return base
         # Not ``as_strided``: a view would keep a second reference to the storage through its base.
         dtype, size, stride, offset = geom
-        return torch.empty((0,), dtype=dtype, device=base.device).set_(
-            base.untyped_storage(), offset, size, stride
-        )
+        return torch.empty((0,), dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
 
 
 def storage_refs(t: torch.Tensor) -> int:

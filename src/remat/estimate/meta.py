@@ -249,4 +249,3 @@ def meta_cost_table(
             "torch": torch.__version__,
         },
     )
-

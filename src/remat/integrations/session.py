@@ -43,6 +43,7 @@ from ..profiler import BlockProfiler, profile
 from ..runtime import RecomputeStats, RematHandle, apply
 from ..simulator import Plan
 from ..sizes import parse_bytes
+from .process_group import distributed_world
 from .wrappers import is_sharded
 
 log = logging.getLogger("remat.integrations")
@@ -53,15 +54,6 @@ PGAC_OPTIONS = frozenset(
 SYNC_MODES = (None, "local", "global")
 
 Blocks = Sequence[str] | Sequence[tuple[str, nn.Module]] | None
-
-
-def distributed_world(process_group: Any = None) -> int:
-    """Number of ranks in ``process_group`` (1 when torch.distributed is not initialised)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(process_group)
 
 
 def _refuse_compiled(chain: Sequence[tuple[str, nn.Module]]) -> None:

