@@ -70,8 +70,8 @@ def test_text_batches_are_deterministic_windows_of_the_training_split():
     b = D.load_dataset("gpt2", seq_len=32, batch_size=4, seed=7, tokenizer="bytes")
     c = D.load_dataset("gpt2", seq_len=32, batch_size=4, seed=8, tokenizer="bytes")
     first = _take(a.train_batches(), 3)
-    assert all(torch.equal(x[0], y[0]) for x, y in zip(first, _take(b.train_batches(), 3)))
-    assert all(torch.equal(x[0], y[0]) for x, y in zip(first, _take(a.train_batches(), 3)))  # restartable
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(first, _take(b.train_batches(), 3), strict=True))
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(first, _take(a.train_batches(), 3), strict=True))  # restartable
     assert not torch.equal(first[0][0], next(c.train_batches())[0])
     ids, labels = first[0]
     assert ids.shape == (4, 32) and ids.dtype == torch.long and torch.equal(ids, labels)
@@ -81,7 +81,7 @@ def test_text_batches_are_deterministic_windows_of_the_training_split():
     windows = {tuple(w) for w in D.text_splits("bytes")[0][: a.num_batches() * 4 * 32].view(-1, 32).tolist()}
     assert all(tuple(row) in windows for row in ids.tolist())
     # Validation batches do not depend on the training seed.
-    assert all(torch.equal(x[0], y[0]) for x, y in zip(a.val_batches(2), c.val_batches(2)))
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(a.val_batches(2), c.val_batches(2), strict=True))
     with pytest.raises(ValueError, match="validation batches"):
         a.val_batches(a.num_batches("val") + 1)
 
@@ -139,7 +139,7 @@ def test_image_batches_are_normalised_and_deterministic():
     data = D.load_dataset("vit", batch_size=64, seed=3)
     again = D.load_dataset("mnist", batch_size=64, seed=3)
     batches = _take(data.train_batches(), 8)
-    assert all(torch.equal(x[0], y[0]) for x, y in zip(batches, _take(again.train_batches(), 8)))
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(batches, _take(again.train_batches(), 8), strict=True))
     pixels = torch.cat([b[0] for b in batches])
     assert pixels.shape == (512, 1, 28, 28) and pixels.dtype == torch.float32
     assert abs(float(pixels.mean())) < 0.1 and abs(float(pixels.std()) - 1) < 0.1

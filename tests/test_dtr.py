@@ -67,7 +67,7 @@ MODELS = {"mlp": _mlp, "gpt2": _gpt2, "vit": _vit}
 
 def _assert_same(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
     assert len(expected) == len(got)
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e, rtol=0.0, atol=1e-6)
 
 

@@ -140,7 +140,7 @@ def test_meta_table_byte_terms_equal_remat_profile_on_cpu() -> None:
     model = transformers.GPT2LMHeadModel(config).train()
     model.config.use_cache = False
     measured = remat.profile(model, batch, repeats=1)
-    for estimated, real in zip(meta.blocks, measured.blocks):
+    for estimated, real in zip(meta.blocks, measured.blocks, strict=True):
         assert estimated.saved_bytes == real.saved_bytes
         assert estimated.bwd_extra_bytes == real.bwd_extra_bytes
         assert (estimated.fwd_temp_bytes, estimated.bwd_temp_bytes) == (real.fwd_temp_bytes, real.bwd_temp_bytes)

@@ -157,7 +157,7 @@ def test_remat_plan_under_deepspeed_engine_zero1() -> None:
 
     losses = train(engine, ds_step)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
     assert handle.stats.calls == {"1": 2, "2": 2, "3": 2}
     handle.remove()

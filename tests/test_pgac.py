@@ -86,7 +86,7 @@ def test_gradients_equal_no_checkpointing_while_the_mask_changes():
         ref_loss = reference(x, labels=x).loss
         ref_loss.backward()
         assert loss.item() == ref_loss.item()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8, msg=f"step {t}: {name}")
         opt.step()
         ref_opt.step()

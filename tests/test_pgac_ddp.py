@@ -64,7 +64,8 @@ def run_mode(rank: int, mode: str, model, reference, opt, ref_opt) -> list[dict]
         F.mse_loss(ddp(x), y).backward()
         torch.manual_seed(1000 * rank + t)
         F.mse_loss(ref_ddp(x), y).backward()
-        diff = max(float((p.grad - q.grad).abs().max()) for p, q in zip(ddp.parameters(), ref_ddp.parameters()))
+        pairs = zip(ddp.parameters(), ref_ddp.parameters(), strict=True)
+        diff = max(float((p.grad - q.grad).abs().max()) for p, q in pairs)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -109,10 +110,10 @@ def test_two_ranks_global_masks_agree_and_gradients_match_ddp(tmp_path):
         for r in range(2):
             assert all(step["diff"] <= 1e-6 for step in ranks[r][mode]), (mode, r, ranks[r][mode])
     glob = [ranks[r]["global"] for r in range(2)]
-    for a, b in zip(*glob):
+    for a, b in zip(*glob, strict=True):
         assert a["scores"] == b["scores"] and a["mask"] == b["mask"]
     assert any(any(s > 0 for s in step["scores"]) for step in glob[0])
     assert any(not all(step["mask"]) for step in glob[0])  # the budget and threshold recompute some blocks
     local = [ranks[r]["local"] for r in range(2)]
-    assert all(a["scores"] != b["scores"] for a, b in zip(*local))  # each rank keeps its own scores
-    assert any(a["mask"] != b["mask"] for a, b in zip(*local))  # and, with these data, its own mask
+    assert all(a["scores"] != b["scores"] for a, b in zip(*local, strict=True))  # each rank keeps its own scores
+    assert any(a["mask"] != b["mask"] for a, b in zip(*local, strict=True))  # and, with these data, its own mask

@@ -75,7 +75,7 @@ def test_score_equals_independent_computation(name):
     model = gpt2()
     reference = copy.deepcopy(model)
     fqns = [f for f, _ in remat.find_blocks(model)]
-    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS[name]))))
+    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS[name], strict=True))))
     scorer = GradientScorer(handle)
     x = batch(1)
     scored_step(model, scorer, x, seed=7)
@@ -91,14 +91,14 @@ def test_micro_batches_combine_by_root_sum_square():
     model = gpt2()
     reference = copy.deepcopy(model)
     fqns = [f for f, _ in remat.find_blocks(model)]
-    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS["segment"]))))
+    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS["segment"], strict=True))))
     scorer = GradientScorer(handle)
     for seed in (3, 4):
         scored_step(model, scorer, batch(seed), seed)
     scores, counts = scorer.collect()
     first, second = (reference_scores(reference, batch(s), s) for s in (3, 4))
     assert counts == [2] * 5
-    assert scores == pytest.approx([math.hypot(a, b) for a, b in zip(first, second)], rel=1e-5)
+    assert scores == pytest.approx([math.hypot(a, b) for a, b in zip(first, second, strict=True)], rel=1e-5)
     assert scorer.collect() is None  # cleared
 
 
@@ -106,7 +106,7 @@ def test_micro_batches_combine_by_root_sum_square():
 def test_scoring_keeps_nothing_alive_that_the_plan_frees(name):
     model = gpt2()
     fqns = [f for f, _ in remat.find_blocks(model)]
-    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS[name]))))
+    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS[name], strict=True))))
     scorer = GradientScorer(handle)
     x = batch(2)
     figures = {}
@@ -130,7 +130,7 @@ def test_scoring_keeps_nothing_alive_that_the_plan_frees(name):
 def test_forward_without_backward_holds_at_most_one_output_per_block():
     model = gpt2()
     fqns = [f for f, _ in remat.find_blocks(model)]
-    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS["keep"]))))
+    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS["keep"], strict=True))))
     scorer = GradientScorer(handle)
     for seed in range(3):
         model(batch(seed), labels=batch(seed))  # grad enabled, no backward
@@ -156,7 +156,8 @@ def test_pgac_scores_are_the_ema_of_the_proxy():
     scored_step(model, None, y, seed=12)
     pgac.step()
     second = reference_scores(reference, y, seed=12)
-    assert list(pgac.scores.values()) == pytest.approx([0.5 * a + 0.5 * b for a, b in zip(expected, second)], rel=1e-5)
+    ema = [0.5 * a + 0.5 * b for a, b in zip(expected, second, strict=True)]
+    assert list(pgac.scores.values()) == pytest.approx(ema, rel=1e-5)
     pgac.remove()
 
 

@@ -95,7 +95,7 @@ def test_profile_leaves_parameter_gradients_as_they_were() -> None:
     objects = [p.grad for p in params]
     costs = remat.profile(model, x, repeats=1)
     assert len(costs) == 4
-    for p, old, obj in zip(params, before, objects):
+    for p, old, obj in zip(params, before, objects, strict=True):
         assert p.grad is obj  # the very same tensor (or None) is back in place
         assert (old is None and p.grad is None) or torch.equal(p.grad, old)
 

@@ -70,7 +70,7 @@ def test_gradients_equal_no_checkpoint_with_noise_after_the_draws(policy: str, d
     out_ref, ref = run(block, x, None)
     out, got = run(block, x, policy)
     assert torch.equal(out_ref, out)
-    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
     # and the generator ends where it ends without checkpointing
     torch.manual_seed(5)
     block(x)
@@ -117,7 +117,7 @@ def test_gpt2_block_under_dots_saveable_draws_nothing_in_backward() -> None:
         out.sum().backward()
     assert counter.draws == 0
     assert torch.equal(ref_out, out)
-    assert all(torch.equal(a, p.grad) for a, p in zip(ref, block.parameters()))
+    assert all(torch.equal(a, p.grad) for a, p in zip(ref, block.parameters(), strict=True))
 
 
 def _kept_bytes(p: float) -> int:
@@ -171,7 +171,7 @@ def test_nested_selective_regions_give_the_gradients_of_no_checkpoint() -> None:
         return [p.grad.clone() for p in [*inner.parameters(), *outer.parameters()]] + [x.grad.clone()]
 
     reference = forward(False)
-    assert all(torch.equal(a, b) for a, b in zip(reference, forward(True)))
+    assert all(torch.equal(a, b) for a, b in zip(reference, forward(True), strict=True))
 
 
 def test_recompute_without_rng_preservation_leaves_the_stream_alone() -> None:

@@ -134,7 +134,7 @@ def test_random_plans_on_random_chains_are_exact(case: tuple, seed: int) -> None
     x = torch.randn(3, 6)
     reference = step(model, x, seed=seed)
     names = [f"blocks.{i}" for i in range(len(actions))]  # named: a one-block chain is not found on its own
-    plan = Plan(dict(zip(names, actions)))
+    plan = Plan(dict(zip(names, actions, strict=True)))
     handle = remat.apply(model, plan, blocks=names)
     try:
         got = step(model, x, seed=seed)
