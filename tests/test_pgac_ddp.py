@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -96,14 +95,8 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_two_ranks_global_masks_agree_and_gradients_match_ddp(tmp_path):
+def test_two_ranks_global_masks_agree_and_gradients_match_ddp(tmp_path, free_port):
     mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for mode in ("global", "local"):

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from toy_models import tiny_gpt2
 
 import remat
 from remat.dynamic.pgac_scores import GradientScorer
@@ -25,22 +26,7 @@ PLANS = {
 
 def gpt2(n_layer: int = 5, seed: int = 0) -> torch.nn.Module:
     transformers.utils.logging.set_verbosity_error()
-    config = transformers.GPT2Config(
-        n_layer=n_layer,
-        n_embd=32,
-        n_head=4,
-        n_positions=32,
-        vocab_size=64,
-        attn_implementation="eager",
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.1,
-        embd_pdrop=0.1,
-        attn_pdrop=0.1,
-    )
-    torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(config).train()
+    return tiny_gpt2(n_layer, n_embd=32, n_positions=32, vocab=64, seed=seed)
 
 
 def batch(seed: int) -> torch.Tensor:

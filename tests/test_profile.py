@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toy_models import MLPChain, assert_same_step, tiny_gpt2, uniform_chain
+from toy_models import MLPChain, assert_same_step, uniform_chain
 
 import remat
 from remat.costs import CHECKPOINT, KEEP, CostTable
@@ -23,9 +23,8 @@ STRATEGIES = [
 
 
 @pytest.fixture(scope="module")
-def gpt2() -> tuple[torch.nn.Module, dict[str, torch.Tensor], CostTable]:
-    torch.manual_seed(0)
-    model = tiny_gpt2(n_layer=6, n_embd=64, dropout=0.1)
+def gpt2(make_gpt2) -> tuple[torch.nn.Module, dict[str, torch.Tensor], CostTable]:
+    model = make_gpt2(n_layer=6, n_embd=64, dropout=0.1, seed=0)
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     costs = remat.profile(model, batch, repeats=1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import GPT2Config
+from toy_models import tiny_gpt2_config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import remat
@@ -97,8 +97,7 @@ def test_recompute_draws_only_what_no_policy_may_keep() -> None:
 
 def test_gpt2_block_under_dots_saveable_draws_nothing_in_backward() -> None:
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=64, n_head=4, n_layer=1, n_positions=32, attn_pdrop=0.1, resid_pdrop=0.1)
-    config._attn_implementation = "eager"
+    config = tiny_gpt2_config(n_layer=1, n_embd=64, n_positions=32)  # eager attention, dropout 0.1
     block = GPT2Block(config)
     x = torch.randn(2, 32, 64, requires_grad=True)
 

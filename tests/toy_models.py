@@ -120,21 +120,46 @@ def uniform_costs(fqns: Sequence[str], *, keep: int = 1000, io: int = 100, temp:
     return CostTable(rows, stem_bytes=io, head_bytes=io)
 
 
-def tiny_gpt2(n_layer: int = 2, n_embd: int = 64, dropout: float = 0.1, vocab: int = 256) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
+def tiny_gpt2_config(
+    n_layer: int = 2,
+    n_embd: int = 64,
+    *,
+    n_head: int = 4,
+    n_positions: int = 128,
+    vocab: int = 256,
+    dropout: float = 0.1,
+    use_cache: bool = False,
+    attn_implementation: str | None = "eager",
+    **overrides: Any,
+) -> Any:
+    """A small ``GPT2Config``: dropout ``dropout`` in the embeddings, attention and residuals, token 0 as BOS and
+    EOS, no KV cache and eager attention (the ``s x s`` scores exist) unless asked otherwise;
+    ``attn_implementation=None`` leaves the library's default. ``overrides`` are further config fields."""
+    from transformers import GPT2Config
 
-    config = GPT2Config(
+    return GPT2Config(
         n_layer=n_layer,
         n_embd=n_embd,
-        n_head=4,
-        n_positions=128,
+        n_head=n_head,
+        n_positions=n_positions,
         vocab_size=vocab,
         bos_token_id=0,
         eos_token_id=0,
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,
-        use_cache=False,
-        attn_implementation="eager",
+        use_cache=use_cache,
+        attn_implementation=attn_implementation,
+        **overrides,
     )
+
+
+def tiny_gpt2(n_layer: int = 2, n_embd: int = 64, *, seed: int | None = None, **config_options: Any) -> nn.Module:
+    """A ``GPT2LMHeadModel`` from :func:`tiny_gpt2_config` in training mode (nothing is downloaded); its weights
+    are drawn from the global RNG, seeded with ``seed`` first when one is given."""
+    from transformers import GPT2LMHeadModel
+
+    config = tiny_gpt2_config(n_layer, n_embd, **config_options)
+    if seed is not None:
+        torch.manual_seed(seed)
     return GPT2LMHeadModel(config).train()
