@@ -193,9 +193,23 @@ def test_data_fits_the_model_built_for_it(name, tokenizer):
     else:
         data = D.load_dataset(name, seq_len=32, batch_size=2, seed=0, tokenizer=tokenizer, max_bytes=100_000)
         spec = build_model(name, "tiny", seed=0, **data.model_overrides())
-        assert D.load_dataset_for(spec, seq_len=32, batch_size=2, seed=0, tokenizer=tokenizer,
-                                  max_bytes=100_000) is not None
-    kwargs = data.batch_kwargs(next(data.train_batches()))
+        fitted = D.load_dataset_for(spec, seq_len=32, batch_size=2, seed=0, tokenizer=tokenizer, max_bytes=100_000)
+        # the same data as load_dataset with the same arguments, and a vocabulary the model has
+        assert fitted.vocab_size == data.vocab_size == spec.config["vocab_size"]
+        pairs = zip(next(fitted.train_batches()), next(data.train_batches()), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+    inputs, labels = next(data.train_batches())
+    if spec.kind == "image":  # geometry taken from the model, labels among its classes
+        side, channels = spec.config["image_size"], spec.config["num_channels"]
+        assert inputs.shape == (4, channels, side, side) and inputs.dtype == torch.float32
+        assert labels.shape == (4,) and int(labels.min()) >= 0 and int(labels.max()) < spec.config["num_labels"]
+    else:  # token ids the embedding has; labels are the ids (lm) or the ids at masked positions (mlm)
+        assert inputs.shape == labels.shape == (2, 32) and inputs.dtype == torch.long
+        assert int(inputs.min()) >= 0 and int(inputs.max()) < spec.config["vocab_size"]
+        predicted = labels != -100
+        assert bool(predicted.any()) and int(labels[predicted].max()) < spec.config["vocab_size"]
+        assert torch.equal(inputs, labels) == (spec.kind == "lm")
+    kwargs = data.batch_kwargs((inputs, labels))
     loss = spec.loss_fn(spec.module(**kwargs))
     loss.backward()
     assert torch.isfinite(loss)
