@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat import find_blocks
 from remat.costs import CHECKPOINT, KEEP, OFFLOAD, BlockCost, CostTable
 
 
@@ -60,6 +61,36 @@ class MLPChain(nn.Module):
 
 def uniform_chain(n_blocks: int, width: int = 32, dropout: float = 0.1, d_in: int = 8) -> MLPChain:
     return MLPChain([width] * (n_blocks + 1), d_in=d_in, dropout=dropout)
+
+
+def seeded_chain(n_blocks: int = 6, dropout: float = 0.2) -> MLPChain:
+    """A :func:`uniform_chain` of width 16 with the weights of seed 0."""
+    torch.manual_seed(0)
+    return uniform_chain(n_blocks, width=16, dropout=dropout)
+
+
+def chain_input(batch: int = 5, d_in: int = 8) -> torch.Tensor:
+    """A fixed input for the chains above."""
+    return torch.randn(batch, d_in, generator=torch.Generator().manual_seed(11))
+
+
+def chain_costs(model: nn.Module) -> CostTable:
+    """:func:`uniform_costs` for the blocks ``remat.find_blocks`` finds in ``model``."""
+    return uniform_costs([name for name, _ in find_blocks(model)])
+
+
+def hook_count(module: nn.Module) -> int:
+    """Forward hooks and pre-hooks of every kind registered on ``module`` itself."""
+    return sum(
+        len(getattr(module, name))
+        for name in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_pre_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+        )
+    )
 
 
 def step(model: nn.Module, *inputs: torch.Tensor, seed: int = 1234) -> tuple[torch.Tensor, dict[str, Any]]:
