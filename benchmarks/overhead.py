@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         print(f"{labels[name]:<44} {med[name] * 1e3:>10.1f} {min(t) * 1e3:>8.1f} {max(t) * 1e3:>8.1f}")
     ratio = med["remat"] / med["manual"]
     # Paired ratios (each remat step against the manual step of the same round) are less noisy.
-    paired = statistics.median(r / m for r, m in zip(times["remat"], times["manual"]))
+    paired = statistics.median(r / m for r, m in zip(times["remat"], times["manual"], strict=True))
     fastest = min(times["remat"]) / min(times["manual"])
     print(f"remat / manual: {ratio:.3f} (medians), {paired:.3f} (median of paired rounds), {fastest:.3f} "
           "(fastest steps); target <= 1.02")

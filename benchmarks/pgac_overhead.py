@@ -102,10 +102,10 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     sample = batch_at(0, args.batch, args.seq)
     # Profiled on a fourth copy, so that the three timed copies have the same history.
     costs = remat.profile(copy.deepcopy(model_a), {"input_ids": sample, "labels": sample})
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in zip("abc", (model_a, model_b, model_c))}
+    models = {"a": model_a, "b": model_b, "c": model_c}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     pgac = remat.PGAC(model_a, args.budget, alpha=0.9, costs=costs).attach(opts["a"])
     statics = {"b": remat.apply(model_b, pgac.plan), "c": remat.apply(model_c, pgac.plan)}
-    models = {"a": model_a, "b": model_b, "c": model_c}
     in_step = instrument(pgac)
     times: dict[str, list[tuple[float, float]]] = {"a": [], "b": [], "c": []}
     plans, hook_times = [], []

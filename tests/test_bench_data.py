@@ -71,8 +71,8 @@ def test_text_batches_are_deterministic_windows_of_the_training_split():
     b = D.load_dataset("gpt2", seq_len=32, batch_size=4, seed=7, tokenizer="bytes")
     c = D.load_dataset("gpt2", seq_len=32, batch_size=4, seed=8, tokenizer="bytes")
     first = _take(a.train_batches(), 3)
-    assert all(torch.equal(x[0], y[0]) for x, y in zip(first, _take(b.train_batches(), 3)))
-    assert all(torch.equal(x[0], y[0]) for x, y in zip(first, _take(a.train_batches(), 3)))  # restartable
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(first, _take(b.train_batches(), 3), strict=True))
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(first, _take(a.train_batches(), 3), strict=True))  # restartable
     assert not torch.equal(first[0][0], next(c.train_batches())[0])
     ids, labels = first[0]
     assert ids.shape == (4, 32) and ids.dtype == torch.long and torch.equal(ids, labels)
@@ -82,7 +82,7 @@ def test_text_batches_are_deterministic_windows_of_the_training_split():
     windows = {tuple(w) for w in text_data.text_splits("bytes")[0][: a.num_batches() * 4 * 32].view(-1, 32).tolist()}
     assert all(tuple(row) in windows for row in ids.tolist())
     # Validation batches do not depend on the training seed.
-    assert all(torch.equal(x[0], y[0]) for x, y in zip(a.val_batches(2), c.val_batches(2)))
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(a.val_batches(2), c.val_batches(2), strict=True))
     with pytest.raises(ValueError, match="validation batches"):
         a.val_batches(a.num_batches("val") + 1)
 
@@ -141,7 +141,7 @@ def test_image_batches_are_normalised_and_deterministic():
     data = D.load_dataset("vit", batch_size=64, seed=3)
     again = D.load_dataset("mnist", batch_size=64, seed=3)
     batches = _take(data.train_batches(), 8)
-    assert all(torch.equal(x[0], y[0]) for x, y in zip(batches, _take(again.train_batches(), 8)))
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(batches, _take(again.train_batches(), 8), strict=True))
     pixels = torch.cat([b[0] for b in batches])
     assert pixels.shape == (512, 1, 28, 28) and pixels.dtype == torch.float32
     assert abs(float(pixels.mean())) < 0.1 and abs(float(pixels.std()) - 1) < 0.1
@@ -195,11 +195,23 @@ def test_data_fits_the_model_built_for_it(name, tokenizer):
     else:
         data = D.load_dataset(name, seq_len=32, batch_size=2, seed=0, tokenizer=tokenizer, max_bytes=100_000)
         spec = build_model(name, "tiny", seed=0, **data.model_overrides())
-        assert (
-            D.load_dataset_for(spec, seq_len=32, batch_size=2, seed=0, tokenizer=tokenizer, max_bytes=100_000)
-            is not None
-        )
-    kwargs = data.batch_kwargs(next(data.train_batches()))
+        fitted = D.load_dataset_for(spec, seq_len=32, batch_size=2, seed=0, tokenizer=tokenizer, max_bytes=100_000)
+        # the same data as load_dataset with the same arguments, and a vocabulary the model has
+        assert fitted.vocab_size == data.vocab_size == spec.config["vocab_size"]
+        pairs = zip(next(fitted.train_batches()), next(data.train_batches()), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+    inputs, labels = next(data.train_batches())
+    if spec.kind == "image":  # geometry taken from the model, labels among its classes
+        side, channels = spec.config["image_size"], spec.config["num_channels"]
+        assert inputs.shape == (4, channels, side, side) and inputs.dtype == torch.float32
+        assert labels.shape == (4,) and int(labels.min()) >= 0 and int(labels.max()) < spec.config["num_labels"]
+    else:  # token ids the embedding has; labels are the ids (lm) or the ids at masked positions (mlm)
+        assert inputs.shape == labels.shape == (2, 32) and inputs.dtype == torch.long
+        assert int(inputs.min()) >= 0 and int(inputs.max()) < spec.config["vocab_size"]
+        predicted = labels != -100
+        assert bool(predicted.any()) and int(labels[predicted].max()) < spec.config["vocab_size"]
+        assert torch.equal(inputs, labels) == (spec.kind == "lm")
+    kwargs = data.batch_kwargs((inputs, labels))
     loss = spec.loss_fn(spec.module(**kwargs))
     loss.backward()
     assert torch.isfinite(loss)

@@ -112,8 +112,8 @@ def test_seed_fixes_weights_and_leaves_global_rng_alone():
     a, b, c = build_model("vit", seed=1), build_model("vit", seed=1), build_model("vit", seed=2)
     assert torch.equal(torch.random.get_rng_state(), state)
     pa, pb, pc = (list(s.module.parameters()) for s in (a, b, c))
-    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
-    assert not all(torch.equal(x, y) for x, y in zip(pa, pc))
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(pa, pc, strict=True))
 
 
 def test_overrides_reach_the_module():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from torch import nn
-from toy_models import MLPBlock, MLPChain, tiny_gpt2
+from toy_models import MLPBlock, MLPChain
 
 import remat
 
@@ -15,8 +15,8 @@ def _names_and_modules(model: nn.Module, prefix: str, count: int) -> list[tuple[
     return [(f"{prefix}.{i}", modules[f"{prefix}.{i}"]) for i in range(count)]
 
 
-def test_gpt2() -> None:
-    model = tiny_gpt2(n_layer=3)
+def test_gpt2(make_gpt2) -> None:
+    model = make_gpt2(n_layer=3)
     blocks = remat.find_blocks(model)
     assert blocks == _names_and_modules(model, "transformer.h", 3)
     assert all(module is model.transformer.h[i] for i, (_, module) in enumerate(blocks))

@@ -136,7 +136,7 @@ def test_gradients_equal_no_checkpoint() -> None:
     block.zero_grad()
     x.grad = None
     remat.checkpoint(block, x).square().sum().backward()
-    assert all(torch.equal(a, b) for a, b in zip(ref, grads_of(block, x)))
+    assert all(torch.equal(a, b) for a, b in zip(ref, grads_of(block, x), strict=True))
 
 
 def test_nested_checkpoints() -> None:
@@ -153,7 +153,7 @@ def test_nested_checkpoints() -> None:
     inner.calls = outer.calls = 0
     kept, out = bytes_after_forward(lambda: remat.checkpoint(region, x))
     assert kept == out.numel() * out.element_size()
-    assert all(torch.equal(a, b) for a, b in zip(ref, grads_of(inner, x) + grads_of(outer)))
+    assert all(torch.equal(a, b) for a, b in zip(ref, grads_of(inner, x) + grads_of(outer), strict=True))
     assert outer.calls == 2 and inner.calls >= 2
 
 
@@ -190,7 +190,7 @@ def test_containers_of_tensors_and_other_values_in_and_out() -> None:
     got, out = run(True)
     assert out[0]["tag"] == "out" and out[1][1] == 7 and isinstance(out[2], Pair) and out[2].label == "q"
     assert torch.equal(out[0]["sum"], ref_out[0]["sum"])
-    assert all(torch.equal(x, y) for x, y in zip(ref, got))
+    assert all(torch.equal(x, y) for x, y in zip(ref, got, strict=True))
 
 
 def test_keyword_arguments_pass_through_including_tensors() -> None:
@@ -226,9 +226,9 @@ def _dropout_grads(preserve: bool | None) -> list[torch.Tensor]:
 
 def test_dropout_gives_exactly_the_same_gradients() -> None:
     ref = _dropout_grads(None)
-    assert all(torch.equal(a, b) for a, b in zip(ref, _dropout_grads(True)))
+    assert all(torch.equal(a, b) for a, b in zip(ref, _dropout_grads(True), strict=True))
     # Without the preserved state the recomputation draws another mask: the guarantee is not vacuous.
-    assert not all(torch.equal(a, b) for a, b in zip(ref, _dropout_grads(False)))
+    assert not all(torch.equal(a, b) for a, b in zip(ref, _dropout_grads(False), strict=True))
 
 
 def test_autocast_bfloat16_on_cpu() -> None:
@@ -249,7 +249,7 @@ def test_autocast_bfloat16_on_cpu() -> None:
     out, got = run(True)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, ref_out)
-    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
 
 
 # ---------------------------------------------------------------- decorator and module wrapper
@@ -294,7 +294,7 @@ def test_checkpoint_module_inside_sequential() -> None:
     x.grad = None
     kept, _ = bytes_after_forward(lambda: wrapped[2](x))
     assert kept == 8 * 32 * 4
-    assert all(torch.equal(a, b) for a, b in zip(ref, grads_of(wrapped[2].module, x)))
+    assert all(torch.equal(a, b) for a, b in zip(ref, grads_of(wrapped[2].module, x), strict=True))
     counted = CountingModule(wrapped[0].module)
     wrapped[0].module = counted
     wrapped(x).sum().backward()
@@ -385,7 +385,7 @@ def test_policies_give_exact_gradients() -> None:
         out.square().sum().backward()
         results.append(grads_of(block, x))
     for got in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], got))
+        assert all(torch.equal(a, b) for a, b in zip(results[0], got, strict=True))
 
 
 def test_policy_errors() -> None:
@@ -431,4 +431,4 @@ def test_checkpoint_fn_with_torch_checkpoint_wrapper() -> None:
     out = wrapped(x)
     out.square().sum().backward()
     assert counted.calls == 2
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(reference.parameters(), counted.parameters()))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(reference.parameters(), counted.parameters(), strict=True))

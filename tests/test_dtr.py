@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _len_torch_dispatch_stack
+from toy_models import tiny_gpt2
 
 import remat
 from remat.memory import measure
@@ -28,12 +29,7 @@ def _mlp() -> tuple[nn.Module, Step]:
 
 
 def _gpt2() -> tuple[nn.Module, Step]:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=4, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0,
-        use_cache=False, attn_implementation="eager",
-    )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config).train()
+    model = tiny_gpt2(n_layer=4, n_embd=64, vocab=128, n_positions=64, seed=0)
     ids = torch.randint(0, 128, (4, 64))
     return model, _stepper(model, lambda: model(input_ids=ids, labels=ids).loss)
 
@@ -67,7 +63,7 @@ MODELS = {"mlp": _mlp, "gpt2": _gpt2, "vit": _vit}
 
 def _assert_same(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
     assert len(expected) == len(got)
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e, rtol=0.0, atol=1e-6)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from toy_models import tiny_gpt2_config
 
 import remat
 from remat.estimate import (
@@ -55,22 +56,17 @@ def test_formula_rejects_what_it_does_not_model() -> None:
 
 
 def gpt2_config(**overrides):
+    """Eager attention (the s x s scores exist, as the formula assumes) and dropout 0.1 everywhere."""
     options = {
         "n_embd": 256,
-        "n_head": 4,
         "n_layer": 2,
         "n_positions": 256,
-        "vocab_size": 128,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "attn_implementation": "eager",  # the s x s scores exist, as the formula assumes
+        "vocab": 128,
+        "use_cache": True,
         "activation_function": "gelu_pytorch_tanh",  # one GELU kernel that keeps only its input
-        "resid_pdrop": 0.1,
-        "attn_pdrop": 0.1,
-        "embd_pdrop": 0.1,
     }
     options.update(overrides)
-    return transformers.GPT2Config(**options)
+    return tiny_gpt2_config(**options)
 
 
 def bytes_saved_by_autograd(block: nn.Module, *args: torch.Tensor, count_input: bool) -> int:
@@ -140,7 +136,7 @@ def test_meta_table_byte_terms_equal_remat_profile_on_cpu() -> None:
     model = transformers.GPT2LMHeadModel(config).train()
     model.config.use_cache = False
     measured = remat.profile(model, batch, repeats=1)
-    for estimated, real in zip(meta.blocks, measured.blocks):
+    for estimated, real in zip(meta.blocks, measured.blocks, strict=True):
         assert estimated.saved_bytes == real.saved_bytes
         assert estimated.bwd_extra_bytes == real.bwd_extra_bytes
         assert (estimated.fwd_temp_bytes, estimated.bwd_temp_bytes) == (real.fwd_temp_bytes, real.bwd_temp_bytes)

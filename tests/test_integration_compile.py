@@ -153,7 +153,7 @@ def test_plan_on_compiled_blocks_switches_without_recompiling() -> None:
     graphs = counter.graphs
 
     for actions in (["keep", "selective:dots_saveable", "memory_poor:0"], ["keep", "keep", "keep"]):
-        handle.set_plan(remat.Plan(dict(zip(handle.fqns, actions))))
+        handle.set_plan(remat.Plan(dict(zip(handle.fqns, actions, strict=True))))
         assert_close(reference, grads(model), 1e-6)
     if _dispatch_flags_consistent():
         assert counter.graphs == graphs  # plans switched between steps: nothing recompiled

@@ -5,7 +5,7 @@ with one gloo rank. Skipped, with the reason, where DeepSpeed does not install o
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -14,7 +14,6 @@ from torch import nn
 
 import remat
 from remat.integrations import deepspeed as remat_ds
-from remat.integrations.distributed import free_port
 
 try:
     import deepspeed
@@ -36,7 +35,7 @@ X = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(0))
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_rank() -> Iterator[None]:
+def one_rank(free_port: Callable[[], int]) -> Iterator[None]:
     """DeepSpeed's pipeline and engine need torch.distributed: one gloo rank in this process, removed after."""
     import torch.distributed as dist
 
@@ -157,7 +156,7 @@ def test_remat_plan_under_deepspeed_engine_zero1() -> None:
 
     losses = train(engine, ds_step)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
     assert handle.stats.calls == {"1": 2, "2": 2, "3": 2}
     handle.remove()

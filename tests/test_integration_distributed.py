@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,9 +132,9 @@ def reference() -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], int]) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_worker, args=(distributed.free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -202,7 +203,7 @@ def test_fsdp_needs_the_plan_before_sharding() -> None:
 
 
 @pytest.mark.slow
-def test_example_train_ddp_runs_under_torchrun(tmp_path: Path) -> None:
+def test_example_train_ddp_runs_under_torchrun(tmp_path: Path, free_port: Callable[[], int]) -> None:
     pytest.importorskip("transformers")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     cmd = [
@@ -212,7 +213,7 @@ def test_example_train_ddp_runs_under_torchrun(tmp_path: Path) -> None:
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(distributed.free_port()),
+        str(free_port()),
         str(ROOT / "examples" / "train_ddp.py"),
         "--steps",
         "3",

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from toy_models import tiny_gpt2
 
 import remat
 
@@ -24,11 +25,11 @@ VOCAB, SEQ, BATCH = 64, 8, 2
 
 
 def gpt2(n_layer: int = 3) -> torch.nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=n_layer, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ * 2, bos_token_id=0, eos_token_id=0
-    )
-    assert config.resid_pdrop > 0 and config.attn_pdrop > 0  # dropout on: RNG replay is part of the check
-    return transformers.GPT2LMHeadModel(config)
+    """GPT-2 as the library configures it by default (KV cache on, default attention), dropout on: RNG replay is
+    part of every gradient check."""
+    model = tiny_gpt2(n_layer, n_embd=32, vocab=VOCAB, n_positions=SEQ * 2, use_cache=True, attn_implementation=None)
+    assert model.config.resid_pdrop > 0 and model.config.attn_pdrop > 0
+    return model
 
 
 def bert(n_layer: int = 3) -> torch.nn.Module:

@@ -75,7 +75,7 @@ def test_callback_hooks_in_a_hand_written_loop() -> None:
     callback.teardown(None, model, "fit")
     assert callback.session.removed and not callback.session.profiling
     assert list(callback.session.plan.actions.values()) == ["segment:0", "segment:0", "checkpoint"]
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -123,7 +123,7 @@ def test_trainer_fit_with_remat_callback_matches_plain_training(strategy: str, o
     reference = fit([])
     callback = RematCallback(strategy, **options)
     trained = fit([callback])
-    for (name, p), q in zip(trained.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     session = callback.session
     assert callback.root == "model" and session is not None and session.removed

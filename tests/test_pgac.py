@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from toy_models import tiny_gpt2
 
 import remat
 from remat.dynamic.pgac_mask import quantile
@@ -18,22 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 def gpt2(n_layer: int = 5, seed: int = 0) -> torch.nn.Module:
     transformers.utils.logging.set_verbosity_error()
-    config = transformers.GPT2Config(
-        n_layer=n_layer,
-        n_embd=64,
-        n_head=4,
-        n_positions=32,
-        vocab_size=64,
-        attn_implementation="eager",
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.1,
-        embd_pdrop=0.1,
-        attn_pdrop=0.1,
-    )
-    torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(config).train()
+    return tiny_gpt2(n_layer, n_embd=64, n_positions=32, vocab=64, seed=seed)
 
 
 def uniform_costs(model, keep=1000, out=100, fwd=1e-3) -> remat.CostTable:
@@ -86,7 +72,7 @@ def test_gradients_equal_no_checkpointing_while_the_mask_changes():
         ref_loss = reference(x, labels=x).loss
         ref_loss.backward()
         assert loss.item() == ref_loss.item()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8, msg=f"step {t}: {name}")
         opt.step()
         ref_opt.step()

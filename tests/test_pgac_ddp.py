@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -64,7 +63,8 @@ def run_mode(rank: int, mode: str, model, reference, opt, ref_opt) -> list[dict]
         F.mse_loss(ddp(x), y).backward()
         torch.manual_seed(1000 * rank + t)
         F.mse_loss(ref_ddp(x), y).backward()
-        diff = max(float((p.grad - q.grad).abs().max()) for p, q in zip(ddp.parameters(), ref_ddp.parameters()))
+        pairs = zip(ddp.parameters(), ref_ddp.parameters(), strict=True)
+        diff = max(float((p.grad - q.grad).abs().max()) for p, q in pairs)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -95,24 +95,18 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_two_ranks_global_masks_agree_and_gradients_match_ddp(tmp_path):
+def test_two_ranks_global_masks_agree_and_gradients_match_ddp(tmp_path, free_port):
     mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for mode in ("global", "local"):
         for r in range(2):
             assert all(step["diff"] <= 1e-6 for step in ranks[r][mode]), (mode, r, ranks[r][mode])
     glob = [ranks[r]["global"] for r in range(2)]
-    for a, b in zip(*glob):
+    for a, b in zip(*glob, strict=True):
         assert a["scores"] == b["scores"] and a["mask"] == b["mask"]
     assert any(any(s > 0 for s in step["scores"]) for step in glob[0])
     assert any(not all(step["mask"]) for step in glob[0])  # the budget and threshold recompute some blocks
     local = [ranks[r]["local"] for r in range(2)]
-    assert all(a["scores"] != b["scores"] for a, b in zip(*local))  # each rank keeps its own scores
-    assert any(a["mask"] != b["mask"] for a, b in zip(*local))  # and, with these data, its own mask
+    assert all(a["scores"] != b["scores"] for a, b in zip(*local, strict=True))  # each rank keeps its own scores
+    assert any(a["mask"] != b["mask"] for a, b in zip(*local, strict=True))  # and, with these data, its own mask

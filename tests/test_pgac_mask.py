@@ -26,7 +26,7 @@ def chain(keep: list[int], out: int = 100, fwd: list[float] | None = None, head:
             saved_bytes={"keep": k, "checkpoint": out},
             recompute_s={"keep": 0.0, "checkpoint": f},
         )
-        for i, (k, f) in enumerate(zip(keep, fwd))
+        for i, (k, f) in enumerate(zip(keep, fwd, strict=True))
     ]
     return CostTable(rows, stem_bytes=0, head_bytes=head)
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from toy_models import tiny_gpt2
 
 import remat
 from remat.dynamic.pgac_scores import GradientScorer
@@ -25,22 +26,7 @@ PLANS = {
 
 def gpt2(n_layer: int = 5, seed: int = 0) -> torch.nn.Module:
     transformers.utils.logging.set_verbosity_error()
-    config = transformers.GPT2Config(
-        n_layer=n_layer,
-        n_embd=32,
-        n_head=4,
-        n_positions=32,
-        vocab_size=64,
-        attn_implementation="eager",
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.1,
-        embd_pdrop=0.1,
-        attn_pdrop=0.1,
-    )
-    torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(config).train()
+    return tiny_gpt2(n_layer, n_embd=32, n_positions=32, vocab=64, seed=seed)
 
 
 def batch(seed: int) -> torch.Tensor:
@@ -75,7 +61,7 @@ def test_score_equals_independent_computation(name):
     model = gpt2()
     reference = copy.deepcopy(model)
     fqns = [f for f, _ in remat.find_blocks(model)]
-    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS[name]))))
+    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS[name], strict=True))))
     scorer = GradientScorer(handle)
     x = batch(1)
     scored_step(model, scorer, x, seed=7)
@@ -91,14 +77,14 @@ def test_micro_batches_combine_by_root_sum_square():
     model = gpt2()
     reference = copy.deepcopy(model)
     fqns = [f for f, _ in remat.find_blocks(model)]
-    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS["segment"]))))
+    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS["segment"], strict=True))))
     scorer = GradientScorer(handle)
     for seed in (3, 4):
         scored_step(model, scorer, batch(seed), seed)
     scores, counts = scorer.collect()
     first, second = (reference_scores(reference, batch(s), s) for s in (3, 4))
     assert counts == [2] * 5
-    assert scores == pytest.approx([math.hypot(a, b) for a, b in zip(first, second)], rel=1e-5)
+    assert scores == pytest.approx([math.hypot(a, b) for a, b in zip(first, second, strict=True)], rel=1e-5)
     assert scorer.collect() is None  # cleared
 
 
@@ -106,7 +92,7 @@ def test_micro_batches_combine_by_root_sum_square():
 def test_scoring_keeps_nothing_alive_that_the_plan_frees(name):
     model = gpt2()
     fqns = [f for f, _ in remat.find_blocks(model)]
-    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS[name]))))
+    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS[name], strict=True))))
     scorer = GradientScorer(handle)
     x = batch(2)
     figures = {}
@@ -130,7 +116,7 @@ def test_scoring_keeps_nothing_alive_that_the_plan_frees(name):
 def test_forward_without_backward_holds_at_most_one_output_per_block():
     model = gpt2()
     fqns = [f for f, _ in remat.find_blocks(model)]
-    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS["keep"]))))
+    handle = remat.apply(model, remat.Plan(dict(zip(fqns, PLANS["keep"], strict=True))))
     scorer = GradientScorer(handle)
     for seed in range(3):
         model(batch(seed), labels=batch(seed))  # grad enabled, no backward
@@ -156,7 +142,8 @@ def test_pgac_scores_are_the_ema_of_the_proxy():
     scored_step(model, None, y, seed=12)
     pgac.step()
     second = reference_scores(reference, y, seed=12)
-    assert list(pgac.scores.values()) == pytest.approx([0.5 * a + 0.5 * b for a, b in zip(expected, second)], rel=1e-5)
+    ema = [0.5 * a + 0.5 * b for a, b in zip(expected, second, strict=True)]
+    assert list(pgac.scores.values()) == pytest.approx(ema, rel=1e-5)
     pgac.remove()
 
 

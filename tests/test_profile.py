@@ -1,15 +1,15 @@
 """Profiling and measuring: the simulator's predicted peak next to the measured one on a GPT-2 chain, what
-``remat.profile`` leaves behind, the CostTable as JSON, and the exact behaviour of ``remat.measure``."""
+``remat.profile`` leaves behind, and the CostTable as JSON. The meters themselves are tested in
+test_memory.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from toy_models import MLPChain, assert_same_step, tiny_gpt2, uniform_chain
+from toy_models import MLPChain, assert_same_step, uniform_chain
 
 import remat
 from remat.costs import CHECKPOINT, KEEP, CostTable
-from remat.memory import LiveTensorTracker
 
 STRATEGIES = [
     ("none", {}),
@@ -23,9 +23,8 @@ STRATEGIES = [
 
 
 @pytest.fixture(scope="module")
-def gpt2() -> tuple[torch.nn.Module, dict[str, torch.Tensor], CostTable]:
-    torch.manual_seed(0)
-    model = tiny_gpt2(n_layer=6, n_embd=64, dropout=0.1)
+def gpt2(make_gpt2) -> tuple[torch.nn.Module, dict[str, torch.Tensor], CostTable]:
+    model = make_gpt2(n_layer=6, n_embd=64, dropout=0.1, seed=0)
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     costs = remat.profile(model, batch, repeats=1)
@@ -95,7 +94,7 @@ def test_profile_leaves_parameter_gradients_as_they_were() -> None:
     objects = [p.grad for p in params]
     costs = remat.profile(model, x, repeats=1)
     assert len(costs) == 4
-    for p, old, obj in zip(params, before, objects):
+    for p, old, obj in zip(params, before, objects, strict=True):
         assert p.grad is obj  # the very same tensor (or None) is back in place
         assert (old is None and p.grad is None) or torch.equal(p.grad, old)
 
@@ -157,67 +156,6 @@ def test_predictions_match_measurements_on_an_mlp_chain() -> None:
         # Only the 4-byte scalar loss separates the two on this chain.
         assert abs(plan.predicted_peak_bytes - measured.activation_bytes) <= 64, strategy
     handle.remove()
-
-
-# ---------------------------------------------------------------- remat.measure
-
-
-def test_measure_a_known_allocation_pattern() -> None:
-    kept_outside = torch.zeros(100)
-    with remat.measure() as m:
-        survivor = torch.empty(3000, dtype=torch.uint8)  # outlives the region
-        view = kept_outside[10:20]  # a view creates no storage
-        kept_outside.add_(1)  # nor does an in-place op on a tensor from outside
-        a = torch.empty(1024, dtype=torch.float32)  # 4 KiB
-        b = torch.empty(2048, dtype=torch.float32)  # 8 KiB: 12 KiB alive
-        del a
-        c = torch.empty(512, dtype=torch.float64)  # 4 KiB: 12 KiB alive
-        d = torch.empty(4096, dtype=torch.uint8)  # 4 KiB: 16 KiB alive, the peak
-        del b, c, d
-    assert m.activation_bytes == 16 * 1024  # what died inside the region
-    assert m.peak_bytes == 16 * 1024 + 3000  # everything created inside, survivors included
-    assert m.timeline[0] == 0 and max(m.timeline) == 16 * 1024 and m.timeline[-1] == 0
-    assert m.device == "cpu" and m.source == "tracker"
-    assert survivor.numel() == 3000 and view.numel() == 10
-
-
-def test_measure_an_empty_region() -> None:
-    with remat.measure() as m:
-        pass
-    assert m.activation_bytes == 0 and m.peak_bytes == 0
-
-
-def test_measure_a_step_sees_saved_activations() -> None:
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(256, 256)
-    x = torch.randn(64, 256)
-    with remat.measure() as m:
-        h = lin(x).relu()  # 64 KiB kept: relu saves its output, the linear layer saves x (from outside)
-        h.sum().backward()
-        del h
-    # The relu output and its gradient are alive together in backward; the parameter gradients survive.
-    assert m.activation_bytes >= 2 * 64 * 256 * 4
-    assert m.peak_bytes >= m.activation_bytes + 256 * 256 * 4
-
-
-def test_tracker_marks_and_pause() -> None:
-    tracker = LiveTensorTracker()
-    with tracker:
-        a = torch.empty(256, dtype=torch.uint8)
-        tracker.mark("one")
-        with tracker.paused():
-            ignored = torch.empty(10_000, dtype=torch.uint8)
-        b = torch.empty(512, dtype=torch.uint8)
-        tracker.mark("two")
-        del a
-        tracker.mark("three")
-        del b
-    tracker.close()
-    assert [tracker.bytes_at(k) for k in ("one", "two", "three")] == [256, 768, 512]
-    assert tracker.peak_between("one", "three") == 768
-    with pytest.raises(KeyError, match="no mark named 'four'"):
-        tracker.bytes_at("four")
-    assert ignored.numel() == 10_000
 
 
 def test_a_selective_block_backward_holds_its_kept_draws(gpt2) -> None:

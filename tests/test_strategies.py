@@ -1,16 +1,14 @@
-"""Plans applied to live models: every strategy and random mixes of actions give the gradients of no
-checkpointing bit for bit (dropout included), re-run blocks as often as the simulator says, switch between
-steps without new hooks, and come off cleanly. Plus plan serialisation, budgets and the errors."""
+"""The strategies of ``remat.plan``: each static strategy applied to a live model gives the gradients of no
+checkpointing bit for bit (dropout included) and re-runs blocks as often as the simulator says; the shapes of
+their plans and their memory/recompute order; plan serialisation, budgets and the errors. How plans run on a
+model (hooks, ``set_plan``, ``remove``) is tested in test_runtime.py."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from toy_models import MLPChain, assert_same_step, step, uniform_chain, uniform_costs
+from toy_models import assert_same_step, chain_costs, chain_input, seeded_chain, step, uniform_costs
 
 import remat
 from remat.planners import minimum_peak_bytes
@@ -28,40 +26,14 @@ STATIC = [
 ]
 
 
-def _input(d_in: int = 8, batch: int = 5) -> torch.Tensor:
-    return torch.randn(batch, d_in, generator=torch.Generator().manual_seed(11))
-
-
-def _model(n_blocks: int = L, dropout: float = 0.2) -> MLPChain:
-    torch.manual_seed(0)
-    return uniform_chain(n_blocks, width=16, dropout=dropout)
-
-
-def _hook_count(module: torch.nn.Module) -> int:
-    return sum(
-        len(getattr(module, name))
-        for name in (
-            "_forward_hooks",
-            "_forward_pre_hooks",
-            "_forward_hooks_with_kwargs",
-            "_forward_pre_hooks_with_kwargs",
-            "_forward_hooks_always_called",
-        )
-    )
-
-
-def _costs(model: MLPChain):  # noqa: ANN202
-    return uniform_costs([name for name, _ in remat.find_blocks(model)])
-
-
 # ---------------------------------------------------------------- every static strategy
 
 
 @pytest.mark.parametrize(("strategy", "options"), STATIC, ids=[f"{s}{o.get('k', '')}" for s, o in STATIC])
 def test_strategy_gives_the_gradients_of_no_checkpointing(strategy: str, options: dict) -> None:
-    model, x = _model(), _input()
+    model, x = seeded_chain(), chain_input()
     reference = step(model, x)
-    costs = _costs(model)
+    costs = chain_costs(model)
     plan = remat.plan(costs, strategy, **options)
     handle = remat.apply(model, plan)
     try:
@@ -104,111 +76,6 @@ def test_memory_and_recompute_order_of_strategies() -> None:
     assert recompute["none"] == 0 < recompute["full"] < recompute["memory_poor"]
     assert recompute["sqrt"] == pytest.approx(recompute["full"])  # one extra forward for both
     assert recompute["memory_poor"] == pytest.approx(15 * 16 / 2 * 1e-3)  # L(L-1)/2 block forwards
-
-
-# ---------------------------------------------------------------- random chains and random plans
-
-ACTIONS = ["keep", "checkpoint", "selective:dots_saveable", "selective:everything_saveable", "offload"]
-
-
-@st.composite
-def chains_and_plans(draw: st.DrawFn) -> tuple[list[int], list[float], list[str]]:
-    n = draw(st.integers(1, 7))
-    widths = draw(st.lists(st.sampled_from([4, 8, 12]), min_size=n + 1, max_size=n + 1))
-    dropout = draw(st.lists(st.sampled_from([0.0, 0.3]), min_size=n, max_size=n))
-    actions: list[str] = []
-    group = 0
-    while len(actions) < n:
-        kind = draw(st.sampled_from([*ACTIONS, "segment", "memory_poor"]))
-        if kind in ("segment", "memory_poor"):
-            size = draw(st.integers(1, n - len(actions)))
-            actions += [f"{kind}:{group}"] * size
-            group += 1
-        else:
-            actions.append(kind)
-    return widths, dropout, actions
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chains_and_plans(), st.integers(0, 2**16))
-def test_random_plans_on_random_chains_are_exact(case: tuple, seed: int) -> None:
-    widths, dropout, actions = case
-    torch.manual_seed(seed)
-    model = MLPChain(widths, d_in=6, dropout=dropout, hidden=16)
-    x = torch.randn(3, 6)
-    reference = step(model, x, seed=seed)
-    names = [f"blocks.{i}" for i in range(len(actions))]  # named: a one-block chain is not found on its own
-    plan = Plan(dict(zip(names, actions)))
-    handle = remat.apply(model, plan, blocks=names)
-    try:
-        got = step(model, x, seed=seed)
-    finally:
-        handle.remove()
-    assert_same_step(reference, got)
-    expected = simulate(uniform_costs(names), plan.actions).reexecutions
-    assert tuple(handle.stats.calls[f] for f in names) == expected
-    assert all(_hook_count(block) == 0 for block in model.blocks)
-    assert_same_step(reference, step(model, x, seed=seed))
-
-
-def test_grad_disabled_and_eval_forwards_are_left_alone() -> None:
-    model, x = _model(), _input()
-    handle = remat.apply(model, remat.plan(_costs(model), "memory_poor"))
-    with torch.no_grad():
-        model(x)
-    model.eval()
-    model(x).backward()
-    assert handle.stats.total_calls == L * (L - 1) // 2  # only the step with grad recomputes
-    handle.remove()
-
-
-# ---------------------------------------------------------------- remove and set_plan
-
-
-def test_remove_leaves_the_model_as_it_was() -> None:
-    model, x = _model(dropout=0.0), _input()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    reference = step(model, x)
-    blocks = [block for _, block in remat.find_blocks(model)]
-    before = [_hook_count(b) for b in [model, *blocks]]
-    handle = remat.apply(model, remat.plan(_costs(model), "sqrt"))
-    assert all(_hook_count(b) > 0 for b in blocks)
-    step(model, x)
-    handle.remove()
-    assert [_hook_count(b) for b in [model, *blocks]] == before == [0] * (L + 1)
-    assert "_remat_handle" not in model.__dict__
-    assert model.state_dict().keys() == state.keys()
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
-    assert_same_step(reference, step(model, x))
-    remat.apply(model, remat.plan(_costs(model), "full")).remove()  # can be applied again
-
-
-def test_set_plan_switches_actions_without_new_hooks() -> None:
-    model, x = _model(), _input()
-    reference = step(model, x)
-    costs = _costs(model)
-    blocks = [block for _, block in remat.find_blocks(model)]
-    handle = remat.apply(model, remat.plan(costs, "none"))
-    hooks = [_hook_count(b) for b in blocks]
-    expected = {"none": 0, "full": L, "sqrt": L, "every_k": L, "memory_poor": L * (L - 1) // 2}
-    for strategy in ["none", "full", "memory_poor", "sqrt", "none", "every_k", "memory_poor"]:
-        handle.set_plan(remat.plan(costs, strategy))
-        handle.stats.reset()
-        assert_same_step(reference, step(model, x))
-        assert handle.stats.total_calls == expected[strategy], strategy
-        assert [_hook_count(b) for b in blocks] == hooks
-    handle.remove()
-
-
-def test_stats_count_recompute_time() -> None:
-    model, x = _model(), _input()
-    handle = remat.apply(model, remat.plan(_costs(model), "full"))
-    step(model, x)
-    assert handle.stats.total_seconds > 0
-    assert all(handle.stats.seconds[f] > 0 for f in handle.fqns)
-    handle.stats.reset()
-    assert handle.stats.total_calls == 0 and handle.stats.total_seconds == 0
-    handle.remove()
 
 
 # ---------------------------------------------------------------- plans as data
@@ -286,30 +153,6 @@ def test_budget_below_what_any_plan_reaches_names_the_minimum() -> None:
     assert not remat.plan(costs, "none", budget=budget, strict=False).fits
 
 
-def test_plan_naming_a_block_not_in_the_model() -> None:
-    model = _model(n_blocks=3)
-    bad = Plan({"blocks.0": "keep", "blocks.1": "checkpoint", "blocks.9": "checkpoint"})
-    with pytest.raises(ValueError, match=r"not in the model's chain: \['blocks\.9'\]"):
-        remat.apply(model, bad)
-    assert "_remat_handle" not in model.__dict__
-    assert all(_hook_count(b) == 0 for _, b in remat.find_blocks(model))
-    handle = remat.apply(model, remat.plan(_costs(model), "full"))
-    with pytest.raises(ValueError, match=r"missing \['blocks\.2'\]"):
-        handle.set_plan(Plan({"blocks.0": "keep", "blocks.1": "keep"}))
-    with pytest.raises(ValueError, match="unknown policy"):
-        handle.set_plan(Plan(dict.fromkeys(handle.fqns, "selective:no_such_policy")))
-    assert handle.plan.strategy == "full"  # a rejected plan leaves the current one in place
-    handle.remove()
-
-
-def test_applying_twice() -> None:
-    model = _model(n_blocks=2)
-    handle = remat.apply(model, remat.plan(_costs(model), "full"))
-    with pytest.raises(RuntimeError, match="already applied.*set_plan"):
-        remat.apply(model, remat.plan(_costs(model), "none"))
-    handle.remove()
-
-
 def test_unknown_action() -> None:
     with pytest.raises(ValueError, match="unknown action 'recompute'"):
         Plan({"a": "recompute"})
@@ -317,64 +160,10 @@ def test_unknown_action() -> None:
         Plan({"a": "segment:"})
 
 
-def test_blocks_by_name_and_module_pairs() -> None:
-    model, x = _model(n_blocks=4), _input()
-    reference = step(model, x)
-    names = ["blocks.1", "blocks.2"]
-    plan = Plan(dict.fromkeys(names, "checkpoint"))
-    for blocks in (names, [(n, model.get_submodule(n)) for n in names]):
-        handle = remat.apply(model, plan, blocks=blocks)
-        assert_same_step(reference, step(model, x))
-        assert handle.stats.calls == {"blocks.1": 1, "blocks.2": 1}
-        handle.remove()
-
-
 def test_sqrt_segment_length() -> None:
     for n in (1, 4, 9, 10, 16):
         plan = remat.plan(uniform_costs([f"b{i}" for i in range(n)]), "sqrt")
         assert plan.options["k"] == max(1, round(math.sqrt(n)))
-
-
-# ---------------------------------------------------------------- autocast and several forwards per backward
-
-
-@pytest.mark.parametrize("strategy", ["full", "sqrt", "memory_poor"])
-def test_plans_under_autocast(strategy: str) -> None:
-    model, x = _model(), _input()
-
-    def autocast_step() -> tuple[torch.Tensor, dict]:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return step(model, x)
-
-    reference = autocast_step()
-    handle = remat.apply(model, remat.plan(_costs(model), strategy))
-    try:
-        got = autocast_step()
-    finally:
-        handle.remove()
-    assert_same_step(reference, got)
-    assert reference[1]["blocks.0.fc1.weight"].dtype == torch.float32  # parameters stay float32
-
-
-@pytest.mark.parametrize("strategy", ["full", "every_k", "memory_poor"])
-def test_two_forwards_then_one_backward(strategy: str) -> None:
-    model = _model()
-    x1, x2 = _input(), _input(batch=3)
-
-    def accumulate() -> dict[str, torch.Tensor]:
-        torch.manual_seed(9)
-        model.zero_grad(set_to_none=True)
-        (model(x1) + 2 * model(x2)).backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    reference = accumulate()
-    handle = remat.apply(model, remat.plan(_costs(model), strategy))
-    try:
-        got = accumulate()
-    finally:
-        handle.remove()
-    assert all(torch.equal(reference[n], got[n]) for n in reference)
-    assert handle.stats.total_calls == 2 * sum(simulate(_costs(model), handle.plan.actions).reexecutions)
 
 
 def test_held_arguments_count_once_any_block_is_recomputed() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat import find_blocks
 from remat.costs import CHECKPOINT, KEEP, OFFLOAD, BlockCost, CostTable
 
 
@@ -60,6 +61,36 @@ class MLPChain(nn.Module):
 
 def uniform_chain(n_blocks: int, width: int = 32, dropout: float = 0.1, d_in: int = 8) -> MLPChain:
     return MLPChain([width] * (n_blocks + 1), d_in=d_in, dropout=dropout)
+
+
+def seeded_chain(n_blocks: int = 6, dropout: float = 0.2) -> MLPChain:
+    """A :func:`uniform_chain` of width 16 with the weights of seed 0."""
+    torch.manual_seed(0)
+    return uniform_chain(n_blocks, width=16, dropout=dropout)
+
+
+def chain_input(batch: int = 5, d_in: int = 8) -> torch.Tensor:
+    """A fixed input for the chains above."""
+    return torch.randn(batch, d_in, generator=torch.Generator().manual_seed(11))
+
+
+def chain_costs(model: nn.Module) -> CostTable:
+    """:func:`uniform_costs` for the blocks ``remat.find_blocks`` finds in ``model``."""
+    return uniform_costs([name for name, _ in find_blocks(model)])
+
+
+def hook_count(module: nn.Module) -> int:
+    """Forward hooks and pre-hooks of every kind registered on ``module`` itself."""
+    return sum(
+        len(getattr(module, name))
+        for name in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_pre_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+        )
+    )
 
 
 def step(model: nn.Module, *inputs: torch.Tensor, seed: int = 1234) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -118,21 +149,46 @@ def uniform_costs(fqns: Sequence[str], *, keep: int = 1000, io: int = 100, temp:
     return CostTable(rows, stem_bytes=io, head_bytes=io)
 
 
-def tiny_gpt2(n_layer: int = 2, n_embd: int = 64, dropout: float = 0.1, vocab: int = 256) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
+def tiny_gpt2_config(
+    n_layer: int = 2,
+    n_embd: int = 64,
+    *,
+    n_head: int = 4,
+    n_positions: int = 128,
+    vocab: int = 256,
+    dropout: float = 0.1,
+    use_cache: bool = False,
+    attn_implementation: str | None = "eager",
+    **overrides: Any,
+) -> Any:
+    """A small ``GPT2Config``: dropout ``dropout`` in the embeddings, attention and residuals, token 0 as BOS and
+    EOS, no KV cache and eager attention (the ``s x s`` scores exist) unless asked otherwise;
+    ``attn_implementation=None`` leaves the library's default. ``overrides`` are further config fields."""
+    from transformers import GPT2Config
 
-    config = GPT2Config(
+    return GPT2Config(
         n_layer=n_layer,
         n_embd=n_embd,
-        n_head=4,
-        n_positions=128,
+        n_head=n_head,
+        n_positions=n_positions,
         vocab_size=vocab,
         bos_token_id=0,
         eos_token_id=0,
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,
-        use_cache=False,
-        attn_implementation="eager",
+        use_cache=use_cache,
+        attn_implementation=attn_implementation,
+        **overrides,
     )
+
+
+def tiny_gpt2(n_layer: int = 2, n_embd: int = 64, *, seed: int | None = None, **config_options: Any) -> nn.Module:
+    """A ``GPT2LMHeadModel`` from :func:`tiny_gpt2_config` in training mode (nothing is downloaded); its weights
+    are drawn from the global RNG, seeded with ``seed`` first when one is given."""
+    from transformers import GPT2LMHeadModel
+
+    config = tiny_gpt2_config(n_layer, n_embd, **config_options)
+    if seed is not None:
+        torch.manual_seed(seed)
     return GPT2LMHeadModel(config).train()

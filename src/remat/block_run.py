@@ -47,7 +47,7 @@ class GradsRestored:
             p.grad = None
 
     def __exit__(self, *exc: Any) -> None:
-        for p, g in zip(self.params, self.saved):
+        for p, g in zip(self.params, self.saved, strict=True):
             p.grad = g
 
 

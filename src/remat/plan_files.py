@@ -30,7 +30,7 @@ def chain_mismatch(given: Sequence[str], expected: Sequence[str], chain_name: st
             f"plan does not match {chain_name} (missing {missing}, unknown {unknown}); "
             "plans must name every block in chain order"
         )
-    first = next(i for i, (g, e) in enumerate(zip(given, expected)) if g != e)
+    first = next(i for i, (g, e) in enumerate(zip(given, expected, strict=True)) if g != e)
     return (
         f"plan lists the blocks of {chain_name} reordered: position {first} holds {given[first]!r} where "
         f"{expected[first]!r} belongs; give the actions in chain order {expected}"

@@ -58,7 +58,7 @@ def pareto(points: Sequence[Mapping[str, Any]], budget_bytes: int | None, path: 
         ax.annotate(p["label"], (x, y), textcoords="offset points", xytext=(6, 5), fontsize=8)
     front = pareto_front([(p["memory_bytes"], p["step_ms"]) for p in usable])
     if len(front) > 1:
-        xs, ys = zip(*[(m / MIB, t) for m, t in front])
+        xs, ys = zip(*[(m / MIB, t) for m, t in front], strict=True)
         ax.step(xs, ys, where="post", color="0.6", linestyle=":", linewidth=1.2, label="Pareto front")
     if budget_bytes is not None:
         ax.axvline(budget_bytes / MIB, color="red", linestyle="--", linewidth=1, label="budget")
@@ -108,7 +108,7 @@ def mask_heatmap(
     from matplotlib.colors import ListedColormap
 
     cmap = ListedColormap(["#f2f2f2", "#1f4e79"])
-    for ax, (label, (fqns, masks)) in zip(axes[:, 0], histories.items()):
+    for ax, (label, (fqns, masks)) in zip(axes[:, 0], histories.items(), strict=False):  # one row even with no history
         grid = [[1 if masks[s][b] else 0 for s in range(len(masks))] for b in range(len(fqns))]
         ax.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
         ax.set_yticks(range(len(fqns)))
@@ -151,7 +151,7 @@ def time_breakdown(rows: Sequence[Mapping[str, Any]], path: Path, footer: str) -
     for j, (name, key) in enumerate(parts):
         values = [float(r.get(key) or 0.0) for r in rows]
         ax.bar(range(len(rows)), values, bottom=bottom, label=name, color=f"C{j}")
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("ms per step (mean of timed steps)")

@@ -156,7 +156,7 @@ def paired_test(
     if n == 0:
         return result(reason="no paired measurements")
     mean, base_mean = math.fsum(a) / n, math.fsum(b) / n
-    diffs = [x - y for x, y in zip(a, b)]
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
     diff = math.fsum(diffs) / n
     common = dict(
         mean=mean, baseline_mean=base_mean, diff=diff, relative_diff=diff / base_mean if base_mean != 0 else None

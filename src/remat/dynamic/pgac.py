@@ -162,7 +162,7 @@ class PGAC:
     @property
     def scores(self) -> dict[str, float]:
         """EMA score per block FQN."""
-        return dict(zip(self.fqns, self._ema))
+        return dict(zip(self.fqns, self._ema, strict=True))
 
     @property
     def mask(self) -> dict[str, bool]:
@@ -374,7 +374,7 @@ class PGAC:
 
     def _apply(self, fitted: FittedMask) -> None:
         plan = Plan(
-            dict(zip(self.fqns, fitted.actions)),
+            dict(zip(self.fqns, fitted.actions, strict=True)),
             strategy="pgac",
             budget_bytes=self.budget_bytes,
             predicted_peak_bytes=fitted.peak_bytes,

@@ -56,7 +56,7 @@ def forward_root(model: nn.Module, fqns: Sequence[str]) -> str:
     its own (a ``ModuleList`` has none): the module whose forward runs the chain. ``""`` is ``model`` itself."""
     parts = [f.split(".") for f in fqns]
     common: list[str] = []
-    for pieces in zip(*parts):
+    for pieces in zip(*parts, strict=False):
         if len(set(pieces)) != 1:
             break
         common.append(pieces[0])

@@ -122,7 +122,7 @@ class ChainUnits:
         parts = [(at, at, *(terms[:, block] for terms in column), singles.reexecutions, codes)]
         for k, kind in enumerate(self.group_kinds if picks else ()):
             parts.append((starts, ends, *picks[kind], np.full(len(starts), n_single + k, dtype=i64)))
-        return Units(*(np.concatenate(column) for column in zip(*parts)))
+        return Units(*(np.concatenate(column) for column in zip(*parts, strict=True)))
 
     def actions_from_units(self, units: list[tuple[int, int, int]]) -> list[str]:
         """Block actions of the chosen units ``(start, end, code)``."""
