@@ -19,7 +19,7 @@ from .planners import STRATEGIES, BudgetError, plan
 from .profiler import profile
 from .runtime import RematHandle, apply
 from .simulator import Plan, Simulation, simulate
-from .sizes import format_bytes, parse_bytes
+from .sizes import format_bytes, parse_budget, parse_bytes
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,7 @@ __all__ = [
     "find_blocks",
     "format_bytes",
     "measure",
+    "parse_budget",
     "parse_bytes",
     "plan",
     "policies",

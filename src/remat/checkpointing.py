@@ -4,6 +4,13 @@ All are built on ``torch.utils.checkpoint`` in its non-reentrant form: only the 
 saved and the region is re-run in backward. Outside autograd (grad disabled) they are plain calls. Inputs and
 outputs may be any containers of tensors and other values; keyword arguments pass through; nested use works;
 the RNG state is preserved by default, so dropout gives the same gradients as without checkpointing.
+
+``use_reentrant=False``, which torch's documentation asks every caller to pass, is accepted and changes
+nothing; ``use_reentrant=True`` is refused, since the reentrant form supports neither keyword arguments nor
+policies. A second backward pass through a region (``retain_graph=True`` twice, or ``create_graph=True`` for
+gradients of gradients) works, and gives the gradients of the uncheckpointed function, unless a ``policy``
+saves operator outputs: torch's selective checkpointing hands out each saved output once (see
+:mod:`remat.double_backward`).
 """
 
 from __future__ import annotations
@@ -34,18 +41,30 @@ def _context_fn(policy: PolicyLike) -> Callable[[], Any]:
     return functools.partial(type(p).context_fn, p)
 
 
+def _check_use_reentrant(use_reentrant: bool | None) -> None:
+    if use_reentrant:
+        raise ValueError(
+            "remat checkpoints with torch's non-reentrant implementation only (it supports keyword arguments, "
+            "policies, nesting and inputs that need no gradient); use_reentrant=True is not supported: pass "
+            "use_reentrant=False or leave it out"
+        )
+
+
 def checkpoint(
     fn: Callable[..., Any],
     *args: Any,
     policy: PolicyLike = None,
     preserve_rng_state: bool = True,
+    use_reentrant: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs for backward; re-run it when gradients flow.
 
     ``policy`` (see :mod:`remat.policies`) keeps chosen operator outputs instead of recomputing them.
-    A plain call when grad is disabled.
+    ``use_reentrant``: ``None`` or ``False`` (torch's non-reentrant form, the only one remat uses); ``True``
+    raises ValueError. A plain call when grad is disabled.
     """
+    _check_use_reentrant(use_reentrant)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     options: dict[str, Any] = {}
@@ -55,9 +74,14 @@ def checkpoint(
 
 
 def checkpointed(
-    fn: Callable[..., Any] | None = None, *, policy: PolicyLike = None, preserve_rng_state: bool = True
+    fn: Callable[..., Any] | None = None,
+    *,
+    policy: PolicyLike = None,
+    preserve_rng_state: bool = True,
+    use_reentrant: bool | None = None,
 ) -> Any:
     """Decorator form: ``@remat.checkpointed`` or ``@remat.checkpointed(policy="dots_saveable")``."""
+    _check_use_reentrant(use_reentrant)
 
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(f)

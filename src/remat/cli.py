@@ -2,6 +2,8 @@
 
 Each sub-command prints a human-readable table and, with ``--json PATH``, writes machine-readable results.
 Models come from :mod:`remat.bench.models` (GPT-2, BERT, ViT built from their configs, and an MLP chain).
+Arguments are checked before any model is built (:mod:`remat.cli_args`); a bad one exits with code 2 and a
+message naming it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .sizes import format_bytes, parse_bytes
+from . import cli_args
+from .sizes import format_bytes
 
 
 def _write_json(path: str | None, payload: Any) -> None:
@@ -28,13 +31,15 @@ def _write_json(path: str | None, payload: Any) -> None:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2", help="gpt2, bert, vit or mlp (or e.g. gpt2-medium)")
     p.add_argument("--preset", default=None, help="tiny, small, medium, base... (default tiny)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (text models)")
-    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    p.add_argument("--hidden", type=int, default=None, help="override the hidden size")
-    p.add_argument("--heads", type=int, default=None, help="override the number of attention heads")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, or meta (estimate without running)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--batch-size", type=cli_args.positive_int, default=8)
+    p.add_argument("--seq-len", type=cli_args.positive_int, default=128, help="tokens per sample (text models)")
+    p.add_argument("--layers", type=cli_args.positive_int, default=None, help="override the number of layers")
+    p.add_argument("--hidden", type=cli_args.positive_int, default=None, help="override the hidden size")
+    p.add_argument("--heads", type=cli_args.positive_int, default=None, help="override the number of attention heads")
+    p.add_argument(
+        "--device", type=cli_args.device, default="cpu", help="cpu, cuda, cuda:N, or meta (estimate without running)"
+    )
+    p.add_argument("--dtype", default="float32", choices=cli_args.FLOAT_DTYPES)
     p.add_argument("--policies", default="dots_saveable", help="selective policies to cost, comma-separated")
     p.add_argument("--json", default=None, metavar="PATH", help="write machine-readable results here")
 
@@ -123,16 +128,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _budget_arg(text: str | None) -> int | float | str | None:
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        return text
-    return value if value <= 1.0 else int(value)
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from .planners import plan
 
@@ -143,7 +138,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options["k"] = args.k
     if args.fraction is not None:
         options["fraction"] = args.fraction
-    result = plan(costs, args.strategy, _budget_arg(args.budget), **options)
+    result = plan(costs, args.strategy, args.budget, **options)
     print(f"{_label(spec, args)}, costs from {costs.source} ({costs.device})")
     print(result.table(costs))
     print(f"planned in {time.perf_counter() - start:.1f} s")
@@ -154,7 +149,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from .estimate import transformer_layer_activation_bytes
 
-    bytes_per_element = 4 if args.dtype == "float32" else 2
+    bytes_per_element = cli_args.bytes_per_element(args.dtype)
     common = dict(
         bytes_per_element=bytes_per_element,
         dropout=not args.no_dropout,
@@ -213,7 +208,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     result = advise(
         costs,
         batch_size=args.batch_size,
-        device_memory=parse_bytes(args.device_memory),
+        device_memory=args.device_memory,
         state_bytes=state,
         step_time_at=step_times,
     )
@@ -250,9 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan which blocks to keep, checkpoint or recompute under a budget")
     _add_model_args(p)
     p.add_argument("--strategy", default="optimal")
-    p.add_argument("--budget", default=None, help="bytes, a size like 20GiB, or a fraction like 0.5")
-    p.add_argument("-k", type=int, default=None, help="segment length for every_k")
-    p.add_argument("--fraction", type=float, default=None, help="fraction checkpointed for random")
+    p.add_argument(
+        "--budget",
+        type=cli_args.budget,
+        default=None,
+        help="bytes (4096, 20GiB) or a fraction of the no-checkpoint activation memory (0.5, 50%%)",
+    )
+    p.add_argument("-k", type=cli_args.positive_int, default=None, help="segment length for every_k")
+    p.add_argument("--fraction", type=cli_args.unit_fraction, default=None, help="fraction checkpointed for random")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("profile", help="measure per-block costs (time, saved bytes per action)")
@@ -260,12 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("estimate", help="analytic activation memory of a transformer layer")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seq-len", type=cli_args.positive_int, default=1024)
+    p.add_argument("--batch-size", type=cli_args.positive_int, default=8)
+    p.add_argument("--hidden", type=cli_args.positive_int, default=1024)
+    p.add_argument("--heads", type=cli_args.positive_int, default=16)
+    p.add_argument("--layers", type=cli_args.positive_int, default=24)
+    p.add_argument("--dtype", default="bfloat16", choices=cli_args.FLOAT_DTYPES)
     p.add_argument("--no-dropout", action="store_true")
     p.add_argument("--flash", action="store_true", help="fused attention: no s*s scores stored")
     p.add_argument("--activation", default="gelu", choices=["gelu", "relu"])
@@ -274,15 +274,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("advise", help="is checkpointing needed, which plan fits, is a larger batch worth it")
     _add_model_args(p)
-    p.add_argument("--device-memory", default="80GiB", help="memory of the training device")
+    p.add_argument("--device-memory", type=cli_args.size, default="80GiB", help="memory of the training device")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     p.set_defaults(func=cmd_advise)
     return parser
 
 
+MODEL_COMMANDS = ("plan", "profile", "advise")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Checks that need several arguments or the file system; raise ValueError before any work is done."""
+    cli_args.check_output_file(getattr(args, "json", None))
+    if args.command == "bench":
+        cli_args.check_output_folder(args.out)
+    if args.command in MODEL_COMMANDS:
+        from .bench.models import parse_model_id
+
+        name, _ = parse_model_id(args.model)  # raises on an unknown model or preset, naming the known ones
+        if args.preset:
+            parse_model_id(f"{name}-{args.preset}")
+    if args.command == "plan":
+        from .planners import STRATEGIES
+
+        if args.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {args.strategy!r}; known strategies: {', '.join(STRATEGIES)}")
+        if args.strategy == "optimal" and args.budget is None:
+            raise ValueError("strategy 'optimal' needs --budget: bytes (e.g. 2GiB) or a fraction (e.g. 0.5 or 50%)")
+    if args.command == "estimate" and args.hidden % args.heads:
+        raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The ``remat`` command; returns the exit code (2 for a bad argument, with a message on stderr)."""
     try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # argparse printed the usage and the error, or the help
+        return stop.code if isinstance(stop.code, int) else 2
+    try:
+        check_args(args)
         return int(args.func(args) or 0)
     except (ValueError, KeyError, RuntimeError) as err:
         print(f"remat {args.command}: error: {err}", file=sys.stderr)

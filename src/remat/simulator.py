@@ -38,7 +38,7 @@ from .actions import (
 )
 from .costs import KEEP, CostTable
 from .plan_files import chain_mismatch, plan_fields
-from .sizes import format_bytes, parse_bytes
+from .sizes import format_bytes, parse_budget
 from .unit_terms import UnitTerms, unit_terms
 
 
@@ -85,19 +85,8 @@ def no_checkpoint_peak(costs: CostTable) -> int:
 
 def resolve_budget(budget: int | float | str | None, costs: CostTable | None = None) -> int | None:
     """Turn a budget into bytes: an int is bytes, a string like "1.5GiB" is parsed, and a float in (0, 1]
-    is a fraction of the no-checkpoint activation memory predicted from ``costs``."""
-    if budget is None:
-        return None
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(
-                f"a float budget is a fraction of the no-checkpoint activation memory and must be in (0, 1], "
-                f"got {budget}; give bytes as an int or a string like '2GiB'"
-            )
-        if costs is None:
-            raise ValueError("a fractional budget needs a cost table to know the no-checkpoint memory")
-        return int(budget * no_checkpoint_peak(costs))
-    return parse_bytes(budget)
+    is a fraction of the no-checkpoint activation memory predicted from ``costs`` (rules: :mod:`remat.sizes`)."""
+    return parse_budget(budget, no_checkpoint_peak(costs) if costs is not None else None)
 
 
 @dataclass

@@ -8,36 +8,17 @@ from typing import Any
 
 from ..costs import CostTable
 from ..simulator import no_checkpoint_peak
-from ..sizes import format_bytes, parse_bytes
+from ..sizes import format_bytes, normalize_budget
 from .config import BenchError
 from .static_plans import budget_fraction
 
 
 def parse_budget(text: str) -> float | int:
-    """``"0.5"`` -> 0.5 (a fraction of the no-checkpoint peak); ``"2GiB"`` or ``"1000000"`` -> bytes."""
-    text = str(text).strip()
+    """``"0.5"`` or ``"50%"`` -> 0.5 (a fraction of the no-checkpoint peak); ``"2GiB"`` or ``"1000000"`` -> bytes."""
     try:
-        number = float(text)
-    except ValueError:
-        number = None
-    if number is None:
-        try:
-            value = parse_bytes(text)
-        except (ValueError, TypeError) as err:
-            raise BenchError(f"--budget {text!r}: {err}") from None
-        if value <= 0:
-            raise BenchError(f"--budget {text!r} is zero bytes; give a positive size like '2GiB' or a fraction")
-        return value
-    if number <= 0:
-        raise BenchError(f"--budget must be positive, got {text}")
-    if number <= 1.0:
-        return number
-    if number.is_integer() and "." not in text:
-        return int(number)
-    raise BenchError(
-        f"--budget {text}: a fraction of the no-checkpoint activation memory must be in (0, 1]; write a size "
-        "with a unit (e.g. '1.5GiB') for bytes"
-    )
+        return normalize_budget(str(text))  # type: ignore[return-value]  # never None for a string
+    except (ValueError, TypeError) as err:
+        raise BenchError(f"--budget {text!r}: {err}") from None
 
 
 def resolve_bench_budget(spec: float | int, costs_by_seed: dict[int, CostTable]) -> dict[str, Any]:

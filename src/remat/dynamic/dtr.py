@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
-from ..sizes import format_bytes, parse_bytes
+from ..sizes import format_bytes, normalize_budget, parse_bytes
 from .dtr_graph import HEURISTICS
 from .dtr_predict import OutputPredictor
 from .dtr_runtime import DTRRuntime, StepStats
@@ -94,18 +94,6 @@ class DTRStats:
         return self.recompute_s / self.step_s if self.step_s else 0.0
 
 
-def _check_budget(budget: Any) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
-        raise TypeError(f"a DTR budget is bytes (int), a string like '1.5GiB', or a float in (0, 1]; got {budget!r}")
-    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-        raise ValueError(
-            f"a float DTR budget is a fraction of the no-checkpoint activation memory and must be in (0, 1], "
-            f"got {budget}; give bytes as an int or a string like '2GiB'"
-        )
-    if not isinstance(budget, float):
-        parse_bytes(budget)
-
-
 class DTR:
     """Dynamic tensor rematerialization of ``model``'s training steps under ``budget`` bytes of tracked memory.
 
@@ -128,7 +116,7 @@ class DTR:
     ) -> None:
         if heuristic not in HEURISTICS:
             raise ValueError(f"unknown DTR heuristic {heuristic!r}; choose one of: {', '.join(HEURISTICS)}")
-        _check_budget(budget)
+        budget = normalize_budget(budget)  # int bytes or a float fraction (rules: remat.sizes)
         self.model = model
         self.budget = budget
         self.heuristic = heuristic

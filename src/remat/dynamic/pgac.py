@@ -37,6 +37,7 @@ from ..costs import CHECKPOINT, KEEP, CostTable
 from ..memory import MemoryReport, measure
 from ..runtime import RematHandle, apply
 from ..simulator import Plan, resolve_budget
+from ..sizes import normalize_budget
 from .pgac_mask import FittedMask, MaskFitter, quantile, score_mask
 from .pgac_scores import GradientScorer
 from .pgac_sync import all_reduce_mean, broadcast_costs, require_distributed
@@ -119,9 +120,7 @@ class PGAC:
         self.process_group = process_group
         if sync == "global":
             require_distributed()
-        self._budget_spec = budget
-        if budget is not None and not isinstance(budget, float):
-            resolve_budget(budget)  # a malformed budget string fails here, not after the first step
+        self._budget_spec = normalize_budget(budget)  # a malformed budget fails here, not after the first step
         self.budget_bytes: int | None = None
         self.costs: CostTable | None = None
         self._fitter: MaskFitter | None = None
@@ -211,7 +210,7 @@ class PGAC:
 
     def set_budget(self, budget: int | float | str | None) -> None:
         """Change the budget; the next update plans for it. Raises BudgetError below the feasible minimum."""
-        self._budget_spec = budget
+        self._budget_spec = normalize_budget(budget)
         if self.costs is not None:
             self._set_costs(self.costs)
 

@@ -42,7 +42,7 @@ from ..planners import plan as make_plan
 from ..profiler import BlockProfiler, profile
 from ..runtime import RecomputeStats, RematHandle, apply
 from ..simulator import Plan
-from ..sizes import parse_bytes
+from ..sizes import normalize_budget
 from .process_group import distributed_world
 from .wrappers import is_sharded
 
@@ -75,14 +75,7 @@ def check_strategy(strategy: str, budget: int | float | str | None) -> None:
             "strategy 'optimal' needs a budget: bytes, a string like '2GiB', or a float in (0, 1] for a fraction "
             "of the activation memory without checkpointing"
         )
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(
-                f"a float budget is a fraction of the no-checkpoint activation memory and must be in (0, 1], got "
-                f"{budget}; give bytes as an int or a string like '2GiB'"
-            )
-    elif budget is not None:
-        parse_bytes(budget)
+    normalize_budget(budget)
 
 
 class RematSession:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..costs import CostTable
+from ..double_backward import check_double_backward, double_backward_actions
 from ..simulator import Plan, resolve_budget
 from ..sizes import format_bytes
 from . import optimal, static
@@ -42,7 +43,8 @@ def plan(
 
     ``budget`` is bytes, a string like "1.5GiB", or a float in (0, 1] meaning a fraction of the
     no-checkpoint activation memory. With ``strict`` (the default) a plan whose predicted peak exceeds the
-    budget raises :class:`BudgetError`, which names the minimum any plan reaches.
+    budget raises :class:`BudgetError`, which names the minimum any plan reaches. ``double_backward=True``
+    plans only actions that allow a second backward pass (:mod:`remat.double_backward`).
     """
     if strategy not in STRATEGIES:
         known = ", ".join(sorted(STRATEGIES))
@@ -52,7 +54,12 @@ def plan(
     budget_bytes = resolve_budget(budget, costs)
     if strategy == "optimal" and budget_bytes is None:
         raise ValueError("strategy 'optimal' needs a budget (bytes, a string like '2GiB' or a fraction)")
+    double_backward = options.pop("double_backward", False)
+    if double_backward and strategy == "optimal":
+        options["actions"] = double_backward_actions(costs, options.get("actions"))
     result = STRATEGIES[strategy](costs, budget_bytes, **options)
+    if double_backward:
+        check_double_backward(list(result.actions.values()))
     if strict and not result.fits:
         floor = minimum_peak_bytes(costs)
         raise BudgetError(

@@ -1,0 +1,52 @@
+"""Which plan actions allow a second backward pass through their block.
+
+A second pass happens with ``loss.backward(retain_graph=True)`` followed by another backward of the same
+graph, and with ``torch.autograd.grad(..., create_graph=True)`` followed by a backward of the gradients
+(gradient penalties, higher-order derivatives). ``keep``, ``checkpoint``, ``offload``, segments and
+memory-poor groups support both: a checkpointed block is recomputed again for each pass, and gradients are
+those of training without checkpointing. A ``selective:<policy>`` block whose policy saves operator outputs
+does not: torch's selective checkpointing hands out each saved output once, and the second pass fails with
+``RuntimeError: Trying to backward an extra time. You are only allowed to backward once on any region
+computed under selective activation checkpoint.`` (``selective:nothing_saveable`` saves nothing and works).
+
+``remat.plan(costs, "optimal", budget, double_backward=True)`` restricts the optimal planner to the actions
+:func:`double_backward_safe` accepts; the static strategies choose none of the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .actions import MEMORY_POOR, SEGMENT
+from .costs import CHECKPOINT, SELECTIVE_PREFIX, CostTable
+
+# Selective policies that save no operator output, so their regions can be passed through more than once.
+SAVES_NOTHING = frozenset({"nothing_saveable"})
+GROUP_KINDS = (SEGMENT, MEMORY_POOR)
+
+
+def double_backward_safe(action: str) -> bool:
+    """Whether a block under ``action`` (or a group kind, ``"segment"``/``"memory_poor"``) can be passed through by
+    more than one backward (``retain_graph=True`` twice, or ``create_graph=True``)."""
+    if action.startswith(SELECTIVE_PREFIX):
+        return action[len(SELECTIVE_PREFIX) :] in SAVES_NOTHING
+    return True
+
+
+def double_backward_actions(costs: CostTable, actions: Sequence[str] | None = None) -> list[str]:
+    """The optimal planner's ``actions=`` for a step that runs a second backward: ``actions`` (default: every
+    single-block action of ``costs`` and both group kinds) without the ones that fail a second pass."""
+    if actions is None:
+        available = costs.common_actions()
+        actions = [*available, *(GROUP_KINDS if CHECKPOINT in available else ())]
+    return [a for a in actions if double_backward_safe(a)]
+
+
+def check_double_backward(actions: Sequence[str]) -> None:
+    """Raise ValueError naming the actions of a plan that fail a second backward pass."""
+    unsafe = sorted({a for a in actions if not double_backward_safe(a)})
+    if unsafe:
+        raise ValueError(
+            f"actions {unsafe} keep operator outputs under selective checkpointing, which allows one backward "
+            "pass per forward; for retain_graph=True or create_graph=True plan with double_backward=True"
+        )
