@@ -123,7 +123,7 @@ def test_double_backward_plans_leave_out_selective_actions():
     safe = remat.plan(costs, "optimal", budget, double_backward=True)
     assert safe.fits and all(double_backward_safe(a) for a in safe.actions.values())
     assert safe.predicted_recompute_s > usual.predicted_recompute_s  # the restriction has a price
-    assert double_backward_actions(costs) == ["keep", "checkpoint", "segment", "nested"]
+    assert double_backward_actions(costs) == ["keep", "checkpoint", "segment", "memory_poor"]
     assert double_backward_actions(costs, ["keep", "selective:dots_saveable"]) == ["keep"]
     restricted = remat.plan(costs, "optimal", budget, double_backward=True, actions=["keep", "checkpoint"])
     assert set(restricted.actions.values()) <= {"keep", "checkpoint"}
