@@ -205,3 +205,10 @@ def measure(device: str | torch.device | None = None, *, tracker: bool = True) -
             report.source = "cuda-allocator" + ("+tracker" if mode is not None else "")
             if mode is None:
                 report.activation_bytes = report.peak_bytes
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (CPU for a model without parameters): whose memory to measure."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")

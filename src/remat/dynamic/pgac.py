@@ -26,51 +26,24 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..chain import find_blocks
+from ..blocks import resolve_blocks
 from ..costs import CHECKPOINT, KEEP, CostTable
-from ..memory import MemoryReport, measure
+from ..memory import MemoryReport, measure, model_device
 from ..runtime import RematHandle, apply
 from ..simulator import Plan, resolve_budget
 from ..sizes import normalize_budget
 from .pgac_mask import FittedMask, MaskFitter, quantile, score_mask
-from .pgac_scores import GradientScorer
+from .pgac_options import check_options
+from .pgac_record import StepRecord, step_reward
+from .pgac_scores import GradientScorer, ema_update
+from .pgac_state import STATE_VERSION, check_state, plain
 from .pgac_sync import all_reduce_mean, broadcast_costs, require_distributed
 from .schedules import NEEDS_LENGTH, Schedule, make_schedule
-
-SYNC_MODES = (None, "local", "global")
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What happened in optimizer step ``step`` and what PGAC decided at its end (one entry of ``history``).
-
-    ``actions``, ``predicted_peak_bytes``, ``measured_peak_bytes`` and ``step_time_s`` describe the step that
-    just ran; ``step_scores`` are its raw scores (None when not scored); ``scores`` (EMA after it), ``gamma``,
-    ``tau``, ``mask`` (the threshold mask, True = stored, before the budget fit) and ``next_actions`` (the
-    fitted plan) are the decision for the next step. Tuples are in chain order (``PGAC.fqns``).
-    """
-
-    step: int
-    scored: bool
-    step_scores: tuple[float, ...] | None
-    scores: tuple[float, ...]
-    gamma: float
-    tau: float
-    mask: tuple[bool, ...]
-    actions: tuple[str, ...]
-    next_actions: tuple[str, ...]
-    predicted_peak_bytes: int | None
-    next_predicted_peak_bytes: int | None
-    measured_peak_bytes: int | None
-    step_time_s: float | None
-    reward: float | None
-    update_s: float
 
 
 class PGAC:
@@ -107,7 +80,7 @@ class PGAC:
         process_group: Any = None,
         history_limit: int = 100_000,
     ) -> None:
-        _check_options(alpha, q, every, sync, total_steps, measure)
+        check_options(alpha, q, every, sync, total_steps, measure, history_limit)
         self.model = model
         self.alpha, self.q, self.every, self.sync = float(alpha), float(q), int(every), sync
         self.schedule = make_schedule(gamma)
@@ -125,7 +98,7 @@ class PGAC:
         self.costs: CostTable | None = None
         self._fitter: MaskFitter | None = None
 
-        chain = _resolve_chain(model, blocks)
+        chain = resolve_blocks(model, blocks)
         initial = Plan({fqn: CHECKPOINT for fqn, _ in chain}, strategy="pgac")
         self.handle: RematHandle = apply(model, initial, chain)
         self.fqns: list[str] = list(self.handle.fqns)
@@ -136,9 +109,10 @@ class PGAC:
         self._tau = 0.0
         self._gamma = math.nan  # set by the first update
         self._measure_every = measure
-        self._device = _model_device(model)
+        self._device = model_device(model)
         self.clock: Callable[[], float] = time.perf_counter  # seconds; replaceable for simulations
         self._last_update: float | None = None
+        self._step_start: float | None = None  # the clock at the step's first forward
         self._profiler: Any = None  # the BlockProfiler of the first step when costs=None
         self._profiler_open = False
         self._profiling = costs is None
@@ -229,32 +203,36 @@ class PGAC:
         self._removed = True
 
     def state_dict(self) -> dict[str, Any]:
-        """Scores, step, schedule, costs, budget and plan, for training checkpoints (history excluded)."""
-        return {
-            "version": 1,
-            "fqns": list(self.fqns),
-            "step": self.step_count,
-            "ema": list(self._ema),
-            "tau": self._tau,
-            "gamma": self._gamma,
-            "schedule": self.schedule.state_dict(),
-            "costs": self.costs.to_dict() if self.costs is not None else None,
-            "budget": self._budget_spec,
-            "actions": dict(self.handle.plan.actions),
-        }
+        """Scores, step, schedule, costs, budget and plan, for training checkpoints (history excluded).
+
+        Plain Python values only (:mod:`.pgac_state`): a checkpoint holding it loads with ``torch.load`` under
+        ``weights_only=True``. Loading it into a PGAC of the same model and options resumes the same decisions.
+        """
+        return plain(
+            {
+                "version": STATE_VERSION,
+                "fqns": list(self.fqns),
+                "step": self.step_count,
+                "ema": list(self._ema),
+                "tau": self._tau,
+                "gamma": self._gamma,
+                "schedule": self.schedule.state_dict(),
+                "costs": self.costs.to_dict() if self.costs is not None else None,
+                "budget": self._budget_spec,
+                "actions": dict(self.handle.plan.actions),
+            },
+            "PGAC.state_dict()",
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; the first step after it measures its time from its first forward."""
         self._check_live()
-        if state.get("fqns") != self.fqns:
-            raise ValueError(
-                f"this PGAC state is for the chain {state.get('fqns')}, but the model's chain is {self.fqns}; "
-                "load it into a PGAC of the same model"
-            )
+        check_state(state, self.fqns)
         self.step_count = int(state["step"])
         self._ema = [float(v) for v in state["ema"]]
         self._tau, self._gamma = float(state["tau"]), float(state["gamma"])
         self.schedule.load_state_dict(state["schedule"])
-        self._budget_spec = state["budget"]
+        self._budget_spec = normalize_budget(state["budget"])
         if state["costs"] is not None:
             self._close_region()
             self._profiling = False
@@ -272,6 +250,7 @@ class PGAC:
         if self._region_open or not torch.is_grad_enabled():
             return
         self._region_open = True
+        self._step_start = self.clock()
         if self._profiling and self._profiler is None:
             from ..profiler import BlockProfiler
 
@@ -302,7 +281,10 @@ class PGAC:
     def _update(self, measured_peak_bytes: int | None = None) -> None:
         start = self.clock()
         self._close_region()
-        step_time = start - self._last_update if self._last_update is not None else None
+        # From the previous update; in the first step after load_state_dict, from the step's first forward.
+        since = self._last_update if self._last_update is not None or self.step_count == 0 else self._step_start
+        step_time = start - since if since is not None else None
+        self._step_start = None
         ran = self.handle.plan
         if self._profiling:
             step_time = None  # the profiling step is no measure of the plan's speed
@@ -319,10 +301,7 @@ class PGAC:
         step_scores = None
         if collected is not None:
             step_scores, counts = collected
-            a = self.alpha
-            self._ema = [
-                a * e + (1 - a) * s if c > 0 else e for e, s, c in zip(self._ema, step_scores, counts, strict=True)
-            ]
+            self._ema = ema_update(self._ema, step_scores, counts, self.alpha)
         reward = self._reward(ran, step_time, measured)
         if self.sync == "global":
             reward = self._all_reduce(reward)
@@ -413,48 +392,3 @@ class PGAC:
             f"PGAC({len(self.fqns)} blocks, {stored} stored, step {self.step_count}, alpha={self.alpha}, q={self.q}, "
             f"gamma={self.schedule!r}, sync={self.sync!r})"
         )
-
-
-def step_reward(step_s: float, peak_bytes: int | None, budget_bytes: int | None, penalty: float = 10.0) -> float:
-    """The learned schedule's reward for one step: ``-log(step_s) - penalty * max(0, peak / budget - 1)``.
-
-    ``-log`` of the step time is log throughput, so equal relative speed-ups are worth the same at any
-    scale; the hinge costs ``penalty`` per unit of relative overshoot (10: 1% over the budget is as bad as
-    a 10% slower step) and nothing below the budget.
-    """
-    reward = -math.log(step_s)
-    if budget_bytes and peak_bytes is not None:
-        reward -= penalty * max(0.0, peak_bytes / budget_bytes - 1.0)
-    return reward
-
-
-def _check_options(
-    alpha: float, q: float, every: int, sync: str | None, total_steps: int | None, measure_every: int | None
-) -> None:
-    if not (isinstance(alpha, int | float) and 0.0 <= alpha < 1.0):
-        raise ValueError(f"alpha is the EMA decay and must be in [0, 1), got {alpha!r}")
-    if not (isinstance(q, int | float) and 0.0 <= q <= 1.0):
-        raise ValueError(f"q is the quantile of the scores that sets the threshold and must be in [0, 1], got {q!r}")
-    if not isinstance(every, int) or every < 1:
-        raise ValueError(f"every (score every that many steps) must be an int >= 1, got {every!r}")
-    if sync not in SYNC_MODES:
-        raise ValueError(f"sync must be None (one process), 'local' (a mask per rank) or 'global', got {sync!r}")
-    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
-        raise ValueError(f"total_steps must be a positive int (optimizer steps), got {total_steps!r}")
-    if measure_every is not None and (not isinstance(measure_every, int) or measure_every < 0):
-        raise ValueError(f"measure must be None or an int >= 0 (measure every that many steps), got {measure_every!r}")
-
-
-def _resolve_chain(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
-    if blocks is None:
-        return find_blocks(model)
-    blocks = list(blocks)
-    if blocks and isinstance(blocks[0], str):
-        return find_blocks(model, names=blocks)
-    return [(str(fqn), module) for fqn, module in blocks]
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")

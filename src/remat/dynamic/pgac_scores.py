@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -144,3 +144,8 @@ class GradientScorer:
         index = torch.tensor([i for i, _ in norms], device=values.device)
         sums = torch.zeros(self.n, dtype=values.dtype, device=values.device).index_add_(0, index, values)
         return [math.sqrt(max(s, 0.0)) for s in sums.tolist()], counts
+
+
+def ema_update(ema: Sequence[float], scores: Sequence[float], counts: Sequence[int], alpha: float) -> list[float]:
+    """``alpha * ema + (1 - alpha) * score`` per block; a block that was not scored (count 0) keeps its EMA."""
+    return [alpha * e + (1 - alpha) * s if c > 0 else e for e, s, c in zip(ema, scores, counts, strict=True)]
