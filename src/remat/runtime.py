@@ -31,9 +31,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
-from . import policies
-from .chain import find_blocks
+from . import applied, policies
+from .chain import find_blocks, only_chain
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
+from .hf_guards import refuse_hf_checkpointing, training_forward_guards
+from .model_state import extra_run
 from .rng import RngSnapshot, forked
 from .simulator import Plan, Unit
 
@@ -193,10 +195,10 @@ class RematHandle:
         self._nested: dict[str, Any] | None = None
         self.set_plan(plan)
         for i, (_, module) in enumerate(blocks):
-            self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(i), with_kwargs=True))
-            self._hooks.append(
-                module.register_forward_hook(self._make_post_hook(i), with_kwargs=True, always_call=True)
-            )
+            pre_hook = applied.CopyRefusingHook(self._make_pre_hook(i))
+            post_hook = applied.CopyRefusingHook(self._make_post_hook(i))
+            self._hooks.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
 
     # ----- plan -----
     def set_plan(self, plan: Plan) -> None:
@@ -238,6 +240,7 @@ class RematHandle:
         self._hooks.clear()
         self._open.clear()
         self._removed = True
+        applied.unregister(self.model, self)
         if getattr(self.model, "_remat_handle", None) is self:
             del self.model._remat_handle
 
@@ -342,7 +345,8 @@ class RematHandle:
         self.stats.calls[fqn] += 1
         try:
             record.rng.restore()
-            out = main_tensor(module(*args, **kwargs))
+            with extra_run(module):
+                out = main_tensor(module(*args, **kwargs))
         finally:
             if sync:
                 torch.cuda.synchronize(main.device)
@@ -441,7 +445,7 @@ def _resolve_blocks(
     model: nn.Module, blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None
 ) -> list[tuple[str, nn.Module]]:
     if blocks is None:
-        return find_blocks(model)
+        return only_chain(model)
     blocks = list(blocks)
     if blocks and isinstance(blocks[0], str):
         return find_blocks(model, names=blocks)  # type: ignore[arg-type]
@@ -456,9 +460,11 @@ def apply(
     time_recompute: bool = True,
 ) -> RematHandle:
     """Install ``plan`` on ``model`` and return the handle (``set_plan``, ``remove``, ``stats``)."""
-    if getattr(model, "_remat_handle", None) is not None:
-        raise RuntimeError("remat is already applied to this model; call handle.set_plan(plan) to change it")
+    applied.refuse_overlap(model)
+    refuse_hf_checkpointing(model)
     chain = _resolve_blocks(model, blocks)
     handle = RematHandle(model, chain, plan, time_recompute=time_recompute)
+    handle._hooks += training_forward_guards(model, wrap=applied.CopyRefusingHook)
+    applied.register(model, handle)
     model._remat_handle = handle  # type: ignore[assignment]
     return handle
