@@ -74,14 +74,13 @@ class ArchResult:
             return "error: " + self.error.splitlines()[0][:80]
         if self.problems:
             return "differs: " + self.problems[0][:80]
-        if not self.within_budget:
-            return "over budget"
         notes = []
         if self.profile_refusal:
-            notes.append(f"several chains: planned {self.planned[0].rsplit('.', 1)[0]}")
+            notes.append(f"planned {self.planned[0].rsplit('.', 1)[0]} of {len(self.chains)} chains")
         if self.plan_refusal:
-            notes.append("budget refused, planned at the minimum")
-        return "ok" + (f" ({'; '.join(notes)})" if notes else "")
+            notes.append("budget under the minimum: planned at it")
+        head = "ok" if self.within_budget else f"over budget by {self.peak_bytes - self.budget_bytes} B"
+        return head + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def flatten_output(value: Any, prefix: str = "") -> dict[str, Any]:
