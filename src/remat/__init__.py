@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from . import policies
-from .chain import find_blocks
+from .chain import find_blocks, find_chains
 from .checkpointing import Checkpoint, checkpoint, checkpoint_fn, checkpointed
 from .costs import BlockCost, CostTable
 from .memory import MemoryReport, measure
@@ -43,6 +43,7 @@ __all__ = [
     "checkpoint_fn",
     "checkpointed",
     "find_blocks",
+    "find_chains",
     "format_bytes",
     "measure",
     "parse_budget",

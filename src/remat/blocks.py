@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .chain import find_blocks
+from .chain import find_blocks, only_chain
 
 InputSlot = tuple[str, Any]
 """Where a call's main input sits: ``("arg", position)`` or ``("kw", keyword)``."""
@@ -95,10 +95,10 @@ def replace_slot(
 
 
 def resolve_blocks(model: nn.Module, blocks: BlocksArg) -> list[tuple[str, nn.Module]]:
-    """The chain a ``blocks=`` argument names: ``None`` for the chain :func:`~remat.chain.find_blocks` finds,
-    a list of FQNs, or ``(fqn, module)`` pairs taken as given."""
+    """The chain a ``blocks=`` argument names: ``None`` for the model's one chain (:func:`~remat.chain.only_chain`
+    refuses a model with several and says how to choose), a list of FQNs, or ``(fqn, module)`` pairs taken as given."""
     if blocks is None:
-        return find_blocks(model)
+        return only_chain(model)
     blocks = list(blocks)
     if blocks and isinstance(blocks[0], str):
         return find_blocks(model, names=blocks)  # type: ignore[arg-type]

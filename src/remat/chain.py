@@ -1,9 +1,16 @@
-"""Finding the chain of repeated blocks in a model: the units that plans act on.
+"""Finding the chains of repeated blocks in a model: the units that plans act on.
 
-A chain is the ordered list of ``(fqn, module)`` of the model's repeated layers: a Hugging Face layer list
+A chain is the ordered list of ``(fqn, module)`` of one stack of repeated layers: a Hugging Face layer list
 (``transformer.h``, ``encoder.layer``, ``model.layers``...), an ``nn.Sequential`` or any ``nn.ModuleList``
-whose children share one class. When several candidates exist the one with the most blocks wins (ties: the
-first in module order). Users can name blocks explicitly instead.
+whose children share one class and hold parameters. Only outermost stacks count: a list inside a block of
+another stack (the experts of a mixture-of-experts layer, the layers of a ResNet stage) is part of that
+block, not a chain of its own.
+
+A model may have several chains: an encoder and a decoder, the text and vision towers of CLIP.
+:func:`find_chains` returns all of them in module order, each on its own (towers are never merged into one
+chain). :func:`find_blocks` returns one: the longest (on a tie, the first in module order), or the modules
+the user names. remat plans one chain at a time; :func:`only_chain` is what ``profile``, ``apply`` and the
+integrations use when no blocks are given, and it refuses a model with several chains, saying how to choose.
 """
 
 from __future__ import annotations
@@ -12,8 +19,10 @@ from collections.abc import Sequence
 
 from torch import nn
 
+Chain = list[tuple[str, nn.Module]]
 
-def _candidate_lists(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+
+def _candidate_lists(model: nn.Module) -> list[tuple[str, Chain]]:
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList | nn.Sequential):
@@ -31,10 +40,44 @@ def _candidate_lists(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Mod
     return found
 
 
-def find_blocks(model: nn.Module, names: Sequence[str] | None = None) -> list[tuple[str, nn.Module]]:
-    """Return the repeated blocks of ``model`` as ``(fully qualified name, module)`` pairs in order.
+def _outermost(candidates: list[tuple[str, Chain]]) -> list[tuple[str, Chain]]:
+    """Drop the candidates that lie inside a block of another candidate (module order is kept)."""
+    block_prefixes = [f"{fqn}." for _, chain in candidates for fqn, _ in chain]
+    return [(name, chain) for name, chain in candidates if not any(name.startswith(p) for p in block_prefixes)]
 
-    ``names`` selects blocks explicitly by FQN (as in ``model.named_modules()``).
+
+def _no_chain_error(model: nn.Module) -> ValueError:
+    return ValueError(
+        f"no chain of repeated blocks found in {type(model).__name__}: it has no nn.ModuleList or "
+        "nn.Sequential of two or more modules of one class. Name the blocks yourself, e.g. "
+        "remat.find_blocks(model, names=['layer1', 'layer2']) or blocks=[...] in profile/apply."
+    )
+
+
+def find_chains(model: nn.Module) -> list[Chain]:
+    """Every outermost chain of repeated blocks in ``model``, in module order, each as ``(fqn, module)`` pairs.
+
+    An encoder-decoder has two (encoder, decoder), CLIP two (text tower, vision tower); a decoder-only language
+    model one. Raises ``ValueError`` when there is none.
+    """
+    chains = [chain for _, chain in _outermost(_candidate_lists(model))]
+    if not chains:
+        raise _no_chain_error(model)
+    return chains
+
+
+def chain_name(chain: Chain) -> str:
+    """The module name of the container holding ``chain`` (``"model.layers"``), or ``""`` for the model itself."""
+    first = chain[0][0]
+    return first.rsplit(".", 1)[0] if "." in first else ""
+
+
+def find_blocks(model: nn.Module, names: Sequence[str] | None = None) -> Chain:
+    """Return one chain of ``model`` as ``(fully qualified name, module)`` pairs in order.
+
+    Without ``names``: the longest chain of :func:`find_chains` (on a tie the first in module order; for all of
+    them, or to choose another, use :func:`find_chains`). ``names`` selects blocks explicitly by FQN (as in
+    ``model.named_modules()``), in the order given.
     """
     modules = dict(model.named_modules())
     if names is not None:
@@ -45,12 +88,23 @@ def find_blocks(model: nn.Module, names: Sequence[str] | None = None) -> list[tu
         if not names:
             raise ValueError("names is empty: give the FQNs of the blocks to checkpoint")
         return [(n, modules[n]) for n in names]
-    candidates = _candidate_lists(model)
-    if not candidates:
-        raise ValueError(
-            f"no chain of repeated blocks found in {type(model).__name__}: it has no nn.ModuleList or "
-            "nn.Sequential of two or more modules of one class. Name the blocks yourself, e.g. "
-            "remat.find_blocks(model, names=['layer1', 'layer2']) or blocks=[...] in profile/apply."
-        )
-    best = max(candidates, key=lambda c: len(c[1]))
-    return best[1]
+    return max(find_chains(model), key=len)
+
+
+def only_chain(model: nn.Module) -> Chain:
+    """The model's chain when it has exactly one; with several, a ``ValueError`` that names them and says how
+    to choose one (a plan covers one chain, and guessing which would put the budget on the wrong one)."""
+    chains = find_chains(model)
+    if len(chains) == 1:
+        return chains[0]
+    raise several_chains_error(model, chains)
+
+
+def several_chains_error(model: nn.Module, chains: Sequence[Chain]) -> ValueError:
+    """The error for a model whose chain must be chosen by the user: it names the chains and how to choose."""
+    listed = ", ".join(f"{chain_name(c) or '<model>'} ({len(c)} blocks)" for c in chains)
+    return ValueError(
+        f"{type(model).__name__} has {len(chains)} chains of repeated blocks: {listed}. remat plans one chain at "
+        "a time: choose one with chain = remat.find_chains(model)[i] and pass blocks=chain to remat.profile, "
+        "remat.apply and the integrations (the rest of the model then counts as the stem and head of that chain)."
+    )

@@ -27,7 +27,9 @@ from .block_timing import time_action
 from .blocks import BlocksArg, main_input, main_input_slot, replace_slot, resolve_blocks, slot_value, without_caches
 from .chain_bounds import ChainBounds
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
+from .hf_guards import profiled_step
 from .memory import LiveTensorTracker
+from .model_state import detached_from_step, extra_run
 from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step
 
@@ -57,7 +59,7 @@ def measure_block(
     source = slot_value(args, kwargs, slot)
     device = source.device
     main = source.detach().requires_grad_(True)
-    args, kwargs = without_caches(*replace_slot(args, kwargs, slot, main))
+    args, kwargs = detached_from_step(*without_caches(*replace_slot(args, kwargs, slot, main)))
     trackers: dict[str, LiveTensorTracker] = {}
     output_bytes = 0
     times: dict[str, tuple[float, float, float]] = {}
@@ -161,7 +163,7 @@ class BlockProfiler:
             try:
                 # Step off every dispatch mode (the step's tracker included) so the block is timed and
                 # measured as it runs in training, not through Python dispatch.
-                with _disable_current_modes():
+                with _disable_current_modes(), extra_run(module):
                     self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats)
             finally:
                 self._busy = False
@@ -212,6 +214,6 @@ def profile(
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
     Parameter gradients are left as they were."""
     profiler = BlockProfiler(model, blocks, policies=policies, repeats=repeats)
-    with GradsRestored(model), profiler:
+    with GradsRestored(model), profiled_step(model), profiler:
         run_step(model, batch, loss_fn)
     return profiler.cost_table()

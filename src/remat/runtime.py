@@ -31,10 +31,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import noop_context_fn
 
-from . import policies
+from . import applied, policies
 from .actions import MEMORY_POOR
 from .blocks import BlocksArg, main_tensor, resolve_blocks
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
+from .hf_guards import refuse_hf_checkpointing, training_forward_guards
+from .model_state import extra_run
 from .regions import CallRecord, OpenRegion, eager, open_checkpoint_frame, same_tensor
 from .rng import forked
 from .simulator import Plan, Unit
@@ -135,10 +137,10 @@ class RematHandle:
         self._memory_poor: dict[str, Any] | None = None
         self.set_plan(plan)
         for i, (_, module) in enumerate(blocks):  # Note [4]
-            self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(i), with_kwargs=True))
-            self._hooks.append(
-                module.register_forward_hook(self._make_post_hook(i), with_kwargs=True, always_call=True)
-            )
+            pre_hook = applied.CopyRefusingHook(self._make_pre_hook(i))
+            post_hook = applied.CopyRefusingHook(self._make_post_hook(i))
+            self._hooks.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
 
     # ----- plan -----
     def set_plan(self, plan: Plan) -> None:
@@ -178,6 +180,7 @@ class RematHandle:
         self._hooks.clear()
         self._open.clear()
         self._removed = True
+        applied.unregister(self.model, self)
         if getattr(self.model, "_remat_handle", None) is self:
             del self.model._remat_handle
 
@@ -268,7 +271,8 @@ class RematHandle:
         self.stats.calls[fqn] += 1
         try:
             record.rng.restore()  # Note [3]
-            out = main_tensor(module(*args, **kwargs))
+            with extra_run(module):
+                out = main_tensor(module(*args, **kwargs))
         finally:
             if sync:
                 torch.cuda.synchronize(main.device)
@@ -373,14 +377,16 @@ def apply(
     time_recompute: bool = True,
 ) -> RematHandle:
     """Install ``plan`` on ``model`` and return the handle (``set_plan``, ``remove``, ``stats``); Note [4]."""
-    if applied_handle(model) is not None:
-        raise RuntimeError("remat is already applied to this model; call handle.set_plan(plan) to change it")
+    applied.refuse_overlap(model)
+    refuse_hf_checkpointing(model)
     chain = resolve_blocks(model, blocks)
     handle = RematHandle(model, chain, plan, time_recompute=time_recompute)
+    handle._hooks += training_forward_guards(model, wrap=applied.CopyRefusingHook)
+    applied.register(model, handle)
     model._remat_handle = handle  # type: ignore[assignment]
     return handle
 
 
 def applied_handle(model: nn.Module) -> RematHandle | None:
     """The handle of the plan applied to ``model`` with :func:`apply` (until ``remove``), or ``None``."""
-    return getattr(model, "_remat_handle", None)
+    return applied.owner_of(model)

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..chain import several_chains_error
 from ..checkpointing import PolicyLike, checkpoint_fn
 from ..costs import CostTable
 from ..simulator import Plan
@@ -66,8 +67,8 @@ def _layer_class() -> type:
 def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's ``GradientCheckpointingLayer`` modules in module order, as ``(fqn, module)`` (outermost only).
 
-    Encoder-decoder models list the encoder's layers, then the decoder's; pass ``blocks=`` to :func:`enable` to
-    choose a different chain.
+    The layers must form one chain (one layer list): an encoder-decoder or a model with several towers raises,
+    naming its chains; pass one of :func:`remat.find_chains` as ``blocks=`` to :func:`enable`.
     """
     layer_class = _layer_class()
     found: list[tuple[str, nn.Module]] = []
@@ -79,6 +80,11 @@ def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             f"{type(model).__name__} has no GradientCheckpointingLayer, so remat cannot find its layers; pass "
             "blocks=[...] (module names) to enable(), or use remat.apply(model, plan, blocks=...) directly"
         )
+    by_container: dict[str, list[tuple[str, nn.Module]]] = {}
+    for fqn, module in found:
+        by_container.setdefault(fqn.rsplit(".", 1)[0] if "." in fqn else "", []).append((fqn, module))
+    if len(by_container) > 1:
+        raise several_chains_error(model, list(by_container.values()))
     return found
 
 

@@ -1,0 +1,79 @@
+"""Which modules carry a live remat plan, and what copying them does.
+
+* One plan per module tree: ``remat.apply`` on a model that already has a plan, on a module inside such a
+  model, or on a model holding one that has, would hook some blocks twice (each recomputing, or one
+  recomputing the other's hooks). :func:`refuse_overlap` refuses it, naming the model that has the plan.
+* Copies: the hooks remat installs belong to one live handle (they recompute *its* blocks with *its* saved
+  inputs). A ``copy.deepcopy`` would share them with the original, and ``pickle``/``torch.save`` cannot store
+  them. Every hook is wrapped in :class:`CopyRefusingHook`, so that copying or pickling a hooked module fails
+  with one message saying to call ``remove()`` first. ``model.state_dict()`` works at any time.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+COPY_MESSAGE = (
+    "cannot copy or pickle a module while a remat plan is applied to it: its hooks belong to the live handle. "
+    "Call handle.remove() (session.remove() for an integration) first, copy or save the model, then apply the "
+    "plan again; model.state_dict() can be saved at any time."
+)
+
+
+class CopyRefusingHook:
+    """A module hook that refuses ``copy.deepcopy`` and pickling with :data:`COPY_MESSAGE`."""
+
+    __slots__ = ("hook", "__weakref__")
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hook(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError(COPY_MESSAGE)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(COPY_MESSAGE)
+
+
+_LIVE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def register(model: nn.Module, owner: Any) -> None:
+    """Note that ``owner`` (a handle) has a plan on ``model``."""
+    _LIVE[model] = owner
+
+
+def unregister(model: nn.Module, owner: Any) -> None:
+    if _LIVE.get(model) is owner:
+        del _LIVE[model]
+
+
+def owner_of(model: nn.Module) -> Any:
+    """The handle with a plan on ``model`` itself, or ``None``."""
+    return _LIVE.get(model)
+
+
+def refuse_overlap(model: nn.Module) -> None:
+    """Raise when ``model``, a module inside it, or a model containing it already has a plan applied."""
+    if model in _LIVE:
+        raise RuntimeError("remat is already applied to this model; call handle.set_plan(plan) to change it")
+    inside = {id(m) for m in model.modules()}
+    for other in list(_LIVE.keys()):
+        if id(other) in inside:
+            relation = f"its submodule {type(other).__name__}"
+        elif any(m is model for m in other.modules()):
+            relation = f"the {type(other).__name__} that contains it"
+        else:
+            continue
+        raise RuntimeError(
+            f"remat is already applied to {relation}: a second plan would hook the same blocks twice. Use one "
+            "plan for the whole model (handle.set_plan(plan) changes it), or call handle.remove() on the other "
+            "one first."
+        )

@@ -1,0 +1,93 @@
+"""Keeping a model's state as a plain step leaves it when remat runs a block more often than the step does.
+
+The profiler runs each block several times on its own, and a recomputation runs a block again in backward. A
+plain step runs it once. Whatever such an extra run would change must be put back:
+
+* **buffers**: a BatchNorm in training mode updates its running statistics (and ``num_batches_tracked``) on every
+  forward; torch's own checkpointing lets a recomputation update them a second time. :func:`buffers_kept`
+  copies a module's persistent buffers (the ones in its ``state_dict``: model state, not constants or caches)
+  and puts back the values of those an extra run changed. Unchanged buffers are left alone, so a buffer that
+  an autograd graph saved (BatchNorm saves its running statistics) is not bumped to a new version.
+* **collected outputs**: Hugging Face collects ``output_hidden_states``, attentions and router logits with hooks
+  on the layers while the model's forward runs; an isolated run inside that forward must not add to them
+  (:func:`remat.hf_guards.outputs_not_collected`).
+
+:func:`extra_run` applies both around a block run that the step itself does not make, and
+:func:`detached_from_step` cuts an isolated run's arguments from the step's autograd graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
+
+from .hf_guards import outputs_not_collected
+
+
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers of ``module`` and its submodules that its ``state_dict`` holds, by name."""
+    found = []
+    for name, sub in module.named_modules():
+        prefix = f"{name}." if name else ""
+        for buffer_name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and buffer_name not in sub._non_persistent_buffers_set:
+                found.append((prefix + buffer_name, buffer))
+    return found
+
+
+class BufferSnapshot:
+    """Copies of a module's persistent buffers; :meth:`restore` writes back the values that changed since.
+
+    Both run outside every dispatch mode: inside a recomputation a selective-checkpoint mode counts the
+    operators the block runs, and the copies are not the block's.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        with torch.no_grad(), _disable_current_modes():
+            self.saved = [(buffer, buffer.detach().clone()) for _, buffer in persistent_buffers(module)]
+
+    def restore(self) -> int:
+        """Put back every buffer whose value changed; returns how many were."""
+        restored = 0
+        with torch.no_grad(), _disable_current_modes():
+            for buffer, copy in self.saved:
+                if not torch.equal(buffer, copy):
+                    buffer.copy_(copy)
+                    restored += 1
+        return restored
+
+
+@contextmanager
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Within this context ``module``'s persistent buffers may change; on exit they are as they were."""
+    snapshot = BufferSnapshot(module)
+    try:
+        yield
+    finally:
+        snapshot.restore()
+
+
+@contextmanager
+def extra_run(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` in here when the step would not: its buffers are restored and its outputs not collected."""
+    with buffers_kept(module), outputs_not_collected():
+        yield
+
+
+def detached_from_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A block's arguments for a run on its own: every tensor that is part of the step's autograd graph (T5's
+    position bias from the first layer, a decoder's encoder states) becomes a detached leaf that still requires
+    grad, so the run's backward computes the same gradients without reaching into the step's graph."""
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.requires_grad and not isinstance(value, nn.Parameter):
+            return value.detach().requires_grad_(True)
+        return value
+
+    return tree_map(cut, args), tree_map(cut, kwargs)
