@@ -1,0 +1,216 @@
+"""remat next to what a user would otherwise run at the same byte budget: one command, one table.
+
+At fractions of the no-checkpoint activation memory (default 25%, 50%, 75%), on a GPT-2 and a Llama built
+from their Hugging Face configs with random weights, in fp32 and under bf16 autocast, the contenders are:
+no checkpointing (twice: an A/A pair), hand-written ``torch.utils.checkpoint`` on the first k blocks, the same
+with torch's selective checkpointing and a matmul-saving policy, ``torch.compile`` with and without
+``activation_memory_budget``, remat's static strategies, ``optimal``, PGAC and DTR, remat's optimal plan on
+compiled blocks, and the PyPI planner ``ckptplan`` where it installs and runs. What each measures and how:
+``peers_child.py`` (one process per model and precision) and ``peers_table.py`` (the table).
+
+    python benchmarks/peers.py                      # the full table (about 10 minutes on a 2-core CPU)
+    python benchmarks/peers.py --quick              # one model, fp32, 50%: a check in 1-2 minutes
+    python benchmarks/peers.py --out peers.jsonl --resume   # go on with an interrupted run
+    python benchmarks/peers.py --markdown docs/results/peers-cpu.md
+
+Records are appended to ``--out`` (JSON lines) as they arrive; ``--resume`` keeps the models and precisions
+already finished there and runs the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers_ckptplan  # noqa: E402
+import peers_models as pm  # noqa: E402
+import peers_table  # noqa: E402
+
+from remat.bench.childproc import child_env, parse  # noqa: E402
+from remat.bench.procmem import CHILD_ENV  # noqa: E402
+
+CHILD = Path(__file__).resolve().parent / "peers_child.py"
+# Options that must match for --resume to continue a file.
+SAME_FOR_RESUME = ("size", "budgets", "rounds", "warmup", "threads", "backend", "seed")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2, llama")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16 (autocast)")
+    parser.add_argument("--budgets", default="0.25,0.5,0.75", help="fractions of the no-checkpoint activations")
+    parser.add_argument("--rounds", type=int, default=5, help="timing rounds over all contenders")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before measuring each contender")
+    parser.add_argument("--size", default="default", choices=sorted(pm.SIZES))
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled contenders")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (1: steadiest on a shared CPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="gpt2, fp32, budget 0.5, 3 rounds")
+    parser.add_argument("--out", default="results/peers/peers.jsonl", help="JSON lines, written as it goes")
+    parser.add_argument("--resume", action="store_true", help="keep the finished units of --out, run the rest")
+    parser.add_argument("--markdown", default=None, help="also write the table with the command and machine here")
+    parser.add_argument("--ckptplan-path", default=peers_ckptplan.DEFAULT_PATH,
+                        help="folder holding ckptplan (pip install --target FOLDER ckptplan)")
+    parser.add_argument("--unit-timeout", type=float, default=1800, help="seconds one model and precision may take")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.dtypes, args.budgets, args.rounds = "gpt2", "fp32", "0.5", 3
+    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.dtype_list = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    args.budget_list = [float(b) for b in args.budgets.split(",") if b.strip()]
+    for model in args.model_list:
+        for dtype in args.dtype_list:
+            pm.check_setting(pm.ModelSetting(model, dtype, args.size))
+    bad = [b for b in args.budget_list if not 0.0 < b < 1.0]
+    if bad or not args.budget_list:
+        parser.error(f"--budgets takes fractions strictly between 0 and 1, got {args.budgets!r}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "load_average_1min": load}
+
+
+def options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"size": args.size, "budgets": args.budget_list, "rounds": args.rounds, "warmup": args.warmup,
+            "threads": args.threads, "backend": args.backend, "seed": args.seed}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut off by an interruption
+    return records
+
+
+def resume_records(path: Path, opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """The records of the units finished in ``path``; raises if it was written with other options."""
+    records = read_records(path)
+    header = next((r for r in records if r.get("record") == "run"), None)
+    if header is not None:
+        old = {k: header["options"].get(k) for k in SAME_FOR_RESUME}
+        new = {k: opts[k] for k in SAME_FOR_RESUME}
+        if old != new:
+            raise SystemExit(f"{path} was written with {old}, not {new}: resume with the same options, "
+                             "or give another --out")
+    done = {(r["model"], r["dtype"]) for r in records if r.get("record") == "unit_done"}
+    return [r for r in records if r.get("record") == "run" or (r.get("model"), r.get("dtype")) in done]
+
+
+def run_unit(job: dict[str, Any], out: Any, timeout: float) -> list[dict[str, Any]]:
+    """One model and precision in a child process; its records are written to ``out`` as they come."""
+    env = child_env(**CHILD_ENV)
+    proc = subprocess.Popen([sys.executable, str(CHILD), json.dumps(job)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    records: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        record = parse(line)
+        if record is None:
+            continue
+        records.append(record)
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+        if record.get("record") == "memory":
+            print(f"  {job['model']}/{job['dtype']} memory: {record['key']}", file=sys.stderr, flush=True)
+        if time.monotonic() > deadline:
+            proc.kill()
+            break
+    try:
+        stderr = proc.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stderr = proc.communicate()[1]
+    if not any(r.get("record") == "unit_done" for r in records):
+        tail = " | ".join((stderr or "").strip().splitlines()[-8:])
+        failed = {"record": "unit_failed", "model": job["model"], "dtype": job["dtype"],
+                  "error": f"the child exited with code {proc.returncode}: {tail}"}
+        records.append(failed)
+        out.write(json.dumps(failed) + "\n")
+        out.flush()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    opts = options(args)
+    kept = resume_records(out_path, opts) if args.resume else []
+    started = time.time()
+    command = "python benchmarks/peers.py" + (" " + shlex.join(sys.argv[1:]) if argv is None else "")
+    header = next((r for r in kept if r.get("record") == "run"), None) or {
+        "record": "run", "command": command, "options": opts, "machine": machine(), "started": started}
+    done = {(r["model"], r["dtype"]) for r in kept if r.get("record") == "unit_done"}
+    with out_path.open("w") as out:
+        for record in [header, *[r for r in kept if r.get("record") != "run"]]:
+            out.write(json.dumps(record) + "\n")
+        out.flush()
+        for model in args.model_list:
+            for dtype in args.dtype_list:
+                if (model, dtype) in done:
+                    print(f"{model}/{dtype}: kept from {out_path}", file=sys.stderr)
+                    continue
+                print(f"{model}/{dtype}: running", file=sys.stderr, flush=True)
+                job = {"model": model, "dtype": dtype, **opts, "ckptplan_path": args.ckptplan_path}
+                t0 = time.perf_counter()
+                kept.extend(run_unit(job, out, args.unit_timeout))
+                print(f"{model}/{dtype}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    records = [header, *[r for r in kept if r.get("record") != "run"]]
+    wanted = {(m, d) for m in args.model_list for d in args.dtype_list}
+    records = [r for r in records if r.get("record") == "run" or (r.get("model"), r.get("dtype")) in wanted]
+    body = peers_table.render(records)
+    print(body)
+    if args.markdown:
+        write_markdown(Path(args.markdown), header, body, time.time() - started)
+    return 0
+
+
+def write_markdown(path: Path, header: dict[str, Any], body: str, wall_s: float) -> None:
+    m, o = header["machine"], header["options"]
+    intro = [
+        "# remat next to its peers (CPU)",
+        "",
+        f"Command: `{header['command']}`  ",
+        f"Machine: {m['cpu']}, {m['cores']} cores (shared; 1-minute load average {m['load_average_1min']:.1f} at "
+        f"the start), torch {m['torch']}, Python {m['python']}; {o['threads']} intra-op thread(s), compile backend "
+        f"`{o['backend']}`, {o['rounds']} timing rounds, models of size `{o['size']}` "
+        f"({pm.SIZES[o['size']]}).  ",
+        f"Wall time of this invocation: {wall_s / 60:.1f} min.",
+        "",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(intro) + body + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""One (model, precision) of the peers benchmark, run in a process of its own: memory, gradients, timings.
+
+``python benchmarks/peers_child.py JOB_JSON`` prints one ``REMAT {json}`` line per record (the protocol of
+:mod:`remat.bench.childproc`). The parent starts it with the whole-process meter's allocator settings
+(``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``: freed tensors go back to the system), so:
+
+1. ``remat.profile`` of the model (eager, before anything is compiled), then every contender is built.
+2. Memory: per contender, warm-up steps (compilation included), then one step under the whole-process meter
+   (:class:`remat.bench.procmem.ProcessPeakMeter`: growth of the resident high-water mark) and, for eager
+   contenders, one under the live-tensor tracker (``remat.measure``). Parameter gradients exist before the
+   measured step (zeroed in place), so both meters see the same transient memory: activations and gradients
+   in flight. The hand-written contenders are measured at every ``k`` first; each budget gets the smallest
+   ``k`` whose peak fits.
+3. Gradients: the measured step runs from the same seed for everyone; its gradients are compared with those
+   of the contender's reference (bitwise, and the largest absolute difference).
+4. Timings: glibc is switched to the timing settings of DESIGN.md with ``mallopt`` (what
+   ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=268435456`` set at
+   start: no page faults per step), then rounds over all contenders, the order reversed every other round;
+   every step is one record. Forward and backward (and PGAC's update) are timed; no optimizer runs, so the
+   weights, and the gradients every contender must reproduce, stay the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import sys
+import time
+from typing import Any
+
+import peers_ckptplan
+import peers_contenders as pc
+import peers_models as pm
+import torch
+import torch._dynamo
+
+import remat
+from remat.bench.childproc import emit
+from remat.bench.procmem import ProcessPeakMeter, process_meter_problem
+from remat.simulator import no_checkpoint_peak
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+TIMING_ALLOCATOR = {_M_MMAP_THRESHOLD: 33554432, _M_TRIM_THRESHOLD: 17179869184, _M_TOP_PAD: 268435456}
+
+
+def use_timing_allocator() -> bool:
+    """Switch glibc's malloc to the timing settings; False where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = True
+    for param, value in TIMING_ALLOCATOR.items():
+        ok = bool(libc.mallopt(param, min(value, 2**31 - 1))) and ok
+    return ok
+
+
+class Bench:
+    """The measurements of one (model, precision), emitted as records as they are made."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.setting = pm.ModelSetting(job["model"], job["dtype"], job["size"])
+        self.base = {"model": self.setting.model, "dtype": self.setting.dtype}
+        self.batch = pm.make_batch(self.setting, seed=job["seed"])
+        self.meter_problem = process_meter_problem()
+        self.memory: dict[str, dict[str, Any]] = {}
+        self.reference_grads: dict[str, list[torch.Tensor]] = {}
+
+    def emit(self, record: str, **fields: Any) -> None:
+        emit({"record": record, **self.base, **fields})
+
+    # ----- one step
+    def step(self, c: pc.Contender, seed: int) -> tuple[float, float]:
+        """Zero the gradients, switch to ``c``, run one step from ``seed``; returns its wall-clock and CPU
+        seconds (the process's CPU time: with one intra-op thread, what the step would take on a machine of
+        its own, however busy this one is)."""
+        for p in c.model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        c.select()
+        torch.manual_seed(seed)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        with c.step_context():
+            pm.forward_backward(c.forward, self.batch, self.setting.dtype)
+        c.after_backward()
+        return time.perf_counter() - start, time.process_time() - cpu_start
+
+    def grads(self, c: pc.Contender) -> list[torch.Tensor]:
+        return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in c.model.parameters()]
+
+    # ----- memory and gradients
+    def measure(self, c: pc.Contender) -> dict[str, Any]:
+        if c.key in self.memory:
+            return self.memory[c.key]
+        seed = self.job["seed"] + 1
+        warmup = self.job["warmup"] + (1 if c.group == pc.COMPILED else 0)
+        started = time.perf_counter()
+        for i in range(warmup):
+            self.step(c, seed + 100 + i)
+        process = None
+        if self.meter_problem is None:
+            with ProcessPeakMeter() as meter:
+                self.step(c, seed)
+            process = meter.activation_bytes
+        else:
+            self.step(c, seed)
+        grads = self.grads(c)
+        tracker = None
+        if c.tracker:
+            with remat.measure() as mem:
+                self.step(c, seed)
+            tracker = mem.activation_bytes
+        result = {"key": c.key, "process_bytes": process, "tracker_bytes": tracker, **self._compare(c, grads),
+                  "info": c.info(), "setup_s": time.perf_counter() - started}
+        self.memory[c.key] = result
+        self.emit("memory", **result)
+        return result
+
+    def _compare(self, c: pc.Contender, grads: list[torch.Tensor]) -> dict[str, Any]:
+        reference = self.reference_grads.setdefault(c.grad_reference, grads)
+        bitwise = all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True))
+        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, reference, strict=True))
+        scale = max(float(b.float().abs().max()) for b in reference)
+        return {"grad_reference": c.grad_reference, "grads_bitwise": bitwise, "grad_max_abs_diff": diff,
+                "grad_max_abs": scale}
+
+    # ----- the hand-written contenders: measured at every k, the smallest fitting k per budget
+    def choose_k(self, cs: pc.ContenderSet, budgets: list[float]) -> None:
+        hand = cs.hand_written()
+        reference = self._figure(self.memory["none"])
+        for mode in ("plain", "selective"):
+            chosen: dict[float, pc.Contender] = {}
+            probe = None
+            for k in range(1, hand.n + 1):  # memory falls as k grows: stop once every budget has its k
+                probe = pc.hand_contender(hand, mode, k)
+                figure = self._figure(self.measure(probe))
+                for budget in budgets:
+                    if budget not in chosen and figure <= budget * reference:
+                        chosen[budget] = probe
+                if len(chosen) == len(budgets):
+                    break
+            for budget in budgets:
+                cs.add(chosen.get(budget, probe), budget)
+
+    def _figure(self, memory: dict[str, Any]) -> int:
+        """The figure budgets are judged by: the whole-process one, the tracker's where that cannot run."""
+        return memory["process_bytes"] if memory["process_bytes"] is not None else memory["tracker_bytes"]
+
+    # ----- timings
+    def time_rounds(self, keys: list[str], contenders: dict[str, pc.Contender]) -> None:
+        allocator = use_timing_allocator()
+        self.emit("timing_setup", allocator_switched=allocator, threads=torch.get_num_threads())
+        for key in keys:  # one warm-up step each after the allocator switch
+            self.step(contenders[key], self.job["seed"] + 7)
+        for r in range(self.job["rounds"]):
+            order = keys if r % 2 == 0 else keys[::-1]
+            for key in order:
+                wall, cpu = self.step(contenders[key], self.job["seed"] + 1000 + r)
+                self.emit("timing", key=key, round=r, seconds=wall, cpu_seconds=cpu)
+
+
+def run(job: dict[str, Any]) -> None:
+    torch.set_num_threads(job["threads"])
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    bench = Bench(job)
+    setting = bench.setting
+    budgets = [float(b) for b in job["budgets"]]
+    base = pm.build_model(setting, seed=job["seed"])
+    with pm.precision_context(setting.dtype):
+        costs = remat.profile(base, bench.batch)
+    bench.emit("unit_start", setting=setting.describe(), blocks=len(costs), budgets=budgets,
+               backend=job["backend"], threads=torch.get_num_threads(), torch=torch.__version__,
+               predicted_none_bytes=no_checkpoint_peak(costs), meter_problem=bench.meter_problem)
+    cs = pc.ContenderSet(base, pm.block_list, costs, job["backend"])
+    cs.references()
+    for key in list(cs.contenders):
+        bench.measure(cs.contenders[key])
+    bench.choose_k(cs, budgets)
+    compiled_bytes = bench.memory["compiled"]["process_bytes"]
+    for budget in budgets:
+        cs.remat_static(budget)
+        cs.remat_pgac(budget)
+        cs.remat_dtr(budget)
+        cs.compile_budget(budget)
+        cs.remat_compiled(budget, int(budget * compiled_bytes) if compiled_bytes else None)
+    for key in list(cs.contenders):
+        bench.measure(cs.contenders[key])
+    plain = pm.build_model(setting, seed=job["seed"])
+    ckptplan = peers_ckptplan.try_ckptplan(plain, pm.block_list(plain), bench.batch["input_ids"], budgets[0],
+                                           job.get("ckptplan_path"))
+    bench.emit("ckptplan", **ckptplan)
+    bench.emit("rows", rows=[r.__dict__ for r in cs.rows], refused=[r.__dict__ for r in cs.refused],
+               contenders={k: {"name": c.name, "group": c.group, "exact": c.exact, "detail": c.detail,
+                               "note": c.note, "grad_reference": c.grad_reference}
+                           for k, c in cs.contenders.items()})
+    bench.time_rounds(list(cs.contenders), cs.contenders)
+    bench.emit("unit_done")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python benchmarks/peers_child.py JOB_JSON (started by benchmarks/peers.py)", file=sys.stderr)
+        return 2
+    with contextlib.suppress(BrokenPipeError):
+        run(json.loads(args[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,289 @@
+"""The contenders of the peers benchmark: what a user would run at a byte budget, and remat's answers.
+
+A :class:`Contender` is one way of running the same training step on its own copy of the model (same
+weights): the forward it calls, what to switch before a step (outside the timed region), the context around
+forward and backward, and what follows the backward inside the timed region (PGAC's update). Contenders
+that produce the same computation at several budgets (``remat full`` is one plan whatever the budget) are
+built once and share one key; a :class:`Row` puts a contender at a budget in the table.
+
+Peers, written as a user writes them:
+
+* no checkpointing, twice (an A/A pair: the noise floor of the timings);
+* ``torch.utils.checkpoint`` around the forward of the first ``k`` of ``n`` blocks (:class:`HandCheckpointed`),
+  plain or selective with ``create_selective_checkpoint_contexts`` and a policy that saves matmul and
+  attention outputs; ``k`` is chosen later, by measurement, as the smallest that fits;
+* ``torch.compile`` of the whole model, without and with ``torch._functorch.config.activation_memory_budget``.
+
+remat, through its public API: ``remat.profile`` once, then ``remat.plan`` + ``remat.apply`` for the static
+strategies and ``optimal``, ``remat.PGAC`` and ``remat.DTR`` at the budget, and the same plans on compiled
+blocks (``remat.integrations.compile.compile_blocks``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import remat
+from remat.bench.strategies import uniform_plan
+from remat.integrations.compile import compile_blocks
+from remat.simulator import no_checkpoint_peak
+
+EAGER = "eager"
+COMPILED = "compiled"
+
+aten = torch.ops.aten
+# What a user's "save the matmuls" policy names: matrix products and the attention kernels.
+MATMUL_OPS = frozenset(
+    op
+    for op in (
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+        getattr(aten, "_scaled_dot_product_efficient_attention", None),
+        getattr(aten, "_scaled_dot_product_flash_attention", None),
+    )
+    if op is not None
+)
+
+
+def _overloads(ops: frozenset[Any]) -> frozenset[Any]:
+    """Packets (``aten._scaled_dot_product_flash_attention_for_cpu``) become their ``.default`` overload."""
+    return frozenset(getattr(op, "default", op) for op in ops)
+
+
+SAVED_OPS = _overloads(MATMUL_OPS)
+
+
+def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """A selective-checkpointing policy: keep the outputs of matmuls and attention, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def matmul_saving_contexts() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(save_matmuls)
+
+
+@dataclass
+class Contender:
+    """One way of running the training step. ``group`` names its reference: eager or compiled no checkpointing."""
+
+    key: str
+    name: str
+    group: str
+    model: nn.Module
+    forward: Callable[..., Any]
+    grad_reference: str
+    exact: bool = True
+    tracker: bool = True
+    detail: str = ""
+    note: str = ""
+    select: Callable[[], None] = lambda: None
+    step_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    after_backward: Callable[[], None] = lambda: None
+    info: Callable[[], dict[str, Any]] = field(default=lambda: {})
+
+
+@dataclass(frozen=True)
+class Row:
+    """A contender at a budget (``budget`` None: a reference row, the same at every budget)."""
+
+    budget: float | None
+    key: str
+    name: str
+    group: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A contender that could not be set up at a budget, and why."""
+
+    budget: float
+    name: str
+    group: str
+    reason: str
+
+
+# -------------------------------------------------------------------------------------------- hand-written
+
+
+class HandCheckpointed:
+    """What a user writes: each block's forward wrapped so that the first ``k`` blocks run under
+    ``torch.utils.checkpoint`` (non-reentrant; ``selective`` adds the matmul-saving policy)."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        self.model = model
+        self.n = len(blocks)
+        self.mode, self.k = "plain", 0
+        for i, block in enumerate(blocks):
+            block.forward = functools.partial(self._forward, i, block.forward)
+
+    def _forward(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if index >= self.k or not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        if self.mode == "selective":
+            return checkpoint(original, *args, use_reentrant=False, context_fn=matmul_saving_contexts, **kwargs)
+        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    def use(self, mode: str, k: int) -> None:
+        self.mode, self.k = mode, k
+
+
+HAND_NAMES = {"plain": "torch checkpoint, first k blocks", "selective": "torch selective (matmuls saved), first k"}
+
+
+def hand_contender(hand: HandCheckpointed, mode: str, k: int) -> Contender:
+    return Contender(
+        key=f"hand-{mode}-k{k}", name=HAND_NAMES[mode], group=EAGER, model=hand.model, forward=hand.model,
+        grad_reference="none", detail=f"k={k}/{hand.n}", select=lambda: hand.use(mode, k),
+    )
+
+
+# --------------------------------------------------------------------------------------------- the factory
+
+
+def _short_actions(plan: remat.Plan) -> str:
+    """``keep,checkpoint,segment:0,...`` as ``KCG..``: K keep, C checkpoint, S selective, G segment, N nested,
+    O offload."""
+    codes = {"keep": "K", "checkpoint": "C", "offload": "O"}
+    out = []
+    for action in plan.actions.values():
+        prefix = action.split(":", 1)[0]
+        out.append(codes.get(action) or {"selective": "S", "segment": "G", "nested": "N"}.get(prefix, "?"))
+    return "".join(out)
+
+
+class ContenderSet:
+    """Builds every contender of one (model, precision) from one base model and its remat CostTable."""
+
+    def __init__(self, base: nn.Module, blocks_of: Callable[[nn.Module], list[nn.Module]], costs: remat.CostTable,
+                 backend: str) -> None:
+        self.base, self.blocks_of, self.costs, self.backend = base, blocks_of, costs, backend
+        self.contenders: dict[str, Contender] = {}
+        self.rows: list[Row] = []
+        self.refused: list[Refused] = []
+        self._remat_eager: Any = None
+        self._remat_compiled: Any = None
+        self._dtr_model: nn.Module | None = None
+
+    def copy(self) -> nn.Module:
+        return copy.deepcopy(self.base)
+
+    def add(self, contender: Contender, budget: float | None) -> Contender:
+        known = self.contenders.setdefault(contender.key, contender)
+        self.rows.append(Row(budget, known.key, known.name, known.group))
+        return known
+
+    # ----- references
+    def references(self) -> None:
+        for key, name in (("none", "no checkpointing"), ("none-aa", "no checkpointing (A/A)")):
+            model = self.copy()
+            self.add(Contender(key, name, EAGER, model, model, grad_reference="none"), None)
+        model = self.copy()
+        compiled = torch.compile(model, backend=self.backend)
+        self.add(Contender("compiled", "torch.compile", COMPILED, model, compiled, grad_reference="compiled",
+                           tracker=False), None)
+        handle = remat.apply(model := self.copy(), remat.plan(self.costs, "none"))
+        compile_blocks(model, backend=self.backend)
+        self._remat_compiled = handle
+        keep = handle.plan
+        self.add(Contender("compiled-blocks", "remat: compiled blocks, keep all", COMPILED, model, model,
+                           grad_reference="compiled-blocks", tracker=False, select=lambda: handle.set_plan(keep)),
+                 None)
+
+    def hand_written(self) -> HandCheckpointed:
+        model = self.copy()
+        return HandCheckpointed(model, self.blocks_of(model))
+
+    # ----- remat, eager
+    def _static(self, name: str, plan: remat.Plan, budget: float) -> None:
+        if self._remat_eager is None:
+            self._remat_eager = remat.apply(self.copy(), remat.plan(self.costs, "none"))
+        handle = self._remat_eager
+        self.add(Contender(f"remat-{_short_actions(plan)}", name, EAGER, handle.model, handle.model,
+                           grad_reference="none", detail=_short_actions(plan),
+                           select=lambda: handle.set_plan(plan)), budget)
+
+    def remat_static(self, budget: float) -> None:
+        budget_bytes = int(budget * no_checkpoint_peak(self.costs))
+        for strategy in ("full", "sqrt", "memory_poor"):
+            self._static(f"remat {strategy}", remat.plan(self.costs, strategy, budget, strict=False), budget)
+        self._static("remat every_k (k fitted)", uniform_plan(self.costs, budget_bytes), budget)
+        try:
+            plan = remat.plan(self.costs, "optimal", budget)
+        except remat.BudgetError as err:
+            self.refused.append(Refused(budget, "remat optimal", EAGER, str(err)))
+            return
+        self._static("remat optimal", plan, budget)
+
+    def remat_pgac(self, budget: float) -> None:
+        model = self.copy()
+        try:
+            pgac = remat.PGAC(model, budget, costs=self.costs)
+        except remat.BudgetError as err:
+            self.refused.append(Refused(budget, "remat PGAC", EAGER, str(err)))
+            return
+        self.add(Contender(f"pgac-{budget:g}", "remat PGAC", EAGER, model, model, grad_reference="none",
+                           after_backward=pgac.step, info=lambda: {"plan": _short_actions(pgac.plan)}), budget)
+
+    def remat_dtr(self, budget: float) -> None:
+        if self._dtr_model is None:
+            self._dtr_model = self.copy()
+        model = self._dtr_model
+        dtr = remat.DTR(model, budget)
+        self.add(Contender(f"dtr-{budget:g}", "remat DTR", EAGER, model, model, grad_reference="none",
+                           step_context=lambda: dtr, info=lambda: _dtr_info(dtr)), budget)
+
+    # ----- compiled
+    def compile_budget(self, budget: float) -> None:
+        model = self.copy()
+        compiled = torch.compile(model, backend=budget_backend(self.backend, budget))
+        self.add(Contender(
+            f"compiled-budget-{budget:g}", "torch.compile + activation_memory_budget", COMPILED, model, compiled,
+            grad_reference="compiled", tracker=False, exact=False, detail=f"budget={budget:g}",
+            note="the partitioner's recomputation changes the compiled kernels, so rounding may differ"), budget)
+
+    def remat_compiled(self, budget: float, budget_bytes: int | None) -> None:
+        """remat's optimal plan on the compiled blocks, planned from the eager CostTable at ``budget_bytes``
+        (the budget's share of the compiled model's own peak) or, without it, at the fraction ``budget``."""
+        try:
+            plan = remat.plan(self.costs, "optimal", budget_bytes or budget)
+        except remat.BudgetError as err:
+            self.refused.append(Refused(budget, "remat optimal on compiled blocks", COMPILED, str(err)))
+            return
+        handle = self._remat_compiled
+        self.add(Contender(f"compiled-blocks-{_short_actions(plan)}", "remat optimal on compiled blocks", COMPILED,
+                           handle.model, handle.model, grad_reference="compiled-blocks", tracker=False,
+                           detail=_short_actions(plan), select=lambda: handle.set_plan(plan)), budget)
+
+
+def budget_backend(name: str, budget: float) -> Callable[..., Any]:
+    """The compiler ``name`` called with ``torch._functorch.config.activation_memory_budget = budget``, as a
+    backend of its own: dynamo keeps compiled graphs per backend, and two models of one class would otherwise
+    share the graph compiled first, whatever the budget was then."""
+    import torch._functorch.config as functorch_config
+    from torch._dynamo import lookup_backend
+
+    compiler = lookup_backend(name)
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compiler(graph, example_inputs)
+
+    return backend
+
+
+def _dtr_info(dtr: Any) -> dict[str, Any]:
+    last = dtr.stats.last_step
+    return {"evictions": last.evictions, "rematerializations": last.rematerializations,
+            "budget_bytes": dtr.budget_bytes}

@@ -1,0 +1,241 @@
+"""The peers benchmark's records turned into its table, and the summary of where remat's optimal plan stands.
+
+Memory: each contender's peak over its reference's, by the whole-process meter (every contender) and by the
+live-tensor tracker (eager ones); the reference is eager no checkpointing for eager contenders and the whole
+model under ``torch.compile`` without a budget for compiled ones. A contender fits a budget when its
+whole-process ratio is at most the budget. Step time: in every round, the contender's step over its
+reference's step of the same round; the table gives the median over rounds and their range.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+REFERENCE = {"eager": "none", "compiled": "compiled"}
+EAGER_PEERS = ("torch checkpoint, first k blocks", "torch selective (matmuls saved), first k")
+COMPILED_PEER = "torch.compile + activation_memory_budget"
+
+
+@dataclass
+class Unit:
+    """Every record of one (model, precision)."""
+
+    model: str
+    dtype: str
+    start: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, dict[str, Any]] = field(default_factory=dict)
+    times: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))  # CPU seconds
+    wall: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
+    rows: dict[str, Any] = field(default_factory=dict)
+    ckptplan: dict[str, Any] = field(default_factory=dict)
+    done: bool = False
+    failed: str | None = None
+
+
+def group_units(records: list[dict[str, Any]]) -> list[Unit]:
+    units: dict[tuple[str, str], Unit] = {}
+    for r in records:
+        if "model" not in r or "dtype" not in r:
+            continue
+        unit = units.setdefault((r["model"], r["dtype"]), Unit(r["model"], r["dtype"]))
+        kind = r.get("record")
+        if kind == "unit_start":
+            unit.start = r
+        elif kind == "memory":
+            unit.memory[r["key"]] = r
+        elif kind == "timing":
+            unit.times[r["key"]][r["round"]] = r.get("cpu_seconds", r["seconds"])
+            unit.wall[r["key"]][r["round"]] = r["seconds"]
+        elif kind == "rows":
+            unit.rows = r
+        elif kind == "ckptplan":
+            unit.ckptplan = r
+        elif kind == "unit_done":
+            unit.done = True
+        elif kind == "unit_failed":
+            unit.failed = r.get("error", "failed")
+    return list(units.values())
+
+
+def paired_ratios(unit: Unit, key: str, reference: str, wall: bool = False) -> list[float]:
+    """``key``'s step over ``reference``'s step, round by round (CPU seconds, or wall-clock ones)."""
+    times = unit.wall if wall else unit.times
+    a, b = times.get(key, {}), times.get(reference, {})
+    return [a[r] / b[r] for r in sorted(a) if r in b and b[r] > 0]
+
+
+def _ratio(value: Any, reference: Any) -> float | None:
+    if value is None or not reference:
+        return None
+    return value / reference
+
+
+@dataclass
+class Line:
+    """One line of the table."""
+
+    model: str
+    dtype: str
+    budget: float | None
+    name: str
+    group: str
+    key: str
+    detail: str = ""
+    process_ratio: float | None = None
+    tracker_ratio: float | None = None
+    fits: bool | None = None
+    step_median: float | None = None
+    step_low: float | None = None
+    step_high: float | None = None
+    step_ms: float | None = None
+    wall_median: float | None = None
+    grads: str = ""
+    note: str = ""
+
+
+def _grads_text(memory: dict[str, Any], exact: bool) -> str:
+    if memory.get("grads_bitwise"):
+        return "bitwise"
+    diff, scale = memory.get("grad_max_abs_diff"), memory.get("grad_max_abs") or 1.0
+    text = f"max abs diff {diff:.1e} ({diff / scale:.0e} of max)" if diff is not None else "not compared"
+    return text + ("; NOT EQUAL (exact strategy)" if exact else "")
+
+
+def unit_lines(unit: Unit) -> list[Line]:
+    contenders = unit.rows.get("contenders", {})
+    lines: list[Line] = []
+    for row in unit.rows.get("rows", []):
+        key, group, budget = row["key"], row["group"], row["budget"]
+        info = contenders.get(key, {})
+        mem = unit.memory.get(key, {})
+        ref_key = REFERENCE[group]
+        ref = unit.memory.get(ref_key, {})
+        ratios = paired_ratios(unit, key, ref_key)
+        wall = paired_ratios(unit, key, ref_key, wall=True)
+        process_ratio = _ratio(mem.get("process_bytes"), ref.get("process_bytes"))
+        own = unit.times.get(key, {})
+        detail = info.get("detail", "")
+        extra = mem.get("info") or {}
+        if "plan" in extra:
+            detail = f"plan after step: {extra['plan']}"
+        if "evictions" in extra:
+            detail = f"{extra['evictions']} evictions, {extra['rematerializations']} recomputed"
+        lines.append(Line(
+            model=unit.model, dtype=unit.dtype, budget=budget, name=row["name"], group=group, key=key, detail=detail,
+            process_ratio=process_ratio,
+            tracker_ratio=_ratio(mem.get("tracker_bytes"), unit.memory.get("none", {}).get("tracker_bytes"))
+            if group == "eager" else None,
+            fits=(process_ratio <= budget) if budget is not None and process_ratio is not None else None,
+            step_median=statistics.median(ratios) if ratios else None,
+            step_low=min(ratios) if ratios else None, step_high=max(ratios) if ratios else None,
+            step_ms=statistics.median(own.values()) * 1e3 if own else None,
+            wall_median=statistics.median(wall) if wall else None,
+            grads=_grads_text(mem, info.get("exact", True)) if mem else "", note=info.get("note", ""),
+        ))
+    for refused in unit.rows.get("refused", []):
+        lines.append(Line(unit.model, unit.dtype, refused["budget"], refused["name"], refused["group"], "",
+                          note=f"refused: {refused['reason']}"))
+    if unit.ckptplan:
+        lines.append(Line(unit.model, unit.dtype, None, "ckptplan (PyPI)", "eager", "",
+                          note=unit.ckptplan.get("reason", "")))
+    order = {None: -1.0}
+    lines.sort(key=lambda line: order.get(line.budget, line.budget))  # stable: references first
+    return lines
+
+
+def _num(value: float | None, fmt: str = "{:.2f}") -> str:
+    return fmt.format(value) if value is not None else "—"
+
+
+def _step(line: Line) -> str:
+    if line.step_median is None:
+        return "—"
+    return f"{line.step_median:.2f} [{line.step_low:.2f}–{line.step_high:.2f}]"
+
+
+def markdown_table(lines: list[Line]) -> str:
+    head = ("| model | dtype | budget | contender | detail | peak/ref (process) | peak/ref (tracker) | fits | "
+            "step/ref CPU median [range] | step ms CPU | step/ref wall | gradients |")
+    out = [head, "|" + "---|" * 12]
+    for x in lines:
+        budget = f"{x.budget:.0%}" if x.budget is not None else "ref"
+        fits = {True: "yes", False: "no", None: "—"}[x.fits]
+        grads = x.grads or x.note
+        out.append(f"| {x.model} | {x.dtype} | {budget} | {x.name} | {x.detail} | {_num(x.process_ratio)} | "
+                   f"{_num(x.tracker_ratio)} | {fits} | {_step(x)} | {_num(x.step_ms, '{:.1f}')} | "
+                   f"{_num(x.wall_median)} | {grads} |")
+    return "\n".join(out)
+
+
+@dataclass
+class Standing:
+    """At one budget: the fastest fitting peer against remat's optimal plan (eager, then compiled)."""
+
+    model: str
+    dtype: str
+    budget: float
+    group: str
+    peer: str
+    peer_step: float | None
+    remat_fits: bool | None
+    remat_step: float | None
+    remat_over_peer: float | None
+
+
+def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
+    out = []
+    budgets = sorted({x.budget for x in lines if x.budget is not None})
+    for budget in budgets:
+        at = [x for x in lines if x.budget == budget and x.key]
+        for group, peers, mine in (("eager", EAGER_PEERS, "remat optimal"),
+                                   ("compiled", (COMPILED_PEER,), "remat optimal on compiled blocks")):
+            fitting = [x for x in at if x.name in peers and x.fits and x.step_median is not None]
+            peer = min(fitting, key=lambda x: x.step_median) if fitting else None
+            remat = next((x for x in at if x.name == mine), None)
+            paired = None
+            if peer is not None and remat is not None:
+                ratios = paired_ratios(unit, remat.key, peer.key)
+                paired = statistics.median(ratios) if ratios else None
+            out.append(Standing(unit.model, unit.dtype, budget, group,
+                                f"{peer.name} ({peer.detail})" if peer else "none fits",
+                                peer.step_median if peer else None, remat.fits if remat else None,
+                                remat.step_median if remat else None, paired))
+    return out
+
+
+def standings_table(rows: list[Standing]) -> str:
+    out = ["| model | dtype | budget | group | fastest fitting peer | its step/ref | remat optimal fits | "
+           "remat optimal step/ref | remat optimal / peer (paired) |", "|" + "---|" * 9]
+    for s in rows:
+        fits = {True: "yes", False: "no", None: "—"}[s.remat_fits]
+        out.append(f"| {s.model} | {s.dtype} | {s.budget:.0%} | {s.group} | {s.peer} | {_num(s.peer_step)} | "
+                   f"{fits} | {_num(s.remat_step)} | {_num(s.remat_over_peer, '{:.3f}')} |")
+    return "\n".join(out)
+
+
+def noise_floor(units: list[Unit]) -> str:
+    parts = []
+    for unit in units:
+        cpu, wall = paired_ratios(unit, "none-aa", "none"), paired_ratios(unit, "none-aa", "none", wall=True)
+        if cpu:
+            parts.append(f"{unit.model}/{unit.dtype} CPU {statistics.median(cpu):.3f} [{min(cpu):.3f}–{max(cpu):.3f}], "
+                         f"wall {statistics.median(wall):.3f} [{min(wall):.3f}–{max(wall):.3f}]")
+    return "A/A (no checkpointing against itself, step/ref): " + ("; ".join(parts) if parts else "not measured")
+
+
+def render(records: list[dict[str, Any]]) -> str:
+    """The whole report body: the table, the standing of remat's optimal plan, the noise floor."""
+    units = group_units(records)
+    lines = [x for unit in units for x in unit_lines(unit)]
+    standing = [s for unit in units for s in standings(unit, unit_lines(unit))]
+    parts = [markdown_table(lines), "", standings_table(standing), "", noise_floor(units)]
+    failed = [f"{u.model}/{u.dtype}: {u.failed}" for u in units if u.failed]
+    unfinished = [f"{u.model}/{u.dtype}" for u in units if not u.done and not u.failed]
+    if failed:
+        parts.append("failed: " + "; ".join(failed))
+    if unfinished:
+        parts.append("unfinished (resume with --resume): " + ", ".join(unfinished))
+    return "\n".join(parts)
