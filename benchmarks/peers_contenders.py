@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import remat
-from remat.bench.strategies import uniform_plan
+from remat.bench.static_plans import uniform_plan
 from remat.integrations.compile import compile_blocks
 from remat.simulator import no_checkpoint_peak
 
@@ -181,7 +181,8 @@ class ContenderSet:
 
     def add(self, contender: Contender, budget: float | None) -> Contender:
         known = self.contenders.setdefault(contender.key, contender)
-        self.rows.append(Row(budget, known.key, known.name, known.group))
+        # identical plans share one measurement; each keeps the name it was asked for
+        self.rows.append(Row(budget, known.key, contender.name, known.group))
         return known
 
     # ----- references

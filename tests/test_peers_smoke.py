@@ -1,0 +1,91 @@
+"""The peers benchmark (benchmarks/peers.py) end to end on its tiniest setting: one model, fp32, one budget,
+one timing round, the quick ``aot_eager`` compiler. Every contender must reach the table, and every exact one
+must give the gradients of its no-checkpoint reference bit for bit."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+CONTENDERS = (
+    "no checkpointing",
+    "no checkpointing (A/A)",
+    "torch checkpoint, first k blocks",
+    "torch selective (matmuls saved), first k",
+    "remat full",
+    "remat sqrt",
+    "remat memory_poor",
+    "remat every_k (k fitted)",
+    "remat optimal",
+    "remat PGAC",
+    "remat DTR",
+    "torch.compile",
+    "torch.compile + activation_memory_budget",
+    "remat: compiled blocks, keep all",
+    "remat optimal on compiled blocks",
+    "ckptplan (PyPI)",
+)
+
+
+@pytest.fixture(scope="module")
+def peers():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("peers")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsys):
+    out = tmp_path / "peers.jsonl"
+    code = peers.main(
+        [
+            "--size",
+            "tiny",
+            "--models",
+            "gpt2",
+            "--dtypes",
+            "fp32",
+            "--budgets",
+            "0.5",
+            "--rounds",
+            "1",
+            "--backend",
+            "aot_eager",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    table = capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert any(r.get("record") == "unit_done" for r in records), [r for r in records if "error" in r]
+
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| gpt2 | fp32 |")]
+    names = {cells[3] for cells in rows}
+    assert set(CONTENDERS) <= names, set(CONTENDERS) - names
+    for cells in rows:
+        if cells[3] == "ckptplan (PyPI)":
+            continue
+        assert "refused" not in cells[-1], cells
+        assert cells[8] != "—", f"{cells[3]} has no step-time ratio"  # timed against its reference
+        if cells[3] not in ("torch.compile", "remat: compiled blocks, keep all") and "compile" not in cells[3]:
+            assert cells[6] != "—", f"{cells[3]} has no tracker figure"
+
+    contenders = next(r for r in records if r.get("record") == "rows")["contenders"]
+    memory = [r for r in records if r.get("record") == "memory"]
+    assert {r["key"] for r in memory} >= set(contenders)
+    for r in memory:
+        exact = contenders.get(r["key"], {"exact": True})["exact"]  # unlisted keys: hand-written probes
+        if exact:
+            assert r["grads_bitwise"], (
+                f"{r['key']}: gradients differ from {r['grad_reference']} by {r['grad_max_abs_diff']}"
+            )
