@@ -393,15 +393,7 @@ def _raise_in_block(model: MLPChain, index: int) -> torch.utils.hooks.RemovableH
     [
         "full",
         "memory_poor",
-        pytest.param(
-            "every_k",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a segment whose block raises before the segment's last block keeps its checkpoint frame "
-                "(saved-tensor hooks) open until the next forward reaches that block; tensors saved meanwhile "
-                "(the next step's stem) land in the stale frame",
-            ),
-        ),
+        "every_k",
     ],
 )
 def test_an_exception_in_a_block_leaves_the_next_step_exact(plan: str) -> None:

@@ -20,6 +20,8 @@ the hooks keep are stated once, as Note [1] to Note [6] below the imports, and c
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -84,7 +86,11 @@ from .suspension import all_suspended
 # Note [6] Teardown.
 # remove() removes every hook, forgets open regions and deletes the mark on the model, which then behaves and
 # serialises as before apply(). Regions close in the forward hook that ends them (Note [4]); the per-thread
-# counters (recomputing, suspended) are restored in finally blocks.
+# counters (recomputing, suspended) are restored in finally blocks. A forward that raises closes every region
+# still open, so no checkpoint frame (a saved-tensor hook of the thread) outlives it: a block that raises is
+# seen by its always_call forward hook (called with no output while the exception propagates), and an
+# exception in the model's own code between two blocks of a segment by an always_call forward hook on the
+# model itself.
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
 
@@ -141,6 +147,8 @@ class RematHandle:
             post_hook = applied.CopyRefusingHook(self._make_post_hook(i))
             self._hooks.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             self._hooks.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+        model_exit = applied.CopyRefusingHook(eager(self._after_model_forward))
+        self._hooks.append(model.register_forward_hook(model_exit, always_call=True))  # Note [6]
 
     # ----- plan -----
     def set_plan(self, plan: Plan) -> None:
@@ -229,6 +237,9 @@ class RematHandle:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if self._inactive():
                 return
+            if output is None and _raising():  # Note [6]
+                self._abandon_open_regions()
+                return
             unit = self._unit_of[i]
             key = unit.start if unit.kind == "segment" else i
             region = self._open.get(key)
@@ -244,6 +255,18 @@ class RematHandle:
                     observer(i, out, False)
 
         return eager(hook)
+
+    def _after_model_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._open and output is None and _raising():  # Note [6]: the model's code raised between blocks
+            self._abandon_open_regions()
+
+    def _abandon_open_regions(self) -> None:
+        """Close every open region (last opened first) of a forward that raised; its graph is never used."""
+        for key in sorted(self._open, reverse=True):
+            with contextlib.suppress(Exception):  # the forward's own exception is the one to see
+                self._close(key)
+        self._open.clear()
+        self._memory_poor = None
 
     def _close(self, key: int) -> None:
         region = self._open.pop(key)
@@ -385,6 +408,11 @@ def apply(
     applied.register(model, handle)
     model._remat_handle = handle  # type: ignore[assignment]
     return handle
+
+
+def _raising() -> bool:
+    """Whether an exception is propagating: torch calls always_call hooks with no output from its except block."""
+    return sys.exc_info()[1] is not None
 
 
 def applied_handle(model: nn.Module) -> RematHandle | None:
