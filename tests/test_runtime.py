@@ -25,7 +25,7 @@ from toy_models import (
 
 import remat
 from remat.blocks import main_tensor, without_caches
-from remat.runtime import RecomputeStats
+from remat.recompute_stats import RecomputeStats
 from remat.simulator import Plan, simulate
 from remat.suspension import suspend_all
 

@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from .blocks import BlocksArg, main_tensor, resolve_blocks
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .hf_guards import refuse_hf_checkpointing, training_forward_guards
 from .model_state import extra_run
+from .recompute_stats import RecomputeStats
 from .regions import CallRecord, OpenRegion, eager, open_checkpoint_frame, same_tensor
 from .rng import forked
 from .simulator import Plan, Unit
@@ -93,30 +93,6 @@ from .suspension import all_suspended
 # model itself.
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
-
-
-@dataclass
-class RecomputeStats:
-    """Block re-executions in backward and the seconds they took, per block FQN."""
-
-    fqns: list[str]
-    calls: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.calls = {f: 0 for f in self.fqns}
-        self.seconds = {f: 0.0 for f in self.fqns}
-
-    @property
-    def total_calls(self) -> int:
-        return sum(self.calls.values())
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(self.seconds.values())
 
 
 class RematHandle:
