@@ -147,7 +147,7 @@ class BlockProfiler:
             hook.remove()
         self._hooks.clear()
         if self._tracker is not None:
-            self._tracker.__exit__(*exc)
+            self._tracker.exit_anywhere()  # the step may be found to have ended inside a later measure()
             self._tracker.close()
 
     def _pre_hook(self, i: int, fqn: str) -> Callable[..., None]:
