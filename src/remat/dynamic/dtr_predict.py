@@ -1,7 +1,9 @@
 """What an operator is about to allocate, known before it runs, so DTR can make room first.
 
 * :class:`OutputPredictor`: the new storages an operator will create (shape, dtype, bytes), from a run on
-  the ``meta`` device, cached per argument shapes. Outputs that alias inputs are not new.
+  the ``meta`` device, cached per argument shapes. Outputs that alias inputs are not new. An operator whose
+  meta kernel fails (``_grouped_mm`` accepts only bf16 there, data-dependent shapes) is learned instead: what
+  it created the first time it ran with those argument shapes is what it is predicted to create next time.
 * :class:`LeafGradients`: which outputs of the backward pass are gradients of leaves (parameters), which
   outlive the step and so are not activation memory: every output of an ``AccumulateGrad`` node, and the
   outputs of the running node whose shape (up to size-1 dimensions) and dtype match a leaf it feeds
@@ -27,6 +29,7 @@ _VIEW_NODES = frozenset({
 class OutputPredictor:
     def __init__(self) -> None:
         self._cache: dict[Any, list[OutSpec]] = {}
+        self._unknown: Any = None  # the signature of the running operator, when the meta run could not tell
 
     def new_outputs(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> list[OutSpec]:
         returns = func._schema.returns
@@ -43,16 +46,46 @@ class OutputPredictor:
                 except TypeError:
                     sig.append(repr(x))
         key = tuple(sig)
+        self._unknown = None
         hit = self._cache.get(key)
         if hit is None:
             hit = _meta_outputs(func, args, kwargs)
-            if len(self._cache) > _CACHE_LIMIT:
-                self._cache.clear()
-            self._cache[key] = hit
+            if hit is None:
+                self._unknown = key
+                return []
+            self._store(key, hit)
         return hit
 
+    def observe(self, out: Any, leaves: list) -> None:
+        """After the operator last passed to :meth:`new_outputs` ran: if its meta run could not predict its
+        outputs, remember the new storages it created (``out``, minus storages of ``leaves``)."""
+        if self._unknown is None:
+            return
+        key, self._unknown = self._unknown, None
+        self._store(key, _new_storages(out, leaves))
 
-def _meta_outputs(func: Any, args: tuple, kwargs: dict) -> list[OutSpec]:
+    def _store(self, key: Any, specs: list[OutSpec]) -> None:
+        if len(self._cache) > _CACHE_LIMIT:
+            self._cache.clear()
+        self._cache[key] = specs
+
+
+def _new_storages(out: Any, leaves: list) -> list[OutSpec]:
+    inputs = {t.untyped_storage()._cdata for t in leaves if isinstance(t, torch.Tensor)}
+    specs, seen = [], set()
+    for o in tree_flatten(out)[0]:
+        if not isinstance(o, torch.Tensor):
+            continue
+        st = o.untyped_storage()
+        if st._cdata in inputs or st._cdata in seen:
+            continue
+        seen.add(st._cdata)
+        specs.append((tuple(o.shape), o.dtype, st.nbytes()))
+    return specs
+
+
+def _meta_outputs(func: Any, args: tuple, kwargs: dict) -> list[OutSpec] | None:
+    """The new storages ``func`` creates on these arguments, from a run on ``meta``; None if that fails."""
     has_tensor = False
 
     def to_meta(x: Any) -> Any:
@@ -69,16 +102,10 @@ def _meta_outputs(func: Any, args: tuple, kwargs: dict) -> list[OutSpec]:
                 mkwargs["device"] = torch.device("meta")
             elif not has_tensor:
                 return []  # a factory without a device argument: running it would touch real memory or RNG
-            leaves = tree_flatten((margs, mkwargs))[0]
-            inputs = {t.untyped_storage()._cdata for t in leaves if isinstance(t, torch.Tensor)}
             out = func(*margs, **mkwargs)
-            return [
-                (tuple(o.shape), o.dtype, o.untyped_storage().nbytes())
-                for o in tree_flatten(out)[0]
-                if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in inputs
-            ]
-    except Exception:  # noqa: BLE001  (no meta kernel: DTR makes room after the operator instead)
-        return []
+            return _new_storages(out, tree_flatten((margs, mkwargs))[0])
+    except Exception:  # noqa: BLE001  (no meta kernel: learned from the real run, see OutputPredictor.observe)
+        return None
 
 
 def _squeezed(shape: Any) -> tuple[int, ...]:

@@ -96,6 +96,10 @@ class Rematerializer:
             if missing is not None:
                 frames.append([missing, [], False])
                 continue
+            for p in rec.parents():  # a parent another frame rematerialized (and unlocked) is resident but unlocked
+                if not any(p is q for q in locked):
+                    p.locks += 1
+                    locked.append(p)
             try:
                 self._replay(rec)
             finally:

@@ -101,8 +101,8 @@ class DTRRuntime(Evictor, Rematerializer, TorchDispatchMode):
                 if cell is not None:
                     cell.last_access = self.clock
                     inputs[id(cell)] = cell
+        outs = self._predictor.new_outputs(func, args, kwargs, leaves)  # also in a measuring step: it learns
         if self.budget is not None:
-            outs = self._predictor.new_outputs(func, args, kwargs, leaves)
             out_bytes = sum(n for _, _, n in outs)
             if in_backward:
                 out_bytes -= self._leaf_grads.expected_bytes(outs)
@@ -125,6 +125,7 @@ class DTRRuntime(Evictor, Rematerializer, TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **kwargs)
         cost = time.perf_counter() - start
+        self._predictor.observe(out, leaves)
         self.internal += 1
         try:
             step = Step(func, spec, [], rng, gen_state)
@@ -132,7 +133,10 @@ class DTRRuntime(Evictor, Rematerializer, TorchDispatchMode):
         finally:
             self.internal -= 1
         if self.budget is not None and self.tracked > self.budget:
+            before = self.stats.over_budget_ops
             self.make_room(0, func)
+            if self.stats.over_budget_ops == before:  # made room after the fact: the op itself went over
+                self.stats.over_budget_ops += 1
         return out
 
     def _track(
@@ -153,6 +157,7 @@ class DTRRuntime(Evictor, Rematerializer, TorchDispatchMode):
             except (RuntimeError, NotImplementedError):
                 continue
             if st.nbytes() and st._cdata not in in_storages and getattr(st, _KEY_ATTR, None) not in self.registry:
+                in_storages.add(st._cdata)  # outputs that are views of one new storage: one cell, counted once
                 new.append((i, o))
         written_cells = [c for c in (self.cell_of(t) for t in written) if c is not None]
         if not new and not written_cells:
