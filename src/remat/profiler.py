@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policies as _policies
 from .block_bytes import ByteTerms, run_tracked, tensor_bytes
-from .block_run import GradsRestored, edge_backward_supported
+from .block_run import GradsRestored, edge_backward_supported, parameters_detached
 from .block_timing import time_action
 from .blocks import (
     BlockIO,
@@ -92,6 +92,7 @@ def measure_block(
         suspend_all(),
         identity,
         GradsRestored(module),
+        parameters_detached(module),  # no hook of the step's parameters fires (DDP's reducer)
         torch.random.fork_rng(devices=rng_devices, device_type=device.type),
     ):
         for action in actions:
