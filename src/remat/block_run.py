@@ -58,13 +58,14 @@ class GradsRestored:
 @contextmanager
 def parameters_detached(module: nn.Module) -> Iterator[None]:
     """Within this context ``module``'s parameters are new leaves on the same memory (no copy, tied parameters
-    stay tied): gradients of a measured backward go to them, and hooks on the real parameters do not fire."""
+    stay tied): gradients of a measured backward go to them, and hooks on the real parameters do not fire.
+    Parameters of a ``Parameter`` subclass are left in place."""
     stand_ins: dict[int, nn.Parameter] = {}
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:
         for sub in module.modules():
             for name, p in list(sub._parameters.items()):
-                if p is None:
+                if type(p) is not nn.Parameter:  # a subclass (quantized, sharded) may not survive a detach
                     continue
                 if id(p) not in stand_ins:
                     stand_ins[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
