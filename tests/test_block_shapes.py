@@ -287,3 +287,32 @@ def test_session_profiles_its_first_step_with_main_input() -> None:
         assert session.costs is not None and "memory_poor:0" in session.plan.actions.values()
     finally:
         session.remove()
+
+
+def test_meta_estimate_takes_main_output() -> None:
+    from remat.estimate import meta_cost_table
+
+    hidden_bytes = 3 * 8 * 4
+    named = meta_cost_table(lambda: Chain(lambda: AuxFirst(same_shape=True)), torch.randn(3, 8), main_output=1)
+    assert [row.output_bytes for row in named.blocks] == [hidden_bytes] * N_BLOCKS
+    guessed = meta_cost_table(lambda: Chain(AuxFirst), torch.randn(3, 8))
+    assert [row.output_bytes for row in guessed.blocks] == [hidden_bytes] * N_BLOCKS
+
+
+def test_hf_enable_passes_main_input_on() -> None:
+    pytest.importorskip("transformers")
+    from remat.integrations import hf
+
+    torch.manual_seed(0)
+    model = Chain(KeywordBlock, call="keywords")
+    reference = copy.deepcopy(model)
+    session = hf.enable(model, "full", main_input="hidden", blocks=remat.find_blocks(model), auto_step=False)
+    try:
+        for _ in range(3):
+            xs = torch.randn(3, 8)
+            for r, g in zip(_grads(reference, xs), _grads(model, xs), strict=True):
+                assert torch.equal(r, g)
+            session.step()
+        assert session.stats.calls == {f"blocks.{i}": 3 for i in range(N_BLOCKS)}
+    finally:
+        session.remove()
