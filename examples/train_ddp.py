@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 examples/train_ddp.py                 # gloo on CPU, nccl on GPU
     torchrun --nproc_per_node 2 examples/train_ddp.py --pgac          # gradient-aware PGAC instead of a plan
     torchrun --nproc_per_node 2 examples/train_ddp.py --fsdp          # FSDP2 (the plan is made before sharding)
+    torchrun --nproc_per_node 2 examples/train_ddp.py --static-graph  # DistributedDataParallel(static_graph=True)
 
 The model is built from a config with random weights and trained on random tokens: nothing is downloaded.
 With DDP the first step runs with every layer checkpointed and is profiled; the plan applies from the second
@@ -36,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget", default="0.5", help="a fraction of the no-checkpoint activation memory, or '2MiB'")
     p.add_argument("--pgac", action="store_true", help="use remat.PGAC (gradient-aware, re-planned every step)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2's fully_shard instead of DDP")
+    p.add_argument("--static-graph", action="store_true", help="DDP with static_graph=True")
     return p.parse_args()
 
 
@@ -61,8 +63,13 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same initial weights on every rank
     config = GPT2Config(
-        n_layer=args.layers, n_embd=args.hidden, n_head=4, vocab_size=512, n_positions=args.seq_len,
-        bos_token_id=0, eos_token_id=0,
+        n_layer=args.layers,
+        n_embd=args.hidden,
+        n_head=4,
+        vocab_size=512,
+        n_positions=args.seq_len,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = GPT2LMHeadModel(config).to(device).train()
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own data
@@ -82,7 +89,7 @@ def main() -> None:
         trained: nn.Module = distributed.fully_shard_blocks(model, session, mesh=mesh)
     else:
         device_ids = [device.index] if device.type == "cuda" else None
-        trained = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        trained = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, static_graph=args.static_graph)
     opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
 
     if rank == 0:

@@ -1,5 +1,7 @@
 """DDP and FSDP2 with remat plans on two CPU processes (gloo): the gathered gradients of every step equal
-those of the unsharded model trained without checkpointing on the same data and dropout masks.
+those of the unsharded model trained without checkpointing on the same data and dropout masks. DDP runs with
+and without ``static_graph=True``: the first step, profiled, must fire each parameter's gradient hook once, as
+every later step does.
 
 One ``torch.multiprocessing.spawn`` runs every scenario in turn (starting processes is the slow part); the
 tests then read what each rank saved. The example script is run with ``torchrun --nproc_per_node 2``.
@@ -54,6 +56,9 @@ class Net(nn.Module):
 SCENARIOS: dict[str, tuple[str, str, dict[str, Any], bool]] = {
     "ddp-optimal-first-step": ("ddp", "optimal", {"budget": 0.6}, False),
     "ddp-pgac": ("ddp", "pgac", {"budget": 0.7, "alpha": 0.5}, False),
+    "ddp-static-optimal-first-step": ("ddp-static", "optimal", {"budget": 0.6}, False),
+    "ddp-static-every_k-first-step": ("ddp-static", "every_k", {"k": 2}, False),
+    "ddp-static-pgac": ("ddp-static", "pgac", {"budget": 0.7, "alpha": 0.5}, False),
     "fsdp-optimal": ("fsdp", "optimal", {"budget": 0.6}, True),
     "fsdp-every_k": ("fsdp", "every_k", {"k": 2}, True),
     "fsdp-memory_poor": ("fsdp", "memory_poor", {}, True),
@@ -71,8 +76,8 @@ def _scenario(rank: int, wrapper: str, strategy: str, options: dict[str, Any], s
     budget = options.pop("budget", None)
     batch = (data(rank, 99),) if sample else None
     session = distributed.prepare(model, strategy, budget, batch=batch, **options)
-    if wrapper == "ddp":
-        trained: nn.Module = nn.parallel.DistributedDataParallel(model)
+    if wrapper.startswith("ddp"):
+        trained: nn.Module = nn.parallel.DistributedDataParallel(model, static_graph=wrapper == "ddp-static")
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -161,8 +166,10 @@ def test_plans_recompute_what_they_say(runs: list[dict[str, Any]]) -> None:
     # memory-poor: block 0 is re-run once for its own backward and once to rebuild block 1's input
     assert run["fsdp-memory_poor"]["calls"] == {"blocks.0": 2 * STEPS, "blocks.1": STEPS, "blocks.2": 0}
     # the first step was profiled with every block checkpointed: each block re-ran at least once
-    assert all(c >= 1 for c in run["ddp-optimal-first-step"]["calls"].values())
-    assert run["ddp-pgac"]["pgac_steps"] == STEPS
+    for name in ("ddp-optimal-first-step", "ddp-static-optimal-first-step", "ddp-static-every_k-first-step"):
+        assert all(c >= 1 for c in run[name]["calls"].values()), name
+    assert run["ddp-static-every_k-first-step"]["actions"] == segments
+    assert run["ddp-pgac"]["pgac_steps"] == run["ddp-static-pgac"]["pgac_steps"] == STEPS
 
 
 @pytest.mark.parametrize("policy", [None, "dots_saveable"])
@@ -203,7 +210,10 @@ def test_fsdp_needs_the_plan_before_sharding() -> None:
 
 
 @pytest.mark.slow
-def test_example_train_ddp_runs_under_torchrun(tmp_path: Path, free_port: Callable[[], int]) -> None:
+@pytest.mark.parametrize(
+    "flags", [[], ["--static-graph"], ["--pgac", "--static-graph"]], ids=["plan", "static-graph", "pgac-static-graph"]
+)
+def test_example_train_ddp_runs_under_torchrun(tmp_path: Path, free_port: Callable[[], int], flags: list[str]) -> None:
     pytest.importorskip("transformers")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     cmd = [
@@ -219,6 +229,7 @@ def test_example_train_ddp_runs_under_torchrun(tmp_path: Path, free_port: Callab
         "3",
         "--budget",
         "0.7",
+        *flags,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from toy_models import MLPChain, assert_same_step, uniform_chain
 
 import remat
@@ -176,3 +177,32 @@ def test_a_selective_block_backward_holds_its_kept_draws(gpt2) -> None:
     finally:
         handle.remove()
     assert plan.predicted_peak_bytes == measured.activation_bytes
+
+
+@pytest.mark.parametrize("how", ["profile", "session", "pgac"])
+def test_profiling_fires_each_parameter_gradient_hook_once(how: str) -> None:
+    """Measuring blocks alone must not reach the step's parameters: DDP's reducer counts their gradient hooks,
+    and with static_graph=True expects the first step's count in every later step."""
+    from collections import Counter
+
+    from remat.integrations.distributed import prepare
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+    fired: Counter[str] = Counter()
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.update([name]))
+    x = torch.randn(4, 8)
+    if how == "profile":
+        remat.profile(model, x, repeats=1)
+        assert fired == {name: 1 for name, _ in model.named_parameters()}  # its one real backward
+        return
+    owner = prepare(model, "memory_poor", auto_step=False) if how == "session" else remat.PGAC(model, None)
+    try:
+        for _ in range(2):
+            fired.clear()
+            model(x).sum().backward()
+            owner.step()
+            assert fired == {name: 1 for name, _ in model.named_parameters()}
+    finally:
+        owner.remove()

@@ -34,12 +34,14 @@ def run_tracked(
     kwargs: dict[str, Any],
     main: torch.Tensor,
     output_bytes: Callable[[torch.Tensor], int] = tensor_bytes,
+    pick: Callable[[Any], torch.Tensor | None] = main_tensor,
 ) -> int:
     """One forward and backward of the block under ``action`` inside ``tracker``, marked ``start``,
-    ``fwd_end``, ``bwd_start`` and ``bwd_end``; returns ``output_bytes`` of the output."""
+    ``fwd_end``, ``bwd_start`` and ``bwd_end``; returns ``output_bytes`` of the output (its main output,
+    which ``pick`` takes from what the block returns)."""
     with tracker:
         tracker.mark("start")
-        out = main_tensor(run_action(module, action, args, kwargs))
+        out = pick(run_action(module, action, args, kwargs))
         tracker.mark("fwd_end")
         grad = torch.ones_like(out)
         nbytes = output_bytes(out)

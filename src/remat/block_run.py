@@ -5,12 +5,16 @@ The profiler (real device) and the meta estimator run each block alone under ``k
 
 * :func:`run_action`: the block's forward under an action, through the same machinery training uses;
 * :func:`backward_releasing_output`: its backward without keeping the output alive, as in a real step;
-* :class:`GradsRestored` and :func:`clear_grads`: parameter gradients set aside while a measurement runs.
+* :class:`GradsRestored` and :func:`clear_grads`: parameter gradients set aside while a measurement runs;
+* :func:`parameters_detached`: the block's parameters replaced, while it is measured, by leaves on the same
+  memory, so that the measurement's backward fires no hook of the step's parameters (DDP's reducer counts
+  those; with ``static_graph=True`` it expects the first step's count in every later step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -49,6 +53,28 @@ class GradsRestored:
     def __exit__(self, *exc: Any) -> None:
         for p, g in zip(self.params, self.saved, strict=True):
             p.grad = g
+
+
+@contextmanager
+def parameters_detached(module: nn.Module) -> Iterator[None]:
+    """Within this context ``module``'s parameters are new leaves on the same memory (no copy, tied parameters
+    stay tied): gradients of a measured backward go to them, and hooks on the real parameters do not fire.
+    Parameters of a ``Parameter`` subclass are left in place."""
+    stand_ins: dict[int, nn.Parameter] = {}
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    try:
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if type(p) is not nn.Parameter:  # a subclass (quantized, sharded) may not survive a detach
+                    continue
+                if id(p) not in stand_ins:
+                    stand_ins[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+                sub._parameters[name] = stand_ins[id(p)]
+                swapped.append((sub, name, p))
+        yield
+    finally:
+        for sub, name, p in reversed(swapped):
+            sub._parameters[name] = p
 
 
 def clear_grads(module: nn.Module) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,14 +52,16 @@ def time_action(
     main: torch.Tensor,
     device: torch.device,
     repeats: int,
+    pick: Callable[[Any], torch.Tensor | None] = main_tensor,
 ) -> tuple[float, float, float]:
-    """Median forward, backward and recomputation seconds of the block under ``action`` (after one warm-up)."""
+    """Median forward, backward and recomputation seconds of the block under ``action`` (after one warm-up);
+    the backward starts from the main output, which ``pick`` takes from what the block returns."""
     fwd, bwd, recompute = [], [], []
     for i in range(repeats + 1):
         timed = TimedCalls(module, device)
         sync(device)
         t0 = time.perf_counter()
-        out = main_tensor(run_action(timed, action, args, kwargs))
+        out = pick(run_action(timed, action, args, kwargs))
         sync(device)
         t1 = time.perf_counter()
         torch.autograd.backward(out, torch.ones_like(out))

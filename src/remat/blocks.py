@@ -5,10 +5,17 @@ The runtime, the profiler and the meta estimator all run blocks again outside th
 (recomputation in backward, measurement in isolation). They agree here on what a call consists of:
 
 * the **main input** is the hidden state flowing along the chain: the first positional tensor, else the
-  ``hidden_states`` keyword, else the first keyword tensor (:func:`main_input_slot`). It is the one argument
-  a recomputation replaces (the rest are kept as called, see :func:`replace_slot`);
-* the **main output** is the output tensor itself or the first tensor inside a tuple, list, dict or dataclass
-  (:func:`main_tensor`);
+  ``hidden_states`` keyword, else the keyword named like the first parameter of the block's ``forward``, else
+  the only keyword tensor (:meth:`BlockIO.input_slot`); a keyword-only call with several tensors and none of
+  those names is ambiguous and refused. It is the one argument a recomputation replaces (the rest are kept as
+  called, see :func:`replace_slot`);
+* the **main output** is the output tensor itself, else the first tensor inside a tuple, list, dict or
+  dataclass with the main input's shape, else the first tensor (:meth:`BlockIO.output`), so that a block
+  returning ``(aux, hidden)`` passes ``hidden`` along;
+* the user names them where the guess is wrong: ``main_input=`` (a keyword or a position) and
+  ``main_output=`` (an index or a key of the output), one value for every block or a dict ``{fqn: value}``
+  (:func:`block_ios`), accepted by :func:`remat.profile`, :func:`remat.apply`, :class:`remat.PGAC` and the
+  integrations;
 * key/value caches are dropped from a re-run's arguments (:func:`without_caches`);
 * ``blocks=`` is ``None`` (the chain :func:`remat.find_blocks` finds), a list of FQNs, or ``(fqn, module)``
   pairs (:func:`resolve_blocks`).
@@ -16,7 +23,9 @@ The runtime, the profiler and the meta estimator all run blocks again outside th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +37,16 @@ InputSlot = tuple[str, Any]
 """Where a call's main input sits: ``("arg", position)`` or ``("kw", keyword)``."""
 
 BlocksArg = Sequence[str] | Sequence[tuple[str, nn.Module]] | None
+
+InputName = str | int | None
+"""A main input named by the user: a keyword, a position, or ``None`` to let remat guess."""
+OutputName = int | str | None
+"""A main output named by the user: an index into a tuple/list output, a key of a dict/dataclass, or ``None``."""
+
+HOW_TO_NAME = (
+    "pass main_input=<keyword or position> and/or main_output=<index or key> to remat.profile, remat.apply, "
+    "remat.PGAC or the integrations (hf.enable, distributed.prepare); a dict {fqn: value} names them per block"
+)
 
 
 def main_tensor(value: Any) -> torch.Tensor | None:
@@ -59,18 +78,146 @@ def without_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple
     return tuple(drop(v) for v in args), {k: drop(v) for k, v in kwargs.items()}
 
 
+@dataclass(frozen=True)
+class BlockIO:
+    """How one block of the chain is called: its FQN, the main input and output the user named (``None``:
+    guessed), and the names of its ``forward``'s parameters (to match keywords with positions)."""
+
+    fqn: str = "?"
+    main_input: InputName = None
+    main_output: OutputName = None
+    params: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, fqn: str, module: nn.Module, main_input: InputName = None, main_output: OutputName = None) -> BlockIO:
+        try:
+            signature = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            params: tuple[str, ...] = ()
+        else:
+            kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            params = tuple(n for n, p in signature.parameters.items() if p.kind in kinds)
+        return cls(fqn, main_input, main_output, params)
+
+    def input_slot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> InputSlot:
+        """Where this call's main input is: as named by the user, else guessed (see the module docs)."""
+        if self.main_input is not None:
+            return self._named_slot(args, kwargs)
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                return "arg", i
+        if "hidden_states" in kwargs:
+            return "kw", "hidden_states"
+        tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        if self.params and self.params[0] in tensors:
+            return "kw", self.params[0]
+        if len(tensors) == 1:
+            return "kw", tensors[0]
+        if not tensors:
+            raise RuntimeError(
+                f"block {self.fqn!r} was called without any tensor argument; remat cannot find its input"
+            )
+        raise ValueError(
+            f"block {self.fqn!r} was called with keyword arguments only ({', '.join(tensors)}) and remat cannot "
+            "tell which one is the hidden state passed from block to block; name it: " + HOW_TO_NAME
+        )
+
+    def input_tensor(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """This call's main input tensor."""
+        return slot_value(args, kwargs, self.input_slot(args, kwargs))
+
+    def _named_slot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> InputSlot:
+        name = self.main_input
+        position = self.params.index(name) if isinstance(name, str) and name in self.params else name
+        slot: InputSlot | None = None
+        if isinstance(name, str) and name in kwargs:
+            slot = ("kw", name)
+        elif isinstance(position, int) and 0 <= position < len(args):
+            slot = ("arg", position)
+        elif isinstance(position, int) and 0 <= position < len(self.params) and self.params[position] in kwargs:
+            slot = ("kw", self.params[position])
+        if slot is None or not isinstance(slot_value(args, kwargs, slot), torch.Tensor):
+            raise ValueError(
+                f"main_input={name!r} does not name a tensor argument of block {self.fqn!r}, called with "
+                f"{len(args)} positional arguments and keywords {sorted(kwargs)}; name one of its tensor arguments"
+            )
+        return slot
+
+    def output(self, value: Any, like: torch.Size | None = None) -> torch.Tensor | None:
+        """The main output of this block in ``value`` (what it returned): the one the user named, else the
+        first tensor shaped ``like`` (the main input's shape), else the first tensor."""
+        if self.main_output is not None:
+            return self._named_output(value)
+        if isinstance(value, torch.Tensor) or like is None:
+            return main_tensor(value)
+        first: torch.Tensor | None = None
+        for item in _items(value):
+            found = main_tensor(item)
+            if found is not None and found.shape == like:
+                return found
+            first = first if first is not None else found
+        return first
+
+    def _named_output(self, value: Any) -> torch.Tensor:
+        key = self.main_output
+        found: Any = None
+        try:
+            if isinstance(value, Mapping):
+                found = value[key] if key in value else list(value.values())[key]  # type: ignore[index]
+            elif isinstance(key, str):
+                found = getattr(value, key)
+            else:
+                found = value[key]  # type: ignore[index]
+        except (IndexError, KeyError, TypeError, AttributeError):
+            found = None
+        if not isinstance(found, torch.Tensor):
+            raise ValueError(
+                f"main_output={key!r} does not name a tensor in the output of block {self.fqn!r} "
+                f"({type(value).__name__}); name the index or key of the hidden state it returns"
+            )
+        return found
+
+    def output_positions(self, value: Any) -> list[tuple[Any, torch.Tensor]]:
+        """The top-level tensors of ``value`` with their index or key (for diagnostics)."""
+        if isinstance(value, torch.Tensor):
+            return [(None, value)]
+        keys: list[Any] = list(value.keys()) if isinstance(value, Mapping) else list(range(len(_items(value))))
+        return [(k, t) for k, t in zip(keys, _items(value), strict=False) if isinstance(t, torch.Tensor)]
+
+
+def _items(value: Any) -> list[Any]:
+    if isinstance(value, Mapping):
+        return list(value.values())
+    if hasattr(value, "__dataclass_fields__"):
+        return [getattr(value, f) for f in value.__dataclass_fields__]
+    if isinstance(value, list | tuple):
+        return list(value)
+    return []
+
+
+def block_ios(
+    chain: Sequence[tuple[str, nn.Module]],
+    main_input: InputName | Mapping[str, InputName] = None,
+    main_output: OutputName | Mapping[str, OutputName] = None,
+) -> list[BlockIO]:
+    """The :class:`BlockIO` of each block of ``chain``; ``main_input``/``main_output`` are one value for every
+    block or a dict ``{fqn: value}`` (blocks it leaves out are guessed)."""
+    fqns = [f for f, _ in chain]
+    for given, what in ((main_input, "main_input"), (main_output, "main_output")):
+        if isinstance(given, Mapping) and set(given) - set(fqns):
+            raise ValueError(
+                f"{what} names blocks not in the chain: {sorted(set(given) - set(fqns))}; the chain is {fqns}"
+            )
+
+    def pick(given: Any, fqn: str) -> Any:
+        return given.get(fqn) if isinstance(given, Mapping) else given
+
+    return [BlockIO.of(f, m, pick(main_input, f), pick(main_output, f)) for f, m in chain]
+
+
 def main_input_slot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> InputSlot:
-    """Where the main input of a block call is: the first positional tensor, else ``hidden_states``, else the
-    first keyword tensor. Raises if the call has no tensor argument at all."""
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return "arg", i
-    if "hidden_states" in kwargs:
-        return "kw", "hidden_states"
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            return "kw", k
-    raise RuntimeError("a block was called without any tensor argument; remat cannot find its input")
+    """Where the main input of a call of a block remat knows nothing else about is (:meth:`BlockIO.input_slot`)."""
+    return BlockIO().input_slot(args, kwargs)
 
 
 def slot_value(args: tuple[Any, ...], kwargs: dict[str, Any], slot: InputSlot) -> Any:
@@ -78,9 +225,9 @@ def slot_value(args: tuple[Any, ...], kwargs: dict[str, Any], slot: InputSlot) -
     return args[slot[1]] if slot[0] == "arg" else kwargs[slot[1]]
 
 
-def main_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    """The main input tensor of a block call (see :func:`main_input_slot`)."""
-    return slot_value(args, kwargs, main_input_slot(args, kwargs))
+def main_input(args: tuple[Any, ...], kwargs: dict[str, Any], io: BlockIO | None = None) -> torch.Tensor:
+    """The main input tensor of a block call (see :meth:`BlockIO.input_slot`)."""
+    return slot_value(args, kwargs, (io or BlockIO()).input_slot(args, kwargs))
 
 
 def replace_slot(

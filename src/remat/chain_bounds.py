@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .blocks import main_input, main_tensor
 from .memory import LiveTensorTracker
 
 
@@ -28,8 +27,7 @@ class BlockArguments:
     def __init__(self) -> None:
         self._storages: list[tuple[weakref.ref, int]] = []
 
-    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        main = main_input(args, kwargs)
+    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any], main: torch.Tensor) -> None:
         for t in tree_flatten((args, kwargs))[0]:
             if not isinstance(t, torch.Tensor) or t is main or isinstance(t, nn.Parameter):
                 continue
@@ -50,16 +48,15 @@ class ChainBounds:
         self.arguments = BlockArguments()
         self.held_args_bytes = 0
 
-    def block_called(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A block of the chain is called for the first time in the step (with grad enabled). The first such
-        call ends the stem."""
+    def block_called(self, args: tuple[Any, ...], kwargs: dict[str, Any], main: torch.Tensor) -> None:
+        """A block of the chain is called for the first time in the step (with grad enabled), with ``main`` as
+        its main input. The first such call ends the stem."""
         if not self.tracker.has_mark("stem"):
             self.tracker.mark("stem")
-        self.arguments.add(args, kwargs)
+        self.arguments.add(args, kwargs, main)
 
-    def chain_output(self, output: Any) -> None:
-        """The last block returned ``output``: the chain's forward ends here, the head's starts."""
-        out = main_tensor(output)
+    def chain_output(self, out: torch.Tensor | None) -> None:
+        """The last block returned ``out`` as its main output: the chain's forward ends here, the head's starts."""
         if out is None or not out.requires_grad or self.tracker.has_mark("chain_end"):
             return
         self.tracker.mark("chain_end")

@@ -17,7 +17,7 @@ wrap the first real training step in a ``BlockProfiler``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,14 +26,25 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policies as _policies
 from .block_bytes import ByteTerms, run_tracked, tensor_bytes
-from .block_run import GradsRestored, edge_backward_supported
+from .block_run import GradsRestored, edge_backward_supported, parameters_detached
 from .block_timing import time_action
-from .blocks import BlocksArg, main_input, main_input_slot, replace_slot, resolve_blocks, slot_value, without_caches
+from .blocks import (
+    BlockIO,
+    BlocksArg,
+    InputName,
+    OutputName,
+    block_ios,
+    replace_slot,
+    resolve_blocks,
+    slot_value,
+    without_caches,
+)
 from .chain_bounds import ChainBounds
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
 from .hf_guards import profiled_step
 from .memory import LiveTensorTracker
 from .model_state import detached_from_step, extra_run
+from .regions import in_place_error
 from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step
 
@@ -57,9 +68,12 @@ def measure_block(
     actions: Sequence[str],
     *,
     repeats: int = 3,
+    io: BlockIO | None = None,
 ) -> BlockCost:
-    """Costs of one block on these inputs, under each of ``actions`` (``"keep"`` must be among them)."""
-    slot = main_input_slot(args, kwargs)
+    """Costs of one block on these inputs, under each of ``actions`` (``"keep"`` must be among them); ``io``
+    says which argument and output are its hidden state (guessed by default)."""
+    io = io or BlockIO.of(fqn, module)
+    slot = io.input_slot(args, kwargs)
     source = slot_value(args, kwargs, slot)
     device = source.device
     main = source.detach().requires_grad_(True)
@@ -68,18 +82,23 @@ def measure_block(
     output_bytes = 0
     times: dict[str, tuple[float, float, float]] = {}
     edge_backward_supported()  # probe once here, not inside a tracked region
+
+    def pick(value: Any) -> torch.Tensor | None:
+        return io.output(value, main.shape)
+
     identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     with (
         suspend_all(),
         identity,
         GradsRestored(module),
+        parameters_detached(module),  # no hook of the step's parameters fires (DDP's reducer)
         torch.random.fork_rng(devices=rng_devices, device_type=device.type),
     ):
         for action in actions:
             trackers[action] = LiveTensorTracker(device)
-            output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main)
-            times[action] = time_action(module, action, args, kwargs, main, device, repeats)
+            output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main, pick=pick)
+            times[action] = time_action(module, action, args, kwargs, main, device, repeats, pick=pick)
     terms = ByteTerms.from_trackers(trackers)
     fwd_s, bwd_s, _ = times[KEEP]
     recompute: dict[str, float] = {}
@@ -126,9 +145,11 @@ class BlockProfiler:
         policies: Iterable[str] = ("dots_saveable",),
         actions: Sequence[str] | None = None,
         repeats: int = 3,
+        io: Sequence[BlockIO] | None = None,
     ) -> None:
         self.model = model
         self.chain = resolve_blocks(model, blocks)
+        self.io = list(io) if io is not None else block_ios(self.chain)
         self.policies = tuple(policies)
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
@@ -143,7 +164,7 @@ class BlockProfiler:
         for i, (fqn, module) in enumerate(self.chain):
             self._hooks.append(module.register_forward_pre_hook(self._pre_hook(i, fqn), with_kwargs=True))
         last = len(self.chain) - 1
-        self._hooks.append(self.chain[last][1].register_forward_hook(self._chain_end_hook))
+        self._hooks.append(self.chain[last][1].register_forward_hook(self._chain_end_hook, with_kwargs=True))
         self._tracker = LiveTensorTracker()
         self._bounds = ChainBounds(self._tracker)
         self._tracker.__enter__()
@@ -161,25 +182,32 @@ class BlockProfiler:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._busy or i in self.rows or not torch.is_grad_enabled():
                 return
-            main = main_input(args, kwargs)
+            main = self.io[i].input_tensor(args, kwargs)
             self._device = main.device
             if self._bounds is not None:
-                self._bounds.block_called(args, kwargs)
+                self._bounds.block_called(args, kwargs, main)
             actions = self.actions or default_actions(main.device, self.policies)
             self._busy = True
             try:
                 # Step off every dispatch mode (the step's tracker included) so the block is timed and
                 # measured as it runs in training, not through Python dispatch.
                 with _disable_current_modes(), extra_run(module):
-                    self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats)
+                    self.rows[i] = measure_block(
+                        fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i]
+                    )
+            except RuntimeError as error:
+                if "in-place" in str(error) or "inplace" in str(error):
+                    raise in_place_error(fqn, "while remat profiles it alone") from error
+                raise
             finally:
                 self._busy = False
 
         return hook
 
-    def _chain_end_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _chain_end_hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if self._bounds is not None and not self._busy:
-            self._bounds.chain_output(output)
+            io = self.io[-1]
+            self._bounds.chain_output(io.output(output, io.input_tensor(args, kwargs).shape))
 
     def cost_table(self) -> CostTable:
         """The measured table; raises if the step did not run every block with grad enabled."""
@@ -216,11 +244,16 @@ def profile(
     blocks: BlocksArg = None,
     policies: Iterable[str] = ("dots_saveable",),
     repeats: int = 3,
+    main_input: InputName | Mapping[str, InputName] = None,
+    main_output: OutputName | Mapping[str, OutputName] = None,
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
-    Parameter gradients are left as they were."""
-    profiler = BlockProfiler(model, blocks, policies=policies, repeats=repeats)
+    ``main_input``/``main_output`` name the hidden state a block takes and returns where remat's guess is
+    wrong (see :mod:`remat.blocks`). Parameter gradients are left as they were."""
+    chain = resolve_blocks(model, blocks)
+    io = block_ios(chain, main_input, main_output)
+    profiler = BlockProfiler(model, chain, policies=policies, repeats=repeats, io=io)
     with GradsRestored(model), profiled_step(model), profiler:
         run_step(model, batch, loss_fn)
     return profiler.cost_table()

@@ -12,14 +12,15 @@ the hooks rely on (:func:`same_tensor`, :func:`eager`).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
-from .blocks import InputSlot, main_input_slot, replace_slot, slot_value, without_caches
+from .blocks import HOW_TO_NAME, BlockIO, InputSlot, replace_slot, slot_value, without_caches
 from .rng import RngSnapshot
 from .simulator import Unit
 
@@ -49,20 +50,54 @@ class CallRecord:
     slot: InputSlot
     requires_grad: bool
     rng: RngSnapshot
+    shape: torch.Size
+    versions: tuple[int, ...]
 
     @classmethod
-    def take(cls, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[CallRecord, torch.Tensor]:
-        """The record of block ``index`` called with ``args``/``kwargs`` (caches dropped, RNG state taken now,
-        before the block runs), and its main input."""
-        slot = main_input_slot(args, kwargs)
+    def take(
+        cls, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], io: BlockIO | None = None
+    ) -> tuple[CallRecord, torch.Tensor]:
+        """The record of block ``index`` called with ``args``/``kwargs`` (caches dropped, RNG state and tensor
+        versions taken now, before the block runs), and its main input."""
+        slot = (io or BlockIO()).input_slot(args, kwargs)
         main = slot_value(args, kwargs, slot)
         stripped_args, stripped_kwargs = without_caches(*replace_slot(args, kwargs, slot, None))
         rng = RngSnapshot.take(main)
-        return cls(index, stripped_args, stripped_kwargs, slot, main.requires_grad, rng), main
+        versions = _versions(main, stripped_args, stripped_kwargs)
+        return cls(index, stripped_args, stripped_kwargs, slot, main.requires_grad, rng, main.shape, versions), main
 
     def arguments(self, main: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The recorded call's arguments with ``main`` as its main input."""
         return replace_slot(self.args, self.kwargs, self.slot, main)
+
+    def modified_in_place(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the block, called with ``args``/``kwargs``, changed its main input or another tensor
+        argument in place since the record was taken: a recomputation would then start from changed values."""
+        main = slot_value(args, kwargs, self.slot)
+        return _versions(main, self.args, self.kwargs) != self.versions
+
+
+def _versions(main: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    return (_version(main), *(_version(t) for t in _tensors((*args, *kwargs.values()))))
+
+
+def _tensors(values: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``values`` and in the lists, tuples and dicts among them (a cheap ``tree_flatten``: this
+    runs twice per block and step)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, list | tuple):
+            yield from _tensors(v)
+        elif isinstance(v, dict):
+            yield from _tensors(v.values())
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter, and cannot be changed in a grad forward
+        return -1
 
 
 @dataclass
@@ -74,6 +109,57 @@ class OpenRegion:
     context: Any = None
     records: list[CallRecord] = field(default_factory=list)
     last_output: torch.Tensor | None = None
+    last_outputs: list[tuple[Any, Any]] = field(default_factory=list)  # (index or key, weakref) of each tensor
+
+    def close(self) -> None:
+        """Leave the region: exit its context (offload) or advance its frame's generator once more."""
+        if self.context is not None:
+            self.context.__exit__(None, None, None)
+        if self.generator is not None:
+            try:
+                next(self.generator)
+            except StopIteration:
+                return
+            raise RuntimeError("internal error: a checkpoint region did not close")
+
+
+def output_refs(io: BlockIO, output: Any) -> list[tuple[Any, Any]]:
+    """Weak references to the tensors a block returned, with their index or key: enough to tell, when the next
+    block's input is not the main output, whether it was another of them."""
+    return [(key, weakref.ref(t)) for key, t in io.output_positions(output)]
+
+
+def handoff_error(
+    previous: str, fqn: str, main: torch.Tensor, outputs: list[tuple[Any, Any]], group: str
+) -> RuntimeError:
+    """The error for block ``fqn`` of a segment or memory-poor group not receiving the main output of
+    ``previous``: it names the output it received instead, if it was one, and how to say so."""
+    other = next((key for key, ref in outputs if key is not None and same_tensor(main, ref())), None)
+    if other is not None:
+        return RuntimeError(
+            f"block {fqn!r} receives output {other!r} of block {previous!r}, but remat took another of its outputs "
+            f"as the hidden state; tell it: main_output={other!r} ({HOW_TO_NAME})"
+        )
+    if group == "segment":
+        problem = f"blocks {previous!r} and {fqn!r} cannot share a segment"
+    else:
+        problem = f"block {fqn!r} of a memory-poor group did not receive the previous block's output"
+    return RuntimeError(
+        f"{problem}: the model changes the output of {previous!r} before passing it to {fqn!r}. Checkpoint them "
+        f"separately (action 'checkpoint') instead; if {fqn!r} takes another argument as its hidden state, "
+        + HOW_TO_NAME
+    )
+
+
+def in_place_error(fqn: str, when: str) -> RuntimeError:
+    """The error for a block that changed one of its tensor arguments in place ``when`` it ran again (under a
+    recomputing action, or measured alone)."""
+    return RuntimeError(
+        f"block {fqn!r} modifies its input in place (an in-place op such as add_, mul_ or += on an argument) "
+        f"{when}: a recomputation (or a measurement) would start from the modified values. Clone "
+        "the argument at the start of the block's forward (x = x.clone()), or keep that block (action 'keep', "
+        "e.g. edit the plan's actions or leave the block out with blocks=)"
+    )
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:

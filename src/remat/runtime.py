@@ -24,8 +24,7 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,15 +33,24 @@ from torch.utils.checkpoint import noop_context_fn
 
 from . import applied, policies
 from .actions import MEMORY_POOR
-from .blocks import BlocksArg, main_tensor, resolve_blocks
+from .blocks import BlockIO, BlocksArg, InputName, OutputName, block_ios, resolve_blocks
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .hf_guards import refuse_hf_checkpointing, training_forward_guards
 from .model_state import extra_run
 from .recompute_stats import RecomputeStats
-from .regions import CallRecord, OpenRegion, eager, open_checkpoint_frame, same_tensor
+from .regions import (
+    CallRecord,
+    OpenRegion,
+    eager,
+    handoff_error,
+    in_place_error,
+    open_checkpoint_frame,
+    output_refs,
+    same_tensor,
+)
 from .rng import forked
 from .simulator import Plan, Unit
-from .suspension import all_suspended
+from .suspension import all_suspended, counting
 
 # Note [1] Segments.
 # A segment (blocks start..end of one unit) is one checkpoint frame: opened by the pre-hook of its first block
@@ -105,10 +113,12 @@ class RematHandle:
         plan: Plan,
         *,
         time_recompute: bool = True,
+        io: Sequence[BlockIO] | None = None,
     ) -> None:
         self.model = model
         self.blocks = blocks
         self.fqns = [fqn for fqn, _ in blocks]
+        self.io = list(io) if io is not None else block_ios(blocks)  # how each block is called
         self.stats = RecomputeStats(self.fqns)
         self.time_recompute = time_recompute
         self._observers: list[OutputObserver] = []
@@ -129,13 +139,7 @@ class RematHandle:
     # ----- plan -----
     def set_plan(self, plan: Plan) -> None:
         """Switch to ``plan`` from the next forward on; no hooks are added or removed (Note [5])."""
-        if list(plan.actions) != self.fqns:
-            unknown = [f for f in plan.actions if f not in self.fqns]
-            missing = [f for f in self.fqns if f not in plan.actions]
-            if unknown:
-                raise ValueError(f"plan names blocks not in the model's chain: {unknown}; the chain is {self.fqns}")
-            raise ValueError(f"plan must give an action for every block in chain order; missing {missing}")
-        units = plan.units()
+        units = plan.units_for(self.fqns)
         for unit in units:
             if unit.kind == "single" and unit.action.startswith(SELECTIVE_PREFIX):
                 policies.get(unit.action[len(SELECTIVE_PREFIX) :])
@@ -168,14 +172,9 @@ class RematHandle:
         if getattr(self.model, "_remat_handle", None) is self:
             del self.model._remat_handle
 
-    @contextmanager
-    def suspended(self) -> Iterator[None]:
+    def suspended(self) -> contextlib.AbstractContextManager[None]:
         """Run the model with every block kept, e.g. for measurement."""
-        self._local.suspended = getattr(self._local, "suspended", 0) + 1
-        try:
-            yield
-        finally:
-            self._local.suspended -= 1
+        return counting(self._local, "suspended")
 
     # ----- hooks -----
     def _inactive(self) -> bool:
@@ -187,13 +186,8 @@ class RematHandle:
             or not torch.is_grad_enabled()
         )
 
-    @contextmanager
-    def _recomputing(self) -> Iterator[None]:
-        self._local.recomputing = getattr(self._local, "recomputing", 0) + 1
-        try:
-            yield
-        finally:
-            self._local.recomputing -= 1
+    def _recomputing(self) -> contextlib.AbstractContextManager[None]:
+        return counting(self._local, "recomputing")
 
     def _make_pre_hook(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -219,11 +213,17 @@ class RematHandle:
             unit = self._unit_of[i]
             key = unit.start if unit.kind == "segment" else i
             region = self._open.get(key)
-            out = main_tensor(output)
+            record = region.records[-1] if region is not None and region.records else None
+            if record is not None and record.modified_in_place(args, kwargs):
+                self._abandon_open_regions()
+                raise in_place_error(self.fqns[i], f"under action {self.plan.actions[self.fqns[i]]!r}")
+            out = self.io[i].output(output, record.shape if record is not None else self._input_shape(i, args, kwargs))
             if region is not None:
                 region.last_output = out
+                region.last_outputs = output_refs(self.io[i], output)
                 if unit.kind == MEMORY_POOR and self._memory_poor is not None:
                     self._memory_poor["last"] = out
+                    self._memory_poor["outputs"] = region.last_outputs
                 if unit.kind != "segment" or i == unit.end:
                     self._close(key)
             if out is not None and torch.is_grad_enabled():
@@ -231,6 +231,12 @@ class RematHandle:
                     observer(i, out, False)
 
         return eager(hook)
+
+    def _input_shape(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Size | None:
+        try:
+            return self.io[i].input_tensor(args, kwargs).shape
+        except ValueError:  # a kept block need not say which argument is its hidden state
+            return None
 
     def _after_model_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._open and output is None and _raising():  # Note [6]: the model's code raised between blocks
@@ -246,15 +252,7 @@ class RematHandle:
 
     def _close(self, key: int) -> None:
         region = self._open.pop(key)
-        if region.context is not None:
-            region.context.__exit__(None, None, None)
-        if region.generator is not None:
-            try:
-                next(region.generator)
-            except StopIteration:
-                pass
-            else:
-                raise RuntimeError("internal error: a checkpoint region did not close")
+        region.close()
         if region.unit.kind == MEMORY_POOR and key == region.unit.end:
             self._memory_poor = None
 
@@ -271,7 +269,7 @@ class RematHandle:
         try:
             record.rng.restore()  # Note [3]
             with extra_run(module):
-                out = main_tensor(module(*args, **kwargs))
+                out = self.io[record.index].output(module(*args, **kwargs), record.shape)
         finally:
             if sync:
                 torch.cuda.synchronize(main.device)
@@ -294,7 +292,7 @@ class RematHandle:
             region.context.__enter__()
             self._open[i] = region
             return
-        record, main = CallRecord.take(i, args, kwargs)
+        record, main = CallRecord.take(i, args, kwargs, self.io[i])
         context_fn = noop_context_fn
         if action.startswith(SELECTIVE_PREFIX):
             context_fn = policies.get(action[len(SELECTIVE_PREFIX) :]).context_fn
@@ -311,7 +309,7 @@ class RematHandle:
 
     def _enter_segment_block(self, i: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Note [1]
-        record, main = CallRecord.take(i, args, kwargs)
+        record, main = CallRecord.take(i, args, kwargs, self.io[i])
         if i == unit.start:
             region = OpenRegion(unit)
             records = region.records
@@ -333,24 +331,22 @@ class RematHandle:
                 "segments need their blocks called in chain order within one forward"
             )
         if not same_tensor(main, region.last_output):
-            raise RuntimeError(
-                f"blocks {self.fqns[i - 1]!r} and {self.fqns[i]!r} cannot share a segment: the model changes "
-                "the output of the first before passing it to the second. Checkpoint them separately "
-                "(action 'checkpoint') instead."
-            )
+            raise handoff_error(self.fqns[i - 1], self.fqns[i], main, region.last_outputs, "segment")
         region.records.append(record)
 
     def _enter_memory_poor_block(self, i: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Note [2]
-        record, main = CallRecord.take(i, args, kwargs)
+        record, main = CallRecord.take(i, args, kwargs, self.io[i])
         if i == unit.start:
             self._memory_poor = {"input": main, "records": [], "last": None}
         group = self._memory_poor
-        if group is None or (i > unit.start and not same_tensor(main, group["last"])):
+        if group is None:
             raise RuntimeError(
-                f"block {self.fqns[i]!r} of a memory-poor group did not receive the previous block's output; "
-                "memory-poor groups need blocks called in chain order, each on the previous output"
+                f"block {self.fqns[i]!r} ran without the start of its memory-poor group {self.fqns[unit.start]!r}; "
+                "memory-poor groups need their blocks called in chain order within one forward"
             )
+        if i > unit.start and not same_tensor(main, group["last"]):
+            raise handoff_error(self.fqns[i - 1], self.fqns[i], main, group.get("outputs", []), "memory_poor")
         previous = list(group["records"])
         group["records"].append(record)
         region = OpenRegion(unit, records=[record])
@@ -373,13 +369,18 @@ def apply(
     plan: Plan,
     blocks: BlocksArg = None,
     *,
+    main_input: InputName | Mapping[str, InputName] = None,
+    main_output: OutputName | Mapping[str, OutputName] = None,
     time_recompute: bool = True,
 ) -> RematHandle:
-    """Install ``plan`` on ``model`` and return the handle (``set_plan``, ``remove``, ``stats``); Note [4]."""
+    """Install ``plan`` on ``model`` and return the handle (``set_plan``, ``remove``, ``stats``); Note [4].
+    ``main_input``/``main_output`` name the hidden state a block takes and returns where remat's guess is wrong
+    (see :mod:`remat.blocks`)."""
     applied.refuse_overlap(model)
     refuse_hf_checkpointing(model)
     chain = resolve_blocks(model, blocks)
-    handle = RematHandle(model, chain, plan, time_recompute=time_recompute)
+    io = block_ios(chain, main_input, main_output)
+    handle = RematHandle(model, chain, plan, time_recompute=time_recompute, io=io)
     handle._hooks += training_forward_guards(model, wrap=applied.CopyRefusingHook)
     applied.register(model, handle)
     model._remat_handle = handle  # type: ignore[assignment]

@@ -134,6 +134,16 @@ class Plan:
     def units(self) -> list[Unit]:
         return units_from_actions(list(self.actions.values()))
 
+    def units_for(self, fqns: Sequence[str]) -> list[Unit]:
+        """The plan's units, after checking that it gives an action for every block of ``fqns``, in order."""
+        if list(self.actions) != list(fqns):
+            unknown = [f for f in self.actions if f not in fqns]
+            missing = [f for f in fqns if f not in self.actions]
+            if unknown:
+                raise ValueError(f"plan names blocks not in the model's chain: {unknown}; the chain is {list(fqns)}")
+            raise ValueError(f"plan must give an action for every block in chain order; missing {missing}")
+        return self.units()
+
     def count(self, action: str) -> int:
         return sum(1 for a in self.actions.values() if a == action)
 

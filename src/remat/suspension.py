@@ -2,11 +2,13 @@
 
 :func:`suspend_all` is entered by code that runs blocks outside the step (the profiler, the meta estimator);
 the runtime's hooks ask :func:`all_suspended` and do nothing while it is true. The state is per thread, so a
-measurement in one thread does not switch plans off in another.
+measurement in one thread does not switch plans off in another. :func:`counting` is the per-thread counter
+it uses, shared with the runtime (a handle's own suspension and recomputation counters).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,13 +17,18 @@ _STATE = threading.local()
 
 
 @contextmanager
-def suspend_all() -> Iterator[None]:
-    """Within this context every applied plan is ignored in this thread (blocks run as without remat)."""
-    _STATE.suspended = getattr(_STATE, "suspended", 0) + 1
+def counting(local: threading.local, name: str) -> Iterator[None]:
+    """Count ``local.<name>`` up while the context runs; restored on every exit, exceptions included."""
+    setattr(local, name, getattr(local, name, 0) + 1)
     try:
         yield
     finally:
-        _STATE.suspended -= 1
+        setattr(local, name, getattr(local, name) - 1)
+
+
+def suspend_all() -> contextlib.AbstractContextManager[None]:
+    """Within this context every applied plan is ignored in this thread (blocks run as without remat)."""
+    return counting(_STATE, "suspended")
 
 
 def all_suspended() -> bool:

@@ -59,7 +59,8 @@ class PGAC:
     ``total_steps`` the training length for the schedules; ``measure`` measure the step's activation peak every
     that many steps (None: every step on CUDA from allocator statistics, never on CPU, where the live-tensor
     tracker slows the step; 0: never); ``overshoot_penalty`` the learned schedule's weight on exceeding the
-    budget; ``process_group`` for ``sync``; ``history_limit`` records kept.
+    budget; ``process_group`` for ``sync``; ``history_limit`` records kept; ``main_input``/``main_output`` the
+    hidden state a block takes and returns, where remat's guess is wrong (see :mod:`remat.blocks`).
     """
 
     def __init__(
@@ -79,6 +80,8 @@ class PGAC:
         overshoot_penalty: float = 10.0,
         process_group: Any = None,
         history_limit: int = 100_000,
+        main_input: Any = None,
+        main_output: Any = None,
     ) -> None:
         check_options(alpha, q, every, sync, total_steps, measure, history_limit)
         self.model = model
@@ -100,7 +103,7 @@ class PGAC:
 
         chain = resolve_blocks(model, blocks)
         initial = Plan({fqn: CHECKPOINT for fqn, _ in chain}, strategy="pgac")
-        self.handle: RematHandle = apply(model, initial, chain)
+        self.handle: RematHandle = apply(model, initial, chain, main_input=main_input, main_output=main_output)
         self.fqns: list[str] = list(self.handle.fqns)
         self._ema = [0.0] * len(self.fqns)
         self.scorer = GradientScorer(self.handle)
@@ -255,7 +258,9 @@ class PGAC:
             from ..profiler import BlockProfiler
 
             # PGAC's plans use keep, checkpoint and segments only: profile those two actions.
-            self._profiler = BlockProfiler(self.model, self.handle.blocks, actions=[KEEP, CHECKPOINT])
+            self._profiler = BlockProfiler(
+                self.model, self.handle.blocks, actions=[KEEP, CHECKPOINT], io=self.handle.io
+            )
             self._profiler.__enter__()
             self._profiler_open = True
         elif self._measured_step():

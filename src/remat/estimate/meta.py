@@ -9,7 +9,7 @@ and bytes written (:mod:`remat.estimate.time_model`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,17 @@ from torch.utils.flop_counter import FlopCounterMode
 from .. import policies as _policies
 from ..block_bytes import ByteTerms, run_tracked
 from ..block_run import GradsRestored, backward_releasing_output, clear_grads, run_action
-from ..blocks import BlocksArg, main_input_slot, main_tensor, replace_slot, resolve_blocks, slot_value, without_caches
+from ..blocks import (
+    BlockIO,
+    BlocksArg,
+    InputName,
+    OutputName,
+    block_ios,
+    replace_slot,
+    resolve_blocks,
+    slot_value,
+    without_caches,
+)
 from ..chain_bounds import ChainBounds
 from ..costs import CHECKPOINT, KEEP, SELECTIVE_PREFIX, BlockCost, CostTable
 from ..memory import LiveTensorTracker
@@ -91,21 +101,26 @@ def _meta_block_cost(
     kwargs: dict[str, Any],
     actions: Sequence[str],
     device: DeviceThroughput,
+    io: BlockIO,
 ) -> BlockCost:
     """One block run alone under each action, as :func:`remat.profiler.measure_block` does on a real device:
     bytes kept after its forward (its input excluded, its output included), forward and backward
     transients; times from its FLOPs and the bytes its operators write."""
-    slot = main_input_slot(args, kwargs)
+    slot = io.input_slot(args, kwargs)
     main = slot_value(args, kwargs, slot).detach().requires_grad_(True)
     args, kwargs = replace_slot(args, kwargs, slot, main)
+
+    def pick(value: Any) -> torch.Tensor | None:
+        return io.output(value, main.shape)
+
     trackers: dict[str, LiveTensorTracker] = {}
     times: dict[str, tuple[float, float]] = {}
     output_bytes = 0
     with suspend_all(), GradsRestored(module):
         for action in actions:
             tracker = trackers[action] = LiveTensorTracker()
-            output_bytes = run_tracked(tracker, module, action, args, kwargs, main, _storage_bytes)
-            fwd_flops, bwd_flops = _block_flops(module, action, args, kwargs, main)
+            output_bytes = run_tracked(tracker, module, action, args, kwargs, main, _storage_bytes, pick)
+            fwd_flops, bwd_flops = _block_flops(module, action, args, kwargs, main, pick)
             times[action] = (
                 flops_time_model(fwd_flops, tracker.written_between("start", "fwd_end"), device_flops=device),
                 flops_time_model(bwd_flops, tracker.written_between("bwd_start", "bwd_end"), device_flops=device),
@@ -137,13 +152,18 @@ def _storage_bytes(t: torch.Tensor) -> int:
 
 
 def _block_flops(
-    module: nn.Module, action: str, args: tuple[Any, ...], kwargs: dict[str, Any], main: torch.Tensor
+    module: nn.Module,
+    action: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    main: torch.Tensor,
+    pick: Callable[[Any], torch.Tensor | None],
 ) -> tuple[int, int]:
     """Forward and backward FLOPs of the block under ``action``, counted in a run of their own: the counter
     keeps references into the backward that would distort the byte figures (a recomputed block's backward
     peaks 16 MiB higher on a GPT-2 layer while it counts)."""
     with FlopCounterMode(display=False) as fwd_flops:
-        out = main_tensor(run_action(module, action, args, kwargs))
+        out = pick(run_action(module, action, args, kwargs))
     holder = [out]
     grad = torch.ones_like(out)
     del out
@@ -162,6 +182,8 @@ def meta_cost_table(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     policies: Iterable[str] = ("dots_saveable",),
     device_flops: float | str | DeviceThroughput = "h100-bf16",
+    main_input: InputName | Mapping[str, InputName] = None,
+    main_output: OutputName | Mapping[str, OutputName] = None,
 ) -> CostTable:
     """The :class:`~remat.costs.CostTable` of a model computed on the ``meta`` device, without memory.
 
@@ -188,6 +210,7 @@ def meta_cost_table(
     device = device_throughput(device_flops)
     model = _meta_model(model_or_factory)
     chain = resolve_blocks(model, blocks)
+    io = block_ios(chain, main_input, main_output)
     actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + _policies.get(p).name for p in policies]
     inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     tracker = LiveTensorTracker()
@@ -196,16 +219,16 @@ def meta_cost_table(
     def remember_inputs(i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if i not in inputs and torch.is_grad_enabled():
-                bounds.block_called(args, kwargs)
+                bounds.block_called(args, kwargs, io[i].input_tensor(args, kwargs))
                 inputs[i] = without_caches(*_stand_ins((args, kwargs)))
 
         return hook
 
-    def chain_end(module: nn.Module, args: Any, output: Any) -> None:
-        bounds.chain_output(output)
+    def chain_end(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        bounds.chain_output(io[-1].output(output, io[-1].input_tensor(args, kwargs).shape))
 
     hooks = [m.register_forward_pre_hook(remember_inputs(i), with_kwargs=True) for i, (_, m) in enumerate(chain)]
-    hooks.append(chain[-1][1].register_forward_hook(chain_end))
+    hooks.append(chain[-1][1].register_forward_hook(chain_end, with_kwargs=True))
     meta_batch = _to_meta(batch)
     try:
         with GradsRestored(model):
@@ -230,9 +253,9 @@ def meta_cost_table(
     rows = []
     for i, (fqn, module) in enumerate(chain):
         args, kwargs = inputs[i]
-        key = _block_key(module, args, kwargs)
+        key = (_block_key(module, args, kwargs), io[i].main_input, io[i].main_output)
         if key not in measured:
-            measured[key] = _meta_block_cost(fqn, module, args, kwargs, actions, device)
+            measured[key] = _meta_block_cost(fqn, module, args, kwargs, actions, device, io[i])
         row = measured[key]
         rows.append(BlockCost(**{**row.__dict__, "fqn": fqn, "saved_bytes": dict(row.saved_bytes),
                                  "recompute_s": dict(row.recompute_s)}))  # fmt: skip

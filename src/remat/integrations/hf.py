@@ -196,7 +196,8 @@ def enable(
     the plan applies from the second step on (the end of the first step is the first ``optimizer.step()``, so the
     ``Trainer`` needs nothing more). ``batch=`` profiles a sample batch now instead, ``costs=`` plans from a
     cost table, ``plan=`` applies a plan as it is. The chain is the model's ``GradientCheckpointingLayer``
-    modules (:func:`layers`) unless ``blocks=`` names others. See the module docs for ``use_cache``.
+    modules (:func:`layers`) unless ``blocks=`` names others. ``main_input=``/``main_output=`` (in ``options``) name
+    the hidden state a layer takes and returns where remat's guess is wrong. See the module docs for ``use_cache``.
     """
     chain = list(blocks) if blocks is not None else layers(model)
     return HFSession(

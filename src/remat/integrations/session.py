@@ -85,7 +85,8 @@ class RematSession:
     ``strategy``: a :data:`remat.STRATEGIES` name or ``"pgac"``; ``budget``: bytes, "2GiB" or a fraction;
     ``options`` go to :func:`remat.plan` (``k=``, ``fraction=``, ``strict=``...) or to :class:`remat.PGAC`
     (``alpha``, ``q``, ``gamma``, ``every``, ``total_steps``...). ``auto_step=False`` turns off the global
-    optimizer hooks; then call :meth:`step` (or :meth:`attach`) yourself.
+    optimizer hooks; then call :meth:`step` (or :meth:`attach`) yourself. ``main_input``/``main_output`` name
+    the hidden state a block takes and returns where remat's guess is wrong (see :mod:`remat.blocks`).
     """
 
     def __init__(
@@ -102,6 +103,8 @@ class RematSession:
         sync: str | None = None,
         process_group: Any = None,
         auto_step: bool = True,
+        main_input: Any = None,
+        main_output: Any = None,
         **options: Any,
     ) -> None:
         check_strategy(strategy, budget)
@@ -123,6 +126,7 @@ class RematSession:
         self._owners: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._removed = False
         chain = resolve_blocks(model, blocks)
+        names = {"main_input": main_input, "main_output": main_output}
 
         if strategy == "pgac":
             unknown = set(options) - PGAC_OPTIONS
@@ -133,11 +137,18 @@ class RematSession:
             if costs is None:
                 _refuse_compiled(chain)  # PGAC would profile the first step
                 if batch is not None:
-                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain)
+                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, **names)
             import remat
 
             self.pgac = remat.PGAC(
-                model, budget, costs=self.costs, blocks=chain, sync=sync, process_group=process_group, **options
+                model,
+                budget,
+                costs=self.costs,
+                blocks=chain,
+                sync=sync,
+                process_group=process_group,
+                **names,
+                **options,
             )
             self.handle: RematHandle = self.pgac.handle
             self._waiting = False
@@ -145,13 +156,13 @@ class RematSession:
             if plan is None:
                 if self.costs is None and batch is not None:
                     _refuse_compiled(chain)
-                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain)
+                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, **names)
                 if self.costs is not None:
                     self.costs = self._shared(self.costs)
                     plan = self._plan_for(self.costs)
             self._waiting = plan is None
             initial = plan if plan is not None else Plan({f: CHECKPOINT for f, _ in chain}, strategy="profiling")
-            self.handle = apply(model, initial, chain)
+            self.handle = apply(model, initial, chain, **names)
         model._remat_session = self  # type: ignore[assignment]
         self._global_done = not (auto_step and (self._waiting or self.pgac is not None))
         if self._waiting or not self._global_done:
@@ -244,7 +255,7 @@ class RematSession:
                     "block's parameters after its forward). Make the plan before sharding: pass batch=<a sample "
                     "batch> or costs= (see remat.integrations.distributed.prepare)"
                 )
-            self._profiler = BlockProfiler(self.model, self.handle.blocks)
+            self._profiler = BlockProfiler(self.model, self.handle.blocks, io=self.handle.io)
             self._profiler.__enter__()
         else:  # a second training forward before any optimizer step: the profiled step has ended
             self._finish_profiling()
