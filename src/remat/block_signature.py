@@ -1,0 +1,123 @@
+"""Which blocks of a chain cost the same, so that the profiler measures one of them and reuses its row.
+
+:func:`block_signature` describes what decides a block's costs: its modules (types, ``extra_repr``, training
+flags), its parameters and buffers (names, shapes, strides, dtypes, devices, ``requires_grad``) and its
+call (tensor arguments by shape, stride, dtype, device and ``requires_grad``; other arguments by value, or by
+identity where they have no plain value). Two blocks with equal signatures run the same operators on the
+same sizes. What a signature cannot see (a Python attribute that changes the forward) is caught by
+:func:`keep_footprint`: one forward under ``keep`` inside a live-tensor tracker, whose bytes and output are
+compared with the measured block's footprint, taken the same way, before its row is reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from .block_run import GradsRestored, run_action
+from .blocks import main_input_slot, main_tensor, replace_slot, slot_value, without_caches
+from .costs import KEEP, BlockCost
+from .memory import LiveTensorTracker
+from .model_state import detached_from_step
+from .suspension import suspend_all
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout)
+
+
+def _tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    return ("tensor", tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.layout)
+
+
+def _value_signature(value: Any) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return _tensor_signature(value)
+    if isinstance(value, _PLAIN):
+        return (type(value).__name__, value)
+    if isinstance(value, torch.Size):
+        return ("size", tuple(value))
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, tuple(_value_signature(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((str(k), _value_signature(v)) for k, v in value.items()))
+    # An object with no plain value (a config, a cache, a rotary module): the same object for every block
+    # is the usual case and is treated as equal; different objects are not.
+    return ("object", type(value).__qualname__, id(value))
+
+
+def module_signature(module: nn.Module) -> Hashable:
+    """The block's own structure and state shapes, independent of its name in the model."""
+    modules = tuple(
+        (name, type(m).__module__, type(m).__qualname__, m.extra_repr(), m.training)
+        for name, m in module.named_modules()
+    )
+    params = tuple((name,) + _tensor_signature(p) for name, p in module.named_parameters())
+    buffers = tuple((name,) + _tensor_signature(b) for name, b in module.named_buffers())
+    return modules, params, buffers
+
+
+def block_signature(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """What a block's costs depend on; blocks with equal signatures are expected to cost the same."""
+    return (
+        module_signature(module),
+        _value_signature(args),
+        tuple(sorted((k, _value_signature(v)) for k, v in kwargs.items())),
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled(),
+    )
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one tracked forward under ``keep`` shows of a block: bytes alive after it, its peak, its output."""
+
+    saved_bytes: int
+    peak_bytes: int
+    output_shape: tuple[int, ...]
+    output_dtype: torch.dtype
+
+
+def keep_footprint(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Footprint:
+    """One forward of the block under ``keep`` on these inputs, in a live-tensor tracker and set apart from the
+    step like :func:`remat.profiler.measure_block` (RNG forked, gradients restored, remat hooks suspended)."""
+    slot = main_input_slot(args, kwargs)
+    source = slot_value(args, kwargs, slot)
+    device = source.device
+    main = source.detach().requires_grad_(True)
+    args, kwargs = detached_from_step(*without_caches(*replace_slot(args, kwargs, slot, main)))
+    identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    tracker = LiveTensorTracker(device)
+    with (
+        suspend_all(),
+        identity,
+        GradsRestored(module),
+        torch.random.fork_rng(devices=rng_devices, device_type=device.type),
+    ):
+        with tracker:
+            tracker.mark("start")
+            out = main_tensor(run_action(module, KEEP, args, kwargs))
+            tracker.mark("fwd_end")
+            shape, dtype = tuple(out.shape), out.dtype
+            del out
+        tracker.close()
+    return Footprint(
+        saved_bytes=tracker.bytes_at("fwd_end"),
+        peak_bytes=tracker.peak_between("start", "fwd_end"),
+        output_shape=shape,
+        output_dtype=dtype,
+    )
+
+
+def renamed(row: BlockCost, fqn: str) -> BlockCost:
+    """A copy of ``row`` for the block ``fqn`` (its dicts copied, so the rows can be edited apart)."""
+    return replace(
+        row,
+        fqn=fqn,
+        saved_bytes=dict(row.saved_bytes),
+        recompute_s=dict(row.recompute_s),
+        bwd_extra_bytes=dict(row.bwd_extra_bytes),
+    )
