@@ -60,7 +60,11 @@ def module_signature(module: nn.Module) -> Hashable:
 
 
 def block_signature(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    """What a block's costs depend on; blocks with equal signatures are expected to cost the same."""
+    """What a block's costs depend on; blocks with equal signatures are expected to cost the same. The main
+    input counts as requiring grad, as the profiler measures it (the first block's often does not)."""
+    slot = main_input_slot(args, kwargs)
+    main = slot_value(args, kwargs, slot)
+    args, kwargs = replace_slot(args, kwargs, slot, main.detach().requires_grad_(main.is_floating_point()))
     return (
         module_signature(module),
         _value_signature(args),

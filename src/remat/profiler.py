@@ -33,8 +33,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policies as _policies
 from .block_bytes import ByteTerms, run_tracked, tensor_bytes
-from .block_signature import Footprint, block_signature, keep_footprint, renamed
 from .block_run import GradsRestored, edge_backward_supported
+from .block_signature import Footprint, block_signature, keep_footprint, renamed
 from .block_timing import time_action
 from .blocks import BlocksArg, main_input, main_input_slot, replace_slot, resolve_blocks, slot_value, without_caches
 from .chain_bounds import ChainBounds
@@ -236,7 +236,7 @@ class BlockProfiler:
             device=device.type,
             source="measured",
             info={
-                "torch": torch.__version__,
+                "torch": str(torch.__version__),
                 "device_name": _device_name(device),
                 "profile_s": self._profile_seconds(),
                 "blocks_measured": len(self.rows) - len(self.reused),
