@@ -14,7 +14,9 @@ from remat.costs import CostTable
 
 
 def _bytes(costs: CostTable) -> list[tuple]:
-    return [
+    """Every byte figure of the table: the chain-wide ones, then each row's."""
+    table = (costs.stem_bytes, costs.head_bytes, costs.head_retained_bytes, costs.held_args_bytes)
+    return [table] + [
         (b.fqn, b.input_bytes, b.output_bytes, b.saved_bytes, b.fwd_temp_bytes, b.bwd_temp_bytes, b.bwd_extra_bytes)
         for b in costs.blocks
     ]
