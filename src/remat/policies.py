@@ -163,9 +163,12 @@ class Policy:
         return bool(self.offload(op))
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        decision = self._decisions.get(op)
-        if decision is None:
-            decision = self._decisions[op] = self._decide_by_op(ctx, op, *args, **kwargs)
+        # keyed by id (an OpOverload hashes in Python), the op kept beside its decision so that an id reused by
+        # another object is not mistaken for it
+        entry = self._decisions.get(id(op))
+        if entry is None or entry[0] is not op:
+            entry = self._decisions[id(op)] = (op, self._decide_by_op(ctx, op, *args, **kwargs))
+        decision = entry[1]
         if decision is _OFFLOADED:
             # torch recomputes it as far as it knows; the host copy modes under it answer the recompute.
             return CheckpointPolicy.MUST_SAVE if replayed_draws.tracing() else CheckpointPolicy.PREFER_RECOMPUTE
