@@ -1,11 +1,12 @@
 """What a selective-checkpoint region adds to a block's forward: a GPT-2 block's forward inside
 ``remat.checkpoint(block, x, policy=...)`` against the same forward without a region, on the CPU.
 
-Every policy runs on the same block and input, with dropout on (0.1) and off (0.0). Variants are timed in
-rounds, each round running every variant once in an order reversed every other round; each sample is the
-median of ``--inner`` forwards. A variant's figure is its ratio to the plain forward of the same round:
-the median over rounds, with the 25th and 75th percentiles. ``plain (A/A)`` is the plain forward against
-itself, the noise floor. ``checkpoint`` is a region with no policy (plain activation checkpointing).
+Every policy runs on the same block and input, with dropout on (0.1) and off (0.0). Each round times every
+variant right beside a plain forward (the pair's order flipped every other round, the variants' order reversed
+every other round), so that load drifting on a shared machine hits both sides of a pair alike; each sample is
+the median of ``--inner`` forwards. A variant's figure is the median over rounds of its ratio to its pair's
+plain forward, with the 25th and 75th percentiles, and the median extra milliseconds. ``plain (A/A)`` is the
+plain forward against itself, the noise floor. ``checkpoint`` is a region with no policy.
 
 ``--before REV`` also loads remat as it was at git revision ``REV`` (extracted to a temporary folder and
 imported under another name) and times its regions in the same rounds, so both versions meet the same load.
@@ -119,17 +120,22 @@ def main() -> None:
         runs = variants(block, before)
         for fn in runs.values():  # warm-up
             fn(x)
-        seconds: dict[str, list[float]] = {name: [] for name in runs}
-        names = list(runs)
+        names = [name for name in runs if name != "plain"]
+        pairs: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else reversed(names):
-                seconds[name].append(sample(runs[name], x, args.inner))
-        plain = seconds["plain"]
+                if r % 2 == 0:
+                    base = sample(runs["plain"], x, args.inner)
+                    other = sample(runs[name], x, args.inner)
+                else:
+                    other = sample(runs[name], x, args.inner)
+                    base = sample(runs["plain"], x, args.inner)
+                pairs[name].append((other, base))
+        plain = [base for samples in pairs.values() for _, base in samples]
         print(f"\ndropout {dropout}: plain forward {statistics.median(plain) * 1e3:.2f} ms")
-        for name in names[1:]:
-            ratios = [s / p for s, p in zip(seconds[name], plain, strict=True)]
-            lo, mid, hi = quartiles(ratios)
-            extra = (statistics.median(seconds[name]) - statistics.median(plain)) * 1e3
+        for name in names:
+            lo, mid, hi = quartiles([o / b for o, b in pairs[name]])
+            extra = statistics.median([o - b for o, b in pairs[name]]) * 1e3
             print(f"  {name:<28} {mid:6.3f}  [{lo:.3f}, {hi:.3f}]   {extra:+7.2f} ms")
 
 
