@@ -112,7 +112,7 @@ def main() -> None:
     print(
         f"GPT-2 block, hidden {args.hidden}, {args.heads} heads, input {args.batch}x{args.seq}, CPU, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}; {args.rounds} rounds of "
-        f"{args.inner} forwards, ratio to the plain forward of the same round (median [p25, p75])"
+        f"{args.inner} forwards, ratio to the plain forward of its pair (median [p25, p75]), extra ms"
     )
     for dropout in (0.1, 0.0):
         block = gpt2_block(args.hidden, args.heads, args.seq, dropout)
