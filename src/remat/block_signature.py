@@ -5,9 +5,8 @@ flags), its parameters and buffers (names, shapes, strides, dtypes, devices, ``r
 call (tensor arguments by shape, stride, dtype, device and ``requires_grad``; other arguments by value, or by
 identity where they have no plain value). Two blocks with equal signatures run the same operators on the
 same sizes. What a signature cannot see (a Python attribute that changes the forward) is caught by
-:func:`keep_footprint`: one forward and backward under ``keep`` inside a live-tensor tracker, whose forward
-bytes and output are
-compared with the measured block's footprint, taken the same way, before its row is reused.
+:func:`keep_footprint`: one forward under ``keep`` noting the shape and dtype of every tensor autograd saves
+and of the output, compared with the measured block's footprint, taken the same way, before its row is reused.
 """
 
 from __future__ import annotations
@@ -19,11 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .block_bytes import run_tracked
-from .block_run import GradsRestored
-from .blocks import main_input_slot, replace_slot, slot_value, without_caches
+from .block_run import GradsRestored, run_action
+from .blocks import main_input_slot, main_tensor, replace_slot, slot_value, without_caches
 from .costs import KEEP, BlockCost
-from .memory import LiveTensorTracker
 from .model_state import detached_from_step
 from .suspension import suspend_all
 
@@ -78,47 +75,40 @@ def block_signature(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 
 @dataclass(frozen=True)
 class Footprint:
-    """What one tracked run under ``keep`` shows of a block: bytes alive after it, its peak, its output."""
+    """What one forward under ``keep`` shows of a block: the shape and dtype of each tensor autograd saved for
+    backward, in order, and of its output."""
 
-    saved_bytes: int
-    peak_bytes: int
+    saved: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     output_shape: tuple[int, ...]
     output_dtype: torch.dtype
 
 
 def keep_footprint(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Footprint:
-    """One forward and backward of the block under ``keep`` on these inputs, in a live-tensor tracker and set
-    apart from the step like :func:`remat.profiler.measure_block` (RNG forked, gradients restored, remat hooks
-    suspended)."""
+    """One forward of the block under ``keep`` on these inputs, noting what autograd saves, set apart from the
+    step like :func:`remat.profiler.measure_block` (RNG forked, gradients restored, remat hooks suspended). No
+    dispatch mode and no backward: a few percent of the block's full measurement."""
     slot = main_input_slot(args, kwargs)
     source = slot_value(args, kwargs, slot)
     device = source.device
     main = source.detach().requires_grad_(True)
     args, kwargs = detached_from_step(*without_caches(*replace_slot(args, kwargs, slot, main)))
-    identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    saved: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def pack(t: torch.Tensor) -> None:
+        saved.append((tuple(t.shape), t.dtype))
+        # nothing is kept: the graph is never run backward, and holding nothing lets it go with its output
+
     rng_devices = [device.index or 0] if device.type == "cuda" else []
-    tracker = LiveTensorTracker(device)
-    output: list[tuple[tuple[int, ...], torch.dtype]] = []
-
-    def note_output(out: torch.Tensor) -> int:
-        output.append((tuple(out.shape), out.dtype))
-        return 0
-
     with (
         suspend_all(),
-        identity,
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
         GradsRestored(module),
         torch.random.fork_rng(devices=rng_devices, device_type=device.type),
     ):
-        # forward and backward, as the profiler runs it: a forward alone would leave its graph (and the step's
-        # tensors it saved) to the garbage collector
-        run_tracked(tracker, module, KEEP, args, kwargs, main, note_output)
-    return Footprint(
-        saved_bytes=tracker.bytes_at("fwd_end"),
-        peak_bytes=tracker.peak_between("start", "fwd_end"),
-        output_shape=output[0][0],
-        output_dtype=output[0][1],
-    )
+        out = main_tensor(run_action(module, KEEP, args, kwargs))
+        shape, dtype = tuple(out.shape), out.dtype
+        del out
+    return Footprint(saved=tuple(saved), output_shape=shape, output_dtype=dtype)
 
 
 def renamed(row: BlockCost, fqn: str) -> BlockCost:

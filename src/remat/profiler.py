@@ -13,9 +13,10 @@ action's recompute seconds are the recomputation plus the forward's extra time (
 
 Blocks that cost the same (equal :func:`~remat.block_signature.block_signature`: structure, parameter and
 input shapes, the same other arguments) are measured once: the first of each group fully, the others by one
-tracked forward under ``keep`` that must match the first's (:func:`~remat.block_signature.keep_footprint`)
-before its row is reused under their names; a block that does not match is measured fully. The table's
-``info`` records the profile's wall time and how many blocks were measured and reused.
+forward under ``keep`` whose saved tensors and output must match the first's
+(:func:`~remat.block_signature.keep_footprint`) before its row is reused under their names; a block that
+does not match is measured fully. The table's ``info`` records the profile's wall time and how many blocks
+were measured and reused.
 
 It serves both :func:`profile` (one step on a sample batch) and in-training profiling: the dynamic controllers
 wrap the first real training step in a ``BlockProfiler``.
