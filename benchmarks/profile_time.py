@@ -4,7 +4,8 @@ one block of each group of identical blocks and reusing its row (the default).
 The model is Hugging Face's ``GPT2LMHeadModel`` built from its config (random weights, dropout 0.1, eager
 attention) at hidden 384 and 6 heads, with 12 and with 48 blocks, on a batch of 4 x 256 tokens; the two
 profiles of one model alternate (order reversed every other round) and the table's own ``profile_s`` is
-printed, with the blocks measured and reused and whether the two tables' bytes agree.
+printed, with the blocks measured and reused and whether the two tables' bytes agree. One plain training step
+runs first, so that neither profile pays for the process's lazy setup.
 
     .venv/bin/python benchmarks/profile_time.py [--layers 12,48] [--hidden 384] [--batch 4] [--seq 256]
         [--rounds 1] [--threads N]
@@ -58,6 +59,8 @@ def main() -> None:
         )
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         batch = {"input_ids": ids, "labels": ids}
+        remat.profiler.run_step(spec.module, batch, spec.loss_fn)  # warm-up: the first step pays for lazy setup
+        spec.module.zero_grad(set_to_none=True)
         seconds: dict[bool, list[float]] = {True: [], False: []}
         tables: dict[bool, CostTable] = {}
         for r in range(args.rounds):
