@@ -62,6 +62,9 @@ def test_profile_and_advise_run_on_a_small_model(tmp_path, capsys):
     out = tmp_path / "costs.json"
     assert main(["profile", "--model", "mlp", "--batch-size", "8", "--json", str(out)]) == 0
     assert set(json.loads(out.read_text())["blocks"][0]["saved_bytes"]) >= {"keep", "checkpoint"}
+    info = json.loads(out.read_text())["info"]
+    printed = capsys.readouterr().out
+    assert f"profiled in {info['profile_s']:.1f} s ({info['blocks_measured']} blocks measured" in printed
     assert main(["advise", "--model", "mlp", "--batch-size", "8", "--device-memory", "1GiB"]) == 0
     assert "checkpointing is not needed" in capsys.readouterr().out
 

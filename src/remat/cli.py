@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import cli_args
+from .costs import profile_summary
 from .sizes import format_bytes
 
 
@@ -118,6 +119,8 @@ def _print_costs(costs: Any) -> None:
         row += "".join(f"{format_bytes(b.saved_bytes[a]):>24}" for a in actions)
         print(row)
     print(f"stem {format_bytes(costs.stem_bytes)}, head {format_bytes(costs.head_bytes)}, source {costs.source}")
+    if "profile_s" in costs.info:
+        print(f"profiled in {profile_summary(costs)}")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -39,7 +39,7 @@ or plain checkpointing there.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -138,13 +138,23 @@ def resolve_op(op: Any) -> Any:
     )
 
 
+_ASK = object()  # a decision that is not the op's alone: ask the policy's ``save`` each time
+_OFFLOADED = object()  # an offloaded op: the decision depends on whether torch.compile is tracing
+
+
 @dataclass(frozen=True)
 class Policy:
-    """A named per-operator policy; ``context_fn()`` gives the contexts ``torch.utils.checkpoint`` takes."""
+    """A named per-operator policy; ``context_fn()`` gives the contexts ``torch.utils.checkpoint`` takes.
+
+    ``by_op``: ``save`` decides from the operator alone (not its arguments), so each operator's decision is
+    worked out once and looked up after; the built-in policies are. A user callable is asked at every op.
+    """
 
     name: str
     save: Callable[..., bool | CheckpointPolicy]
     offload: Callable[[Any], bool] | None = None  # op -> whether its outputs go to host memory
+    by_op: bool = False
+    _decisions: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def offloads(self, op: Any) -> bool:
         """Whether this policy keeps ``op``'s outputs in host memory (in eager mode)."""
@@ -153,37 +163,62 @@ class Policy:
         return bool(self.offload(op))
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        # keyed by id (an OpOverload hashes in Python), the op kept beside its decision so that an id reused by
+        # another object is not mistaken for it
+        entry = self._decisions.get(id(op))
+        if entry is None or entry[0] is not op:
+            entry = self._decisions[id(op)] = (op, self._decide_by_op(ctx, op, *args, **kwargs))
+        decision = entry[1]
+        if decision is _OFFLOADED:
+            # torch recomputes it as far as it knows; the host copy modes under it answer the recompute.
+            return CheckpointPolicy.MUST_SAVE if replayed_draws.tracing() else CheckpointPolicy.PREFER_RECOMPUTE
+        if decision is _ASK:
+            return _as_checkpoint_policy(self.save(ctx, op, *args, **kwargs))
+        return decision
+
+    def _decide_by_op(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        """The decision for every call of ``op``: a ``CheckpointPolicy``, ``_OFFLOADED``, or ``_ASK``."""
         if _never_saved(op) or _random(op):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if self.offloads(op):
-            # torch recomputes it as far as it knows; the host copy modes under it answer the recompute.
-            return CheckpointPolicy.MUST_SAVE if replayed_draws.tracing() else CheckpointPolicy.PREFER_RECOMPUTE
-        decision = self.save(ctx, op, *args, **kwargs)
-        if isinstance(decision, CheckpointPolicy):
-            return decision
-        return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
+            return _OFFLOADED
+        if not self.by_op:
+            return _ASK
+        return _as_checkpoint_policy(self.save(ctx, op, *args, **kwargs))
 
     def context_fn(self) -> Any:
-        forward, recompute = create_selective_checkpoint_contexts(self)
         if replayed_draws.tracing():  # torch.compile takes torch's own pair of dispatch modes
-            return forward, recompute
-        record, replay = replayed_draws.contexts()
+            return create_selective_checkpoint_contexts(self)
+        log = replayed_draws.DrawLog()
+        replay = replayed_draws.ReplayDraws(log)
+        if replayed_draws.POLICY_SEES_OUTPUT:
+            forward, recompute = create_selective_checkpoint_contexts(replayed_draws.recording(self, log))
+            below: tuple[Any, ...] = ()
+        else:
+            forward, recompute = create_selective_checkpoint_contexts(self)
+            below = (replayed_draws.RecordDraws(log),)
         # torch's mode innermost: it decides what to cache, and what it runs reaches the draw log below it.
         if self.offload is None:
             return (
-                replayed_draws.StackedContexts(record, forward),
+                replayed_draws.StackedContexts(*below, forward),
                 replayed_draws.StackedContexts(replay, recompute),
             )
         store, serve = host_copies.contexts(self.offloads)
         return (
-            replayed_draws.StackedContexts(record, store, forward),
+            replayed_draws.StackedContexts(*below, store, forward),
             replayed_draws.StackedContexts(replay, serve, recompute),
         )
 
 
-everything_saveable = Policy("everything_saveable", lambda ctx, op, *a, **k: True)
-nothing_saveable = Policy("nothing_saveable", lambda ctx, op, *a, **k: False)
-dots_saveable = Policy("dots_saveable", lambda ctx, op, *a, **k: _packet(op) in DOT_OPS)
+def _as_checkpoint_policy(decision: bool | CheckpointPolicy) -> CheckpointPolicy:
+    if isinstance(decision, CheckpointPolicy):
+        return decision
+    return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+everything_saveable = Policy("everything_saveable", lambda ctx, op, *a, **k: True, by_op=True)
+nothing_saveable = Policy("nothing_saveable", lambda ctx, op, *a, **k: False, by_op=True)
+dots_saveable = Policy("dots_saveable", lambda ctx, op, *a, **k: _packet(op) in DOT_OPS, by_op=True)
 
 
 def _op_names(ops: Iterable[Any]) -> str:
@@ -194,17 +229,19 @@ def save_only(*ops: Any, name: str | None = None) -> Policy:
     """Save only the outputs of ``ops``; recompute everything else."""
     chosen = frozenset(resolve_op(o) for o in ops)
     label = name or f"save_only({_op_names(chosen)})"
-    return Policy(label, lambda ctx, op, *a, **k: _packet(op) in chosen)
+    return Policy(label, lambda ctx, op, *a, **k: _packet(op) in chosen, by_op=True)
 
 
 def save_all_but(*ops: Any, name: str | None = None) -> Policy:
     """Save every output except those of ``ops`` (which are recomputed)."""
     chosen = frozenset(resolve_op(o) for o in ops)
     label = name or f"save_all_but({_op_names(chosen)})"
-    return Policy(label, lambda ctx, op, *a, **k: _packet(op) not in chosen)
+    return Policy(label, lambda ctx, op, *a, **k: _packet(op) not in chosen, by_op=True)
 
 
-offload_dots = Policy("offload_dots", lambda ctx, op, *a, **k: False, offload=lambda op: _packet(op) in DOT_OPS)
+offload_dots = Policy(
+    "offload_dots", lambda ctx, op, *a, **k: False, offload=lambda op: _packet(op) in DOT_OPS, by_op=True
+)
 
 
 def offload_only(*ops: Any, name: str | None = None) -> Policy:
@@ -214,7 +251,7 @@ def offload_only(*ops: Any, name: str | None = None) -> Policy:
     if not chosen:
         raise ValueError("offload_only() needs at least one operator, e.g. offload_only('mm', 'addmm')")
     label = name or f"offload_only({_op_names(chosen)})"
-    return Policy(label, lambda ctx, op, *a, **k: False, offload=lambda op: _packet(op) in chosen)
+    return Policy(label, lambda ctx, op, *a, **k: False, offload=lambda op: _packet(op) in chosen, by_op=True)
 
 
 def save_and_offload(save: Iterable[Any] = (), offload: Iterable[Any] = (), *, name: str | None = None) -> Policy:
@@ -226,7 +263,9 @@ def save_and_offload(save: Iterable[Any] = (), offload: Iterable[Any] = (), *, n
     if both:
         raise ValueError(f"operators {_op_names(both)} are both saved and offloaded: name each in one list only")
     label = name or f"save_and_offload(save=({_op_names(kept)}),offload=({_op_names(moved)}))"
-    return Policy(label, lambda ctx, op, *a, **k: _packet(op) in kept, offload=lambda op: _packet(op) in moved)
+    return Policy(
+        label, lambda ctx, op, *a, **k: _packet(op) in kept, offload=lambda op: _packet(op) in moved, by_op=True
+    )
 
 
 _REGISTRY: dict[str, Policy] = {p.name: p for p in (everything_saveable, nothing_saveable, dots_saveable, offload_dots)}

@@ -11,13 +11,21 @@ Under an offload policy (``selective:offload_dots``...) the host copies are not 
 the tracker does not count them; on CPU they are, and it does (see :mod:`remat.host_copies`). Such an
 action's recompute seconds are the recomputation plus the forward's extra time (the copies it queues).
 
+Blocks that cost the same (equal :func:`~remat.block_signature.block_signature`: structure, parameter and
+input shapes, the same other arguments) are measured once: the first of each group fully, the others by one
+forward under ``keep`` whose saved tensors and output must match the first's
+(:func:`~remat.block_signature.keep_footprint`) before its row is reused under their names; a block that
+does not match is measured fully. The table's ``info`` records the profile's wall time and how many blocks
+were measured and reused.
+
 It serves both :func:`profile` (one step on a sample batch) and in-training profiling: the dynamic controllers
 wrap the first real training step in a ``BlockProfiler``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from . import policies as _policies
 from .block_bytes import ByteTerms, run_tracked, tensor_bytes
 from .block_run import GradsRestored, edge_backward_supported, parameters_detached
+from .block_signature import Footprint, block_signature, keep_footprint, renamed
 from .block_timing import time_action
 from .blocks import (
     BlockIO,
@@ -135,6 +144,9 @@ class BlockProfiler:
     >>> with BlockProfiler(model) as prof:
     ...     loss_fn(model(**batch)).backward()
     >>> costs = prof.cost_table()
+
+    With ``reuse_identical`` (the default) a block whose signature and footprint under ``keep`` match an
+    already measured block's gets a copy of that block's row; pass ``False`` to time every block.
     """
 
     def __init__(
@@ -146,6 +158,7 @@ class BlockProfiler:
         actions: Sequence[str] | None = None,
         repeats: int = 3,
         io: Sequence[BlockIO] | None = None,
+        reuse_identical: bool = True,
     ) -> None:
         self.model = model
         self.chain = resolve_blocks(model, blocks)
@@ -154,6 +167,12 @@ class BlockProfiler:
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
         self.rows: dict[int, BlockCost] = {}
+        self.reuse_identical = reuse_identical
+        self.reused: set[int] = set()
+        # signature -> (index of the block measured for it, its footprint under keep)
+        self._groups: dict[Hashable, tuple[int, Footprint]] = {}
+        self._start: float | None = None
+        self._elapsed: float | None = None
         self._hooks: list[Any] = []
         self._tracker: LiveTensorTracker | None = None
         self._bounds: ChainBounds | None = None
@@ -168,9 +187,13 @@ class BlockProfiler:
         self._tracker = LiveTensorTracker()
         self._bounds = ChainBounds(self._tracker)
         self._tracker.__enter__()
+        self._start = time.perf_counter()
+        self._elapsed = None
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._start is not None:
+            self._elapsed = time.perf_counter() - self._start
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -192,9 +215,7 @@ class BlockProfiler:
                 # Step off every dispatch mode (the step's tracker included) so the block is timed and
                 # measured as it runs in training, not through Python dispatch.
                 with _disable_current_modes(), extra_run(module):
-                    self.rows[i] = measure_block(
-                        fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i]
-                    )
+                    self._measure_or_reuse(i, fqn, module, args, kwargs, actions)
             except RuntimeError as error:
                 if "in-place" in str(error) or "inplace" in str(error):
                     raise in_place_error(fqn, "while remat profiles it alone") from error
@@ -203,6 +224,24 @@ class BlockProfiler:
                 self._busy = False
 
         return hook
+
+    def _measure_or_reuse(
+        self, i: int, fqn: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], actions: list[str]
+    ) -> None:
+        if not self.reuse_identical:
+            self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i])
+            return
+        io = self.io[i]
+        key = (block_signature(module, args, kwargs, io.input_slot(args, kwargs)), tuple(actions))
+        footprint = keep_footprint(module, args, kwargs, io)
+        first = self._groups.get(key)
+        if first is not None and first[1] == footprint:
+            self.rows[i] = renamed(self.rows[first[0]], fqn)
+            self.reused.add(i)
+            return
+        self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i])
+        if first is None:
+            self._groups[key] = (i, footprint)
 
     def _chain_end_hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if self._bounds is not None and not self._busy:
@@ -224,8 +263,20 @@ class BlockProfiler:
             **bounds,
             device=device.type,
             source="measured",
-            info={"torch": torch.__version__, "device_name": _device_name(device)},
+            info={
+                "torch": str(torch.__version__),
+                "device_name": _device_name(device),
+                "profile_s": self._profile_seconds(),
+                "blocks_measured": len(self.rows) - len(self.reused),
+                "blocks_reused": len(self.reused),
+            },
         )
+
+    def _profile_seconds(self) -> float:
+        """Wall time of the profiled step (up to now while it is still open)."""
+        if self._elapsed is not None:
+            return self._elapsed
+        return time.perf_counter() - self._start if self._start is not None else 0.0
 
 
 def _device_name(device: torch.device) -> str:
@@ -246,14 +297,19 @@ def profile(
     repeats: int = 3,
     main_input: InputName | Mapping[str, InputName] = None,
     main_output: OutputName | Mapping[str, OutputName] = None,
+    reuse_identical: bool = True,
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
     ``main_input``/``main_output`` name the hidden state a block takes and returns where remat's guess is
-    wrong (see :mod:`remat.blocks`). Parameter gradients are left as they were."""
+    wrong (see :mod:`remat.blocks`). Parameter gradients are left as they were. Blocks that cost the same are
+    measured once unless ``reuse_identical`` is false (see :class:`BlockProfiler`); ``info["profile_s"]`` is the
+    profile's wall time."""
     chain = resolve_blocks(model, blocks)
     io = block_ios(chain, main_input, main_output)
-    profiler = BlockProfiler(model, chain, policies=policies, repeats=repeats, io=io)
+    profiler = BlockProfiler(
+        model, chain, policies=policies, repeats=repeats, io=io, reuse_identical=reuse_identical
+    )
     with GradsRestored(model), profiled_step(model), profiler:
         run_step(model, batch, loss_fn)
     return profiler.cost_table()

@@ -12,18 +12,32 @@ exactly) and the generator state after it. In recompute, :class:`ReplayDraws` fi
 kept values instead of drawing and moves the generator to the recorded state, so any random op later in the
 region draws what it drew in forward, and the result is bit for bit the forward's. Draws on other devices
 (CUDA dropout is one fused op, cheap to draw again) are left alone; so is code that ``torch.compile`` traced.
+
+Where torch calls the selective-checkpoint policy after each forward op with the op run (torch 2.5 and later:
+``SelectiveCheckpointContext.op_output``), the forward needs no mode of its own: :func:`recording` wraps the
+policy so that it logs the draws as torch asks it about them, which saves a Python dispatch frame per op.
+A recompute whose forward drew nothing on the CPU skips its replay mode too (CUDA regions, no dropout).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SelectiveCheckpointContext
 
 _BERNOULLI_INPLACE = torch.ops.aten.bernoulli_
+# by id: an OpOverload hashes in Python, which costs more per op than the rest of the check; overloads are
+# created once and kept by their packet, so their ids are stable
+_BERNOULLI_IDS = frozenset(id(getattr(_BERNOULLI_INPLACE, name)) for name in _BERNOULLI_INPLACE.overloads())
+
+# torch calls the policy after the op has run (and passes its output) where the context has ``op_output``
+POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
 
 
 @dataclass
@@ -59,22 +73,44 @@ class RecordDraws(TorchDispatchMode):
         return out
 
 
+def recording(policy: Callable[..., Any], log: DrawLog) -> Callable[..., Any]:
+    """``policy``, also logging into ``log`` each CPU ``bernoulli_`` it is asked about (after the draw: use
+    only where :data:`POLICY_SEES_OUTPUT`); the forward then needs no :class:`RecordDraws`."""
+    draws = log.draws
+
+    def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        if id(func) in _BERNOULLI_IDS and args:
+            target = args[0]
+            if type(target) is torch.Tensor and target.device.type in ("cpu", "meta"):
+                draws.append((target.to(torch.bool), torch.get_rng_state()))
+        return policy(ctx, func, *args, **kwargs)
+
+    return policy_fn
+
+
 class ReplayDraws(TorchDispatchMode):
-    """Recompute: serve each CPU ``bernoulli_`` from the log, in order, instead of drawing."""
+    """Recompute: serve each CPU ``bernoulli_`` from the log, in order, instead of drawing. Where forward drew
+    nothing on the CPU it stays out of the dispatch stack."""
 
     def __init__(self, log: DrawLog) -> None:
         super().__init__()
         self.log = log
         self.position = 0
+        self._active = False
 
     def __enter__(self) -> ReplayDraws:
         self.position = 0  # a region may be recomputed more than once (retain_graph)
+        self._active = bool(self.log.draws)
+        if not self._active:
+            return self
         # Replays move the generator; put it back on exit so that a recompute without torch's RNG fork
         # (preserve_rng_state=False) leaves the caller's random stream as it found it.
         self._outer_state = torch.get_rng_state()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        if not self._active:
+            return
         try:
             super().__exit__(*exc)
         finally:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..costs import CostTable
+from ..costs import CostTable, profile_summary
 from .budget import parse_budget, resolve_bench_budget
 from .checks import all_specs, resolve_layers, validate
 from .compile_child import run_child
@@ -138,7 +138,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         log.note(f"profiling {config.model}-{config.preset} seed {seed} ...")
         started = time.perf_counter()
         costs, found = profile_costs({**probe, "seed": seed}, config.profile_repeats)
-        costs.info["profile_s"] = time.perf_counter() - started
+        costs.info["profile_job_s"] = time.perf_counter() - started  # model and data built, then profiled
+        log.note(f"profiled in {profile_summary(costs)}")
         costs_by_seed[seed] = costs
         facts = facts or found
     budget = resolve_bench_budget(budget_spec, costs_by_seed)

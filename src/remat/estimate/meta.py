@@ -269,6 +269,6 @@ def meta_cost_table(
             "device_flops": device.name,
             "flops_per_s": device.flops,
             "bandwidth_bytes_per_s": device.bandwidth,
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),
         },
     )
