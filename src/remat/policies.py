@@ -7,6 +7,18 @@ recompute in backward) or recomputed. Use one with ``remat.checkpoint(fn, x, pol
 * ``everything_saveable``: save every output (as without checkpointing, but inside the region).
 * ``nothing_saveable``: recompute everything (plain checkpointing).
 * ``dots_saveable``: save the outputs of matmuls, convolutions and attention; recompute elementwise ops.
+* ``all_but_pointwise_saveable``: save every output except those of pointwise ops (``torch.Tag.pointwise``:
+  activations, residual adds, scalings, casts) and views, which are recomputed; the first saving
+  torch.compile's min-cut partitioner and memory budget make (they recompute fusible ops first).
+* ``attention_saveable``: save only the outputs of the attention kernels ``scaled_dot_product_attention``
+  dispatches to (flash, memory-efficient, cuDNN, the CPU flash kernel); recompute everything else. It saves
+  nothing where there is no such kernel (eager attention; SDPA's math form, which CPU takes under attention
+  dropout) or where the kernel applies dropout (it draws, and random ops are recomputed: see below).
+* ``dots_every_other_saveable``: save attention outputs and every other matmul (the 1st, 3rd... of each region
+  run), recompute the others and everything elementwise: torchtitan's op-level policy. The count starts afresh
+  in every region and recompute sees the same decisions, so gradients stay exact.
+* :data:`MENU`: ``dots_saveable`` and the three above; ``remat.profile(..., policies="menu")`` measures
+  every one, and ``optimal`` picks per block among them.
 * ``save_only(*ops)``, ``save_all_but(*ops)``: name operators as ``torch.ops.aten.mm``, ``"aten.mm"`` or
   ``"mm"``.
 * ``offload_dots``: keep the outputs of matmuls, convolutions and attention in host memory (pinned on CUDA),
@@ -23,7 +35,8 @@ Whatever the policy:
   place afterwards;
 * random ops (``native_dropout``, ``rand``, ``bernoulli``...) are run again in recompute from the restored
   generator, in the forward's order, as plain checkpointing does; saving some of them but not others would
-  shift the random stream under the rest;
+  shift the random stream under the rest. Attention kernels count as random only when they apply dropout
+  (``dropout_p > 0``): without it they draw nothing and a policy may save them;
 * except CPU dropout draws (``bernoulli_``), which are kept from forward at one byte per element and replayed
   (:mod:`remat.replayed_draws`): on CPU the draw costs far more than the byte.
 
@@ -39,7 +52,7 @@ or plain checkpointing there.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -49,27 +62,39 @@ from . import host_copies, replayed_draws
 
 aten = torch.ops.aten
 
-DOT_OPS: frozenset[Any] = frozenset(
-    op
-    for op in (
-        aten.mm,
-        aten.addmm,
-        aten.bmm,
-        aten.baddbmm,
-        aten.matmul,
-        aten.linear,
-        aten.convolution,
-        aten._convolution,
-        aten.cudnn_convolution,
-        aten._scaled_dot_product_efficient_attention,
-        aten._scaled_dot_product_flash_attention,
-        aten._scaled_dot_product_flash_attention_for_cpu,
-        aten._scaled_dot_product_cudnn_attention,
-        getattr(aten, "_flash_attention_forward", None),
-        getattr(aten, "_efficient_attention_forward", None),
+# The attention kernels scaled_dot_product_attention dispatches to (CPU and CUDA); its math form (taken on CPU
+# with attention dropout, and on meta) runs plain matmuls and softmax instead.
+ATTENTION_OPS: frozenset[Any] = frozenset(
+    getattr(aten, name)
+    for name in (
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
     )
-    if op is not None
+    if hasattr(aten, name)
 )
+
+MATMUL_OPS: frozenset[Any] = frozenset(
+    getattr(aten, name)
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "matmul",
+        "linear",
+        "convolution",
+        "_convolution",
+        "cudnn_convolution",
+    )
+    if hasattr(aten, name)
+)
+
+DOT_OPS: frozenset[Any] = MATMUL_OPS | ATTENTION_OPS
 
 
 # Fresh buffers (uninitialised or constant): free to recompute, and often filled in place right after
@@ -107,8 +132,26 @@ def _never_saved(op: Any) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
-def _random(op: Any) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+def _random(op: Any, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether ``op`` draws from the generator. The attention kernels are tagged as random for their dropout;
+    given their arguments, one with ``dropout_p == 0`` is not (it leaves the generator alone)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    if args is None or _packet(op) not in ATTENTION_OPS:
+        return True
+    return _dropout_p(op, args, kwargs or {}) != 0
+
+
+def _dropout_p(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    """The ``dropout_p`` argument of an attention kernel call (1.0 when the schema has none: assume a draw)."""
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == "dropout_p":
+            if argument.name in kwargs:
+                return float(kwargs[argument.name])
+            if i < len(args):
+                return float(args[i])
+            return float(argument.default_value or 0.0)
+    return 1.0
 
 
 def _aliases_input(op: Any) -> bool:
@@ -153,7 +196,7 @@ class Policy:
         return bool(self.offload(op))
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if _never_saved(op) or _random(op):
+        if _never_saved(op) or _random(op, args, kwargs):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if self.offloads(op):
             # torch recomputes it as far as it knows; the host copy modes under it answer the recompute.
@@ -163,27 +206,93 @@ class Policy:
             return decision
         return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
 
+    def for_region(self) -> Policy:
+        """This policy with its own per-region state (a fresh call count for :data:`dots_every_other_saveable`);
+        itself when it keeps none."""
+        fresh = getattr(self.save, "fresh", None)
+        return self if fresh is None else replace(self, save=fresh())
+
     def context_fn(self) -> Any:
-        forward, recompute = create_selective_checkpoint_contexts(self)
+        policy = self.for_region()
+        forward, recompute = create_selective_checkpoint_contexts(policy)
         if replayed_draws.tracing():  # torch.compile takes torch's own pair of dispatch modes
             return forward, recompute
         record, replay = replayed_draws.contexts()
+        # Counting policies start each recompute from the first call (torch < 2.6 asks them again there).
+        restart = getattr(policy.save, "recompute_started", None)
+        replay_first = (replay, *([_OnEnter(restart)] if restart is not None else []))
         # torch's mode innermost: it decides what to cache, and what it runs reaches the draw log below it.
         if self.offload is None:
             return (
                 replayed_draws.StackedContexts(record, forward),
-                replayed_draws.StackedContexts(replay, recompute),
+                replayed_draws.StackedContexts(*replay_first, recompute),
             )
         store, serve = host_copies.contexts(self.offloads)
         return (
             replayed_draws.StackedContexts(record, store, forward),
-            replayed_draws.StackedContexts(replay, serve, recompute),
+            replayed_draws.StackedContexts(*replay_first, serve, recompute),
         )
+
+
+class _OnEnter:
+    """A context manager that calls ``fn()`` each time it is entered (and can be entered again)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def __enter__(self) -> None:
+        self.fn()
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 everything_saveable = Policy("everything_saveable", lambda ctx, op, *a, **k: True)
 nothing_saveable = Policy("nothing_saveable", lambda ctx, op, *a, **k: False)
 dots_saveable = Policy("dots_saveable", lambda ctx, op, *a, **k: _packet(op) in DOT_OPS)
+attention_saveable = Policy("attention_saveable", lambda ctx, op, *a, **k: _packet(op) in ATTENTION_OPS)
+
+
+def _pointwise(op: Any) -> bool:
+    return torch.Tag.pointwise in getattr(op, "tags", ())
+
+
+def _save_unless_pointwise(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    # Views are recomputed too (free): a saved view would keep alive the recomputed output it looks into.
+    # ``_unsafe_view`` is one in fact though its schema does not say so.
+    return not (_pointwise(op) or _aliases_input(op) or _packet(op) is aten._unsafe_view)
+
+
+all_but_pointwise_saveable = Policy("all_but_pointwise_saveable", _save_unless_pointwise)
+
+
+class EveryOtherMatmul:
+    """The decisions of :data:`dots_every_other_saveable` for one region run: attention kernels saved, the
+    1st, 3rd, 5th... matmul of the region saved, the 2nd, 4th... recomputed. The count restarts in every
+    region (:meth:`fresh`), and is kept apart for the recompute, which makes the same calls in the same order
+    (torchtitan's per-op policy counts ``mm`` calls the same way)."""
+
+    def __init__(self) -> None:
+        self.calls = {False: 0, True: 0}  # by ctx.is_recompute
+
+    def fresh(self) -> EveryOtherMatmul:
+        return EveryOtherMatmul()
+
+    def recompute_started(self) -> None:
+        self.calls[True] = 0
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+        packet = _packet(op)
+        if packet in ATTENTION_OPS:
+            return True
+        if packet not in MATMUL_OPS:
+            return False
+        recompute = bool(getattr(ctx, "is_recompute", False))
+        self.calls[recompute] += 1
+        return self.calls[recompute] % 2 == 1
+
+
+dots_every_other_saveable = Policy("dots_every_other_saveable", EveryOtherMatmul())
 
 
 def _op_names(ops: Iterable[Any]) -> str:
@@ -229,7 +338,27 @@ def save_and_offload(save: Iterable[Any] = (), offload: Iterable[Any] = (), *, n
     return Policy(label, lambda ctx, op, *a, **k: _packet(op) in kept, offload=lambda op: _packet(op) in moved)
 
 
-_REGISTRY: dict[str, Policy] = {p.name: p for p in (everything_saveable, nothing_saveable, dots_saveable, offload_dots)}
+_REGISTRY: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        everything_saveable,
+        nothing_saveable,
+        dots_saveable,
+        all_but_pointwise_saveable,
+        attention_saveable,
+        dots_every_other_saveable,
+        offload_dots,
+    )
+}
+
+# The per-operator policies a profile measures with ``policies="menu"``: each saves a different share of a
+# block's activations at a different recompute price, and the optimal planner picks per block among them.
+MENU: tuple[str, ...] = (
+    "dots_saveable",
+    "all_but_pointwise_saveable",
+    "attention_saveable",
+    "dots_every_other_saveable",
+)
 
 
 def register(policy: Policy) -> Policy:
@@ -257,3 +386,20 @@ def get(name_or_policy: str | Policy | Callable[..., Any]) -> Policy:
 
 def names() -> Iterable[str]:
     return sorted(_REGISTRY)
+
+
+def expand(policies: str | Iterable[str | Policy]) -> list[str]:
+    """Policy names from a ``policies=`` argument: a name, ``"menu"`` (every policy of :data:`MENU`), a
+    comma-separated string of them, or an iterable of names and :class:`Policy` objects (which must be
+    registered to be used in plans). Duplicates are dropped; unknown names raise ValueError."""
+    items: Iterable[str | Policy] = policies.split(",") if isinstance(policies, str) else policies
+    out: list[str] = []
+    for item in items:
+        if isinstance(item, str) and item.strip() == "menu":
+            names_ = list(MENU)
+        elif isinstance(item, str) and not item.strip():
+            continue
+        else:
+            names_ = [get(item.strip() if isinstance(item, str) else item).name]
+        out.extend(n for n in names_ if n not in out)
+    return out

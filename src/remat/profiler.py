@@ -40,10 +40,10 @@ from .training_step import Batch, default_loss, run_step
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
 
 
-def default_actions(device: torch.device, policies: Iterable[str] = ("dots_saveable",)) -> list[str]:
-    """The actions a block is profiled under: keep, checkpoint, ``selective:<policy>`` for each of ``policies``,
-    and offload on CUDA."""
-    actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + _policies.get(p).name for p in policies]
+def default_actions(device: torch.device, policies: str | Iterable[str] = ("dots_saveable",)) -> list[str]:
+    """The actions a block is profiled under: keep, checkpoint, ``selective:<policy>`` for each of ``policies``
+    (``"menu"`` for :data:`remat.policies.MENU`), and offload on CUDA."""
+    actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + name for name in _policies.expand(policies)]
     if device.type == "cuda":
         actions.append(OFFLOAD)
     return actions
@@ -123,13 +123,13 @@ class BlockProfiler:
         model: nn.Module,
         blocks: BlocksArg = None,
         *,
-        policies: Iterable[str] = ("dots_saveable",),
+        policies: str | Iterable[str] = ("dots_saveable",),
         actions: Sequence[str] | None = None,
         repeats: int = 3,
     ) -> None:
         self.model = model
         self.chain = resolve_blocks(model, blocks)
-        self.policies = tuple(policies)
+        self.policies = tuple(_policies.expand(policies))
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
         self.rows: dict[int, BlockCost] = {}
@@ -214,12 +214,13 @@ def profile(
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     blocks: BlocksArg = None,
-    policies: Iterable[str] = ("dots_saveable",),
+    policies: str | Iterable[str] = ("dots_saveable",),
     repeats: int = 3,
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
-    Parameter gradients are left as they were."""
+    ``policies``: the per-operator policies measured as ``selective:<name>`` actions (names, or ``"menu"``
+    for :data:`remat.policies.MENU`). Parameter gradients are left as they were."""
     profiler = BlockProfiler(model, blocks, policies=policies, repeats=repeats)
     with GradsRestored(model), profiled_step(model), profiler:
         run_step(model, batch, loss_fn)

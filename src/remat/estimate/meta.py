@@ -160,7 +160,7 @@ def meta_cost_table(
     *,
     blocks: BlocksArg = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    policies: Iterable[str] = ("dots_saveable",),
+    policies: str | Iterable[str] = ("dots_saveable",),
     device_flops: float | str | DeviceThroughput = "h100-bf16",
 ) -> CostTable:
     """The :class:`~remat.costs.CostTable` of a model computed on the ``meta`` device, without memory.
@@ -188,7 +188,7 @@ def meta_cost_table(
     device = device_throughput(device_flops)
     model = _meta_model(model_or_factory)
     chain = resolve_blocks(model, blocks)
-    actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + _policies.get(p).name for p in policies]
+    actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + name for name in _policies.expand(policies)]
     inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     tracker = LiveTensorTracker()
     bounds = ChainBounds(tracker)
