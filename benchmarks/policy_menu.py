@@ -55,7 +55,7 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Te
     config = GPT2Config(
         n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, n_positions=args.seq, vocab_size=args.vocab,
         resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout, use_cache=False, bos_token_id=0,
-        eos_token_id=0, loss_type="ForCausalLM",
+        eos_token_id=0,
         attn_implementation=args.attention,
     )  # fmt: skip
     torch.manual_seed(0)
