@@ -59,126 +59,43 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import host_copies, replayed_draws
-
-aten = torch.ops.aten
-
-# The attention kernels scaled_dot_product_attention dispatches to (CPU and CUDA); its math form (taken on CPU
-# with attention dropout, and on meta) runs plain matmuls and softmax instead.
-ATTENTION_OPS: frozenset[Any] = frozenset(
-    getattr(aten, name)
-    for name in (
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_fused_attention_overrideable",
-        "_flash_attention_forward",
-        "_efficient_attention_forward",
-    )
-    if hasattr(aten, name)
+from .op_kinds import (
+    ATTENTION_OPS,
+    DOT_OPS,
+    MATMUL_OPS,
+    aliases_input,
+    asks_policy,
+    draws_random,
+    never_saved,
+    packet,
+    resolve_op,
+    worth_saving,
 )
 
-MATMUL_OPS: frozenset[Any] = frozenset(
-    getattr(aten, name)
-    for name in (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "matmul",
-        "linear",
-        "convolution",
-        "_convolution",
-        "cudnn_convolution",
-    )
-    if hasattr(aten, name)
-)
-
-DOT_OPS: frozenset[Any] = MATMUL_OPS | ATTENTION_OPS
-
-
-# Fresh buffers (uninitialised or constant): free to recompute, and often filled in place right after
-# (CPU dropout is ``empty_like(x).bernoulli_()``), which would invalidate a saved copy.
-FRESH_BUFFER_OPS: frozenset[Any] = frozenset(
-    getattr(aten, name)
-    for name in (
-        "empty",
-        "empty_like",
-        "empty_strided",
-        "new_empty",
-        "new_empty_strided",
-        "zeros",
-        "zeros_like",
-        "new_zeros",
-        "ones",
-        "ones_like",
-        "new_ones",
-        "full",
-        "full_like",
-        "new_full",
-        "scalar_tensor",
-    )
-    if hasattr(aten, name)
-)
-
-
-def _never_saved(op: Any) -> bool:
-    """Ops whose outputs a policy never saves, whatever it says: fresh buffers, and ops that mutate their
-    inputs (their output is a mutated input; a saved entry that is mutated again makes torch's selective
-    checkpoint fail in backward, and recomputing them replays the same mutation)."""
-    if _packet(op) in FRESH_BUFFER_OPS:
-        return True
-    schema = getattr(op, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
-
-
-def _random(op: Any, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None) -> bool:
-    """Whether ``op`` draws from the generator. The attention kernels are tagged as random for their dropout;
-    given their arguments, one with ``dropout_p == 0`` is not (it leaves the generator alone)."""
-    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
-        return False
-    if args is None or _packet(op) not in ATTENTION_OPS:
-        return True
-    return _dropout_p(op, args, kwargs or {}) != 0
-
-
-def _dropout_p(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
-    """The ``dropout_p`` argument of an attention kernel call (1.0 when the schema has none: assume a draw)."""
-    for i, argument in enumerate(op._schema.arguments):
-        if argument.name == "dropout_p":
-            if argument.name in kwargs:
-                return float(kwargs[argument.name])
-            if i < len(args):
-                return float(args[i])
-            return float(argument.default_value or 0.0)
-    return 1.0
-
-
-def _aliases_input(op: Any) -> bool:
-    """Whether ``op``'s outputs may be views of its inputs (``view``, ``t``, ``split``...): not worth a copy."""
-    schema = getattr(op, "_schema", None)
-    return bool(schema is not None and any(r.alias_info is not None for r in schema.returns))
-
-
-def _packet(op: Any) -> Any:
-    """The overload packet of an op overload (aten.mm.default -> aten.mm); packets pass through."""
-    return getattr(op, "overloadpacket", op)
-
-
-def resolve_op(op: Any) -> Any:
-    """Turn ``torch.ops.aten.mm``, ``aten.mm.default``, ``"aten.mm"`` or ``"mm"`` into an overload packet."""
-    if isinstance(op, str):
-        name = op.split(".", 1)[1] if op.startswith("aten.") else op
-        name = name.split(".")[0]
-        if not hasattr(aten, name):
-            raise ValueError(f"unknown operator {op!r}: torch.ops.aten has no {name!r}")
-        return getattr(aten, name)
-    if isinstance(op, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        return _packet(op)
-    raise TypeError(
-        f"expected an operator such as torch.ops.aten.mm, aten.mm.default, 'aten.mm' or 'mm', got {op!r} "
-        f"({type(op).__name__}); for torch.mm or nn.Linear name the aten op they run (mm, addmm)"
-    )
+__all__ = [
+    "ATTENTION_OPS",
+    "DOT_OPS",
+    "MATMUL_OPS",
+    "MENU",
+    "EveryOtherMatmul",
+    "Policy",
+    "all_but_pointwise_saveable",
+    "attention_saveable",
+    "dots_every_other_saveable",
+    "dots_saveable",
+    "everything_saveable",
+    "expand",
+    "get",
+    "names",
+    "nothing_saveable",
+    "offload_dots",
+    "offload_only",
+    "register",
+    "resolve_op",
+    "save_all_but",
+    "save_and_offload",
+    "save_only",
+]
 
 
 @dataclass(frozen=True)
@@ -191,12 +108,12 @@ class Policy:
 
     def offloads(self, op: Any) -> bool:
         """Whether this policy keeps ``op``'s outputs in host memory (in eager mode)."""
-        if self.offload is None or _never_saved(op) or _random(op) or _aliases_input(op):
+        if self.offload is None or never_saved(op) or draws_random(op) or aliases_input(op):
             return False
         return bool(self.offload(op))
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if _never_saved(op) or _random(op, args, kwargs):
+        if not asks_policy(op, args, kwargs):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if self.offloads(op):
             # torch recomputes it as far as it knows; the host copy modes under it answer the recompute.
@@ -249,8 +166,8 @@ class _OnEnter:
 
 everything_saveable = Policy("everything_saveable", lambda ctx, op, *a, **k: True)
 nothing_saveable = Policy("nothing_saveable", lambda ctx, op, *a, **k: False)
-dots_saveable = Policy("dots_saveable", lambda ctx, op, *a, **k: _packet(op) in DOT_OPS)
-attention_saveable = Policy("attention_saveable", lambda ctx, op, *a, **k: _packet(op) in ATTENTION_OPS)
+dots_saveable = Policy("dots_saveable", lambda ctx, op, *a, **k: packet(op) in DOT_OPS)
+attention_saveable = Policy("attention_saveable", lambda ctx, op, *a, **k: packet(op) in ATTENTION_OPS)
 
 
 def _pointwise(op: Any) -> bool:
@@ -259,8 +176,7 @@ def _pointwise(op: Any) -> bool:
 
 def _save_unless_pointwise(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
     # Views are recomputed too (free): a saved view would keep alive the recomputed output it looks into.
-    # ``_unsafe_view`` is one in fact though its schema does not say so.
-    return not (_pointwise(op) or _aliases_input(op) or _packet(op) is aten._unsafe_view)
+    return not _pointwise(op) and worth_saving(op)
 
 
 all_but_pointwise_saveable = Policy("all_but_pointwise_saveable", _save_unless_pointwise)
@@ -282,10 +198,10 @@ class EveryOtherMatmul:
         self.calls[True] = 0
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
-        packet = _packet(op)
-        if packet in ATTENTION_OPS:
+        kind = packet(op)
+        if kind in ATTENTION_OPS:
             return True
-        if packet not in MATMUL_OPS:
+        if kind not in MATMUL_OPS:
             return False
         recompute = bool(getattr(ctx, "is_recompute", False))
         self.calls[recompute] += 1
@@ -303,17 +219,17 @@ def save_only(*ops: Any, name: str | None = None) -> Policy:
     """Save only the outputs of ``ops``; recompute everything else."""
     chosen = frozenset(resolve_op(o) for o in ops)
     label = name or f"save_only({_op_names(chosen)})"
-    return Policy(label, lambda ctx, op, *a, **k: _packet(op) in chosen)
+    return Policy(label, lambda ctx, op, *a, **k: packet(op) in chosen)
 
 
 def save_all_but(*ops: Any, name: str | None = None) -> Policy:
     """Save every output except those of ``ops`` (which are recomputed)."""
     chosen = frozenset(resolve_op(o) for o in ops)
     label = name or f"save_all_but({_op_names(chosen)})"
-    return Policy(label, lambda ctx, op, *a, **k: _packet(op) not in chosen)
+    return Policy(label, lambda ctx, op, *a, **k: packet(op) not in chosen)
 
 
-offload_dots = Policy("offload_dots", lambda ctx, op, *a, **k: False, offload=lambda op: _packet(op) in DOT_OPS)
+offload_dots = Policy("offload_dots", lambda ctx, op, *a, **k: False, offload=lambda op: packet(op) in DOT_OPS)
 
 
 def offload_only(*ops: Any, name: str | None = None) -> Policy:
@@ -323,7 +239,7 @@ def offload_only(*ops: Any, name: str | None = None) -> Policy:
     if not chosen:
         raise ValueError("offload_only() needs at least one operator, e.g. offload_only('mm', 'addmm')")
     label = name or f"offload_only({_op_names(chosen)})"
-    return Policy(label, lambda ctx, op, *a, **k: False, offload=lambda op: _packet(op) in chosen)
+    return Policy(label, lambda ctx, op, *a, **k: False, offload=lambda op: packet(op) in chosen)
 
 
 def save_and_offload(save: Iterable[Any] = (), offload: Iterable[Any] = (), *, name: str | None = None) -> Policy:
@@ -335,7 +251,7 @@ def save_and_offload(save: Iterable[Any] = (), offload: Iterable[Any] = (), *, n
     if both:
         raise ValueError(f"operators {_op_names(both)} are both saved and offloaded: name each in one list only")
     label = name or f"save_and_offload(save=({_op_names(kept)}),offload=({_op_names(moved)}))"
-    return Policy(label, lambda ctx, op, *a, **k: _packet(op) in kept, offload=lambda op: _packet(op) in moved)
+    return Policy(label, lambda ctx, op, *a, **k: packet(op) in kept, offload=lambda op: packet(op) in moved)
 
 
 _REGISTRY: dict[str, Policy] = {
