@@ -1,19 +1,21 @@
 """The per-block policy menu on a GPT-2 block: what each action keeps and what it costs, and what the menu buys
 the optimal planner.
 
-Part 1, one block (the first of the model, on its real inputs): per action (keep, checkpoint, and
-``selective:<policy>`` for every policy of ``remat.policies.MENU``) the bytes it keeps after forward (from
+Part 1, one block (the first of the model, on its real inputs): per action (keep, checkpoint,
+``selective:<policy>`` for every policy of ``remat.policies.MENU``, and the knapsack policies of
+``remat.knapsack`` at ``--knapsack`` shares of the block's keep bytes) the bytes it keeps after forward (from
 ``remat.profile``), its recomputation in backward (ms) and its forward overhead over a plain forward (ms).
 Timings are medians of ``--repeats`` rounds, the actions interleaved in each round (order reversed every other
 round); the overhead is taken per round against that round's plain forward.
 
 Part 2, the whole model profiled with ``policies="menu"``: the optimal plan at 25%, 50% and 75% of the
 no-checkpoint activation memory, without the menu (keep, checkpoint, ``selective:dots_saveable``, segments and
-memory-poor groups: what a profile with the default policies offers) and with it: the predicted peak and
-recompute, the measured peak and recompute of one applied step, and how many blocks take each action.
+memory-poor groups: what a profile with the default policies offers), with it, and with it and the knapsack
+policies: the predicted peak and recompute, the measured peak and recompute of applied steps (median of three),
+and how many blocks take each action.
 
     python benchmarks/policy_menu.py [--layers 8] [--hidden 256] [--batch 8] [--seq 128] [--dropout 0.1]
-        [--attention sdpa] [--repeats 15] [--threads 0] [--json PATH]
+        [--attention sdpa] [--knapsack 0.25,0.5,0.75] [--repeats 15] [--threads 0] [--json PATH]
 
 Timing on CPU: run with ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184
 MALLOC_TOP_PAD_=268435456`` (the script restarts itself with them when they are missing).
@@ -145,6 +147,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--knapsack", default="0.25,0.5,0.75", help="shares of a block's keep bytes ('' for none)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: half the cores)")
     parser.add_argument("--json", default=None)
@@ -154,16 +157,21 @@ def main() -> None:
     torch.set_num_threads(args.threads or default_threads())
 
     model, batch = build(args)
+    shares = [float(x) for x in args.knapsack.split(",") if x]
     t0 = time.perf_counter()
-    costs = remat.profile(model, batch, policies="menu", repeats=3)
+    knapsack_names = remat.knapsack.register_for(model, batch, shares=shares) if shares else []
+    knapsack_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    costs = remat.profile(model, batch, policies=["menu", *knapsack_names], repeats=3)
     profile_s = time.perf_counter() - t0
-    actions = [KEEP, CHECKPOINT, *MENU_ACTIONS]
+    knapsack_actions = [SELECTIVE_PREFIX + n for n in knapsack_names]
+    actions = [KEEP, CHECKPOINT, *MENU_ACTIONS, *knapsack_actions]
     block_times = time_block(model.transformer.h[0], first_block_call(model, batch), actions, args.repeats)
     row = costs.blocks[0]
     print(f"GPT-2 block, CPU, batch {args.batch}x{args.seq}, hidden {args.hidden}, {args.heads} heads, dropout "
           f"{args.dropout}, {args.attention} attention, {torch.get_num_threads()} threads; medians of "
-          f"{args.repeats} interleaved rounds; profile of {args.layers} blocks with the menu: "
-          f"{profile_s:.1f} s")  # fmt: skip
+          f"{args.repeats} interleaved rounds; knapsack op profile {knapsack_s:.1f} s, profile of {args.layers} "
+          f"blocks with the menu and knapsacks: {profile_s:.1f} s")  # fmt: skip
     print(f"{'action':<38}{'saved':>12}{'recompute ms':>14}{'fwd overhead ms':>17}{'fwd ms':>9}")
     block_rows = []
     for action in actions:
@@ -178,18 +186,17 @@ def main() -> None:
           "  actions")  # fmt: skip
     plan_rows = []
     for fraction in (0.25, 0.5, 0.75):
-        for with_menu in (False, True):
-            options = {} if with_menu else {"actions": WITHOUT_MENU}
+        for menu, allowed in (("no", WITHOUT_MENU), ("yes", WITHOUT_MENU + MENU_ACTIONS), ("+knap", None)):
+            options = {"actions": allowed} if allowed is not None else {}
             try:
                 plan = remat.plan(costs, "optimal", budget=fraction, **options)
             except remat.planners.BudgetError as error:
-                print(f"{fraction:>7.0%} {'yes' if with_menu else 'no':>5}  no plan fits: {error}")
+                print(f"{fraction:>7.0%} {menu:>5}  no plan fits: {error}")
                 continue
             measured = applied_step(model, batch, plan)
-            plan_rows.append({"budget": fraction, "menu": with_menu, "actions": plan.actions,
+            plan_rows.append({"budget": fraction, "menu": menu, "actions": plan.actions,
                               "predicted_peak": plan.predicted_peak_bytes,
                               "predicted_recompute_s": plan.predicted_recompute_s, **measured})  # fmt: skip
-            menu = "yes" if with_menu else "no"
             print(f"{fraction:>7.0%} {menu:>5}{remat.format_bytes(plan.predicted_peak_bytes):>12}"
                   f"{plan.predicted_recompute_s * 1e3:>16.2f}{remat.format_bytes(measured['measured_peak']):>12}"
                   f"{measured['measured_recompute_s'] * 1e3:>16.2f}  {action_counts(plan)}")  # fmt: skip
