@@ -147,3 +147,20 @@ def test_a_model_profiled_with_knapsack_actions_is_predicted_exactly(make_gpt2) 
             assert_same_step(reference, step())
         finally:
             handle.remove()
+
+
+def test_saved_calls_count_afresh_per_region_and_again_in_each_recompute() -> None:
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+
+    addmm, tanh = aten.addmm.default, aten.tanh.default
+    policy = knapsack.knapsack_policy(
+        [OpCall(addmm, 0, 64, 1.0), OpCall(tanh, 0, 64, 0.1), OpCall(addmm, 1, 64, 2.0)], 128, register=False
+    )
+    decide = policy.for_region().save
+    ops = [addmm, tanh, addmm]
+    forward = [decide(SelectiveCheckpointContext(is_recompute=False), op) for op in ops]
+    assert forward == [True, False, True]
+    for _ in range(2):  # torch < 2.6 asks again in recompute
+        decide.recompute_started()
+        assert [decide(SelectiveCheckpointContext(is_recompute=True), op) for op in ops] == forward
+    assert [policy.for_region().save(SelectiveCheckpointContext(is_recompute=False), op) for op in ops] == forward
