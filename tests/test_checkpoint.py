@@ -377,7 +377,7 @@ def test_policies_give_exact_gradients() -> None:
     block = mlp(dropout=0.3)
     x = torch.randn(8, 32, requires_grad=True)
     results = []
-    for policy in (None, "nothing_saveable", "dots_saveable", "everything_saveable"):
+    for policy in (None, "nothing_saveable", "everything_saveable", *remat.policies.MENU):
         block.zero_grad()
         x.grad = None
         torch.manual_seed(3)

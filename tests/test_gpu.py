@@ -1,7 +1,8 @@
 """remat on a CUDA device: checkpointed GPT-2 gradients bit for bit equal to no checkpointing (dropout replayed
 from the CUDA generator), a plan's peak read from the CUDA allocator within its budget and within 5% of the
 prediction, ``remat.measure`` on the allocator, offload copying saved tensors into pinned host memory, and the
-offload policies (``selective:offload_dots``) keeping less on the device than ``selective:dots_saveable``.
+offload policies (``selective:offload_dots``) keeping less on the device than ``selective:dots_saveable``, and
+the menu policies exact on an SDPA GPT-2 whose fused attention kernel draws (attention dropout) or does not.
 
 Every test here is marked ``gpu`` and skipped where no CUDA device is available (``pytest -m gpu`` selects
 them)."""
@@ -92,6 +93,30 @@ def test_checkpointed_gpt2_gradients_equal_no_checkpointing_bitwise(
         assert grad.is_cuda and torch.equal(grad, reference[1][name]), name
     if strategy != "offload":
         assert handle.stats.total_calls >= len(fqns)  # every block really ran again in backward
+
+
+@pytest.mark.parametrize("attn_pdrop", [0.0, 0.1], ids=["kernel-saved", "kernel-drawing"])
+@pytest.mark.parametrize("policy", remat.policies.MENU)
+def test_menu_policies_on_sdpa_gpt2_gradients_equal_no_checkpointing_bitwise(
+    policy: str, attn_pdrop: float, make_gpt2: Callable[..., nn.Module], deterministic: None
+) -> None:
+    # SDPA on CUDA runs a fused kernel; without attention dropout it draws nothing and the menu policies that
+    # keep attention save it, with dropout it draws and is recomputed from the restored generator.
+    model = make_gpt2(n_layer=3, n_embd=64, vocab=VOCAB, n_positions=64, seed=0, attn_implementation="sdpa").cuda()
+    for block in model.transformer.h:
+        block.attn.attn_dropout.p = attn_pdrop  # what the SDPA call passes as dropout_p in training
+    ids = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    batch = {"input_ids": ids, "labels": ids}
+    reference = _step(model, batch)
+    fqns = [fqn for fqn, _ in remat.find_blocks(model)]
+    handle = remat.apply(model, Plan(dict.fromkeys(fqns, f"selective:{policy}")))
+    try:
+        loss, grads = _step(model, batch)
+    finally:
+        handle.remove()
+    assert torch.equal(loss, reference[0])
+    for name, grad in grads.items():
+        assert torch.equal(grad, reference[1][name]), name
 
 
 def _allocator_peak_of_step(model: nn.Module, batch: Batch) -> int:

@@ -19,32 +19,35 @@ from remat.simulator import Simulation, no_checkpoint_peak, simulate, units_from
 from remat.sizes import format_bytes
 
 SELECTIVE = "selective:dots_saveable"
+MORE_SELECTIVE = ("selective:dots_every_other_saveable", "selective:all_but_pointwise_saveable")
 # Times are multiples of 1/1024 s: their sums are exact in floating point, so ties are real ties.
 TICK = 1 / 1024
 
 
 @st.composite
 def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
-    """Random heterogeneous chains: every block has its own sizes, temporaries and recompute times."""
+    """Random heterogeneous chains: every block has its own sizes, temporaries and recompute times, under one
+    to three selective policies (a profile of the policy menu)."""
     with_offload = draw(st.booleans())
-    n = draw(st.integers(1, 6 if with_offload else max_blocks))
+    policies = [SELECTIVE, *MORE_SELECTIVE[: draw(st.integers(0, len(MORE_SELECTIVE)))]]
+    n = draw(st.integers(1, 6 if with_offload else max_blocks if len(policies) == 1 else 5))
     small = st.integers(0, 12)
     blocks = []
     for i in range(n):
         out = draw(st.integers(1, 8))
         checkpointed = out + draw(st.integers(0, 2))
         keep = checkpointed + draw(st.integers(0, 40))
-        saved = {
-            "keep": keep,
-            "checkpoint": checkpointed,
-            SELECTIVE: draw(st.integers(checkpointed, keep)),
-        }
+        saved = {"keep": keep, "checkpoint": checkpointed}
+        saved |= {p: draw(st.integers(checkpointed, keep)) for p in policies}
         rerun = draw(st.integers(1, 20)) * TICK
-        recompute = {"keep": 0.0, "checkpoint": rerun, SELECTIVE: draw(st.integers(0, 20)) * TICK}
+        recompute = {"keep": 0.0, "checkpoint": rerun} | {p: draw(st.integers(0, 20)) * TICK for p in policies}
         if with_offload:
             saved["offload"] = out + draw(st.integers(0, 3))
             recompute["offload"] = draw(st.integers(0, 20)) * TICK
-        blocks.append(BlockCost(f"layers.{i}", rerun, 2 * rerun, out, out, saved, recompute, draw(small), draw(small)))
+        extra = {p: draw(st.integers(0, 6)) for p in policies}  # kept dropout draws held while recomputing
+        blocks.append(
+            BlockCost(f"layers.{i}", rerun, 2 * rerun, out, out, saved, recompute, draw(small), draw(small), extra)
+        )
     return CostTable(
         blocks,
         stem_bytes=draw(st.integers(0, 5)),

@@ -28,7 +28,7 @@ def gpt2(make_gpt2) -> tuple[torch.nn.Module, dict[str, torch.Tensor], CostTable
     model = make_gpt2(n_layer=6, n_embd=64, dropout=0.1, seed=0)
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
-    costs = remat.profile(model, batch, repeats=1)
+    costs = remat.profile(model, batch, repeats=1, policies="menu")
     return model, batch, costs
 
 
@@ -159,24 +159,70 @@ def test_predictions_match_measurements_on_an_mlp_chain() -> None:
     handle.remove()
 
 
-def test_a_selective_block_backward_holds_its_kept_draws(gpt2) -> None:
-    model, batch, costs = gpt2
-    # dots_saveable keeps each dropout draw at one byte per element (two residual dropouts of 4 x 64 x 64 and
-    # one attention dropout of 4 x 4 heads x 64 x 64) while it recomputes the rest in backward.
-    draws = 2 * 4 * 64 * 64 + 4 * 4 * 64 * 64
-    for row in costs.blocks:
-        assert row.bwd_extra_bytes == {"selective:dots_saveable": draws}
-    actions = ["checkpoint"] * (len(costs) - 1) + ["selective:dots_saveable"]
-    plan = remat.Plan.from_actions(costs, actions)
+def _measured_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], plan: remat.Plan) -> tuple[int, tuple]:
+    """The activation bytes a step under ``plan`` measures (the output held through backward, as the profile's
+    head is, and nothing left at the end, which the meter would count as a survivor), and the step's loss and
+    gradients."""
     handle = remat.apply(model, plan)
     try:
+        torch.manual_seed(5)
+        model.zero_grad(set_to_none=True)
         with remat.measure() as measured:
             out = model(**batch)
             out.loss.backward()
+            loss = torch.tensor(out.loss.item())  # a float32 loss read exactly; no tensor outlives the region
             del out
     finally:
         handle.remove()
-    assert plan.predicted_peak_bytes == measured.activation_bytes
+    return measured.activation_bytes, (loss, {n: p.grad.clone() for n, p in model.named_parameters()})
+
+
+@pytest.mark.parametrize("policy", remat.policies.MENU)
+def test_a_selective_block_backward_holds_its_kept_draws(gpt2, policy: str) -> None:
+    model, batch, costs = gpt2
+    action = f"selective:{policy}"
+    # Each selective policy keeps each dropout draw at one byte per element (two residual dropouts of
+    # 4 x 64 x 64 and one attention dropout of 4 x 4 heads x 64 x 64) while it recomputes the rest in backward.
+    draws = 2 * 4 * 64 * 64 + 4 * 4 * 64 * 64
+    for row in costs.blocks:
+        assert row.bwd_extra_bytes[action] == draws
+    reference = _gpt2_step(model, batch)
+    for actions in (["checkpoint"] * (len(costs) - 1) + [action], [action] * len(costs)):
+        plan = remat.Plan.from_actions(costs, actions)
+        measured, got = _measured_step(model, batch, plan)
+        assert plan.predicted_peak_bytes == measured, actions
+        assert_same_step(reference, got)
+
+
+def test_menu_policies_keep_what_they_say_on_gpt2(gpt2) -> None:
+    costs = gpt2[2]
+    saved = costs.blocks[0].saved_bytes
+    draws = 2 * 4 * 64 * 64 + 4 * 4 * 64 * 64
+    # eager attention: no attention kernel to save, only the kept draws on top of the block's output
+    assert saved["selective:attention_saveable"] == saved[CHECKPOINT] + draws
+    assert saved[CHECKPOINT] < saved["selective:dots_every_other_saveable"] < saved["selective:dots_saveable"]
+    assert saved["selective:dots_saveable"] < saved["selective:all_but_pointwise_saveable"] < saved[KEEP]
+
+
+def test_a_plan_mixing_policies_is_exact_and_predicted(gpt2) -> None:
+    model, batch, costs = gpt2
+    mixed = ["selective:attention_saveable", "selective:dots_every_other_saveable", "selective:dots_saveable",
+             "selective:all_but_pointwise_saveable", "checkpoint", "keep"]  # fmt: skip
+    plan = remat.Plan.from_actions(costs, mixed)
+    measured, got = _measured_step(model, batch, plan)
+    assert plan.predicted_peak_bytes == measured
+    assert_same_step(_gpt2_step(model, batch), got)
+    # and optimal picks among every measured policy: with only selective actions allowed and a budget between
+    # what two policies keep, it uses more than one of them
+    menu = [f"selective:{p}" for p in remat.policies.MENU]
+    low = remat.simulate(costs, ["selective:dots_every_other_saveable"] * len(costs)).peak_bytes
+    high = remat.simulate(costs, ["selective:all_but_pointwise_saveable"] * len(costs)).peak_bytes
+    chosen = remat.plan(costs, "optimal", budget=(low + high) // 2, actions=menu)
+    assert chosen.predicted_peak_bytes <= (low + high) // 2
+    assert len(set(chosen.actions.values())) >= 2, chosen.actions
+    measured, got = _measured_step(model, batch, chosen)
+    assert chosen.predicted_peak_bytes == measured
+    assert_same_step(_gpt2_step(model, batch), got)
 
 
 @pytest.mark.parametrize("how", ["profile", "session", "pgac"])

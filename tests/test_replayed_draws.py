@@ -19,7 +19,14 @@ from remat import replayed_draws
 from remat.memory import LiveTensorTracker
 
 aten = torch.ops.aten
-POLICIES = ("nothing_saveable", "dots_saveable", "everything_saveable")
+POLICIES = (
+    "nothing_saveable",
+    "dots_saveable",
+    "everything_saveable",
+    "all_but_pointwise_saveable",
+    "attention_saveable",
+    "dots_every_other_saveable",
+)
 
 
 class DrawCounter(TorchDispatchMode):

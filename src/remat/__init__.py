@@ -24,7 +24,7 @@ from .sizes import format_bytes, parse_budget, parse_bytes
 __version__ = "0.1.0"
 
 _LAZY = {"PGAC": "remat.dynamic.pgac", "DTR": "remat.dynamic.dtr"}
-_LAZY_MODULES = {"estimate", "integrations", "bench", "dynamic"}
+_LAZY_MODULES = {"estimate", "integrations", "bench", "dynamic", "knapsack"}
 
 __all__ = [
     "BlockCost",

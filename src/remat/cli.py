@@ -41,7 +41,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--device", type=cli_args.device, default="cpu", help="cpu, cuda, cuda:N, or meta (estimate without running)"
     )
     p.add_argument("--dtype", default="float32", choices=cli_args.FLOAT_DTYPES)
-    p.add_argument("--policies", default="dots_saveable", help="selective policies to cost, comma-separated")
+    p.add_argument(
+        "--policies",
+        default="dots_saveable",
+        help="selective policies to cost, comma-separated ('menu': every policy of remat.policies.MENU)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write machine-readable results here")
 
 

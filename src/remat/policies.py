@@ -7,6 +7,18 @@ recompute in backward) or recomputed. Use one with ``remat.checkpoint(fn, x, pol
 * ``everything_saveable``: save every output (as without checkpointing, but inside the region).
 * ``nothing_saveable``: recompute everything (plain checkpointing).
 * ``dots_saveable``: save the outputs of matmuls, convolutions and attention; recompute elementwise ops.
+* ``all_but_pointwise_saveable``: save every output except those of pointwise ops (``torch.Tag.pointwise``:
+  activations, residual adds, scalings, casts) and views, which are recomputed; the first saving
+  torch.compile's min-cut partitioner and memory budget make (they recompute fusible ops first).
+* ``attention_saveable``: save only the outputs of the attention kernels ``scaled_dot_product_attention``
+  dispatches to (flash, memory-efficient, cuDNN, the CPU flash kernel); recompute everything else. It saves
+  nothing where there is no such kernel (eager attention; SDPA's math form, which CPU takes under attention
+  dropout) or where the kernel applies dropout (it draws, and random ops are recomputed: see below).
+* ``dots_every_other_saveable``: save attention outputs and every other matmul (the 1st, 3rd... of each region
+  run), recompute the others and everything elementwise: torchtitan's op-level policy. The count starts afresh
+  in every region and recompute sees the same decisions, so gradients stay exact.
+* :data:`MENU`: ``dots_saveable`` and the three above; ``remat.profile(..., policies="menu")`` measures
+  every one, and ``optimal`` picks per block among them.
 * ``save_only(*ops)``, ``save_all_but(*ops)``: name operators as ``torch.ops.aten.mm``, ``"aten.mm"`` or
   ``"mm"``.
 * ``offload_dots``: keep the outputs of matmuls, convolutions and attention in host memory (pinned on CUDA),
@@ -23,7 +35,8 @@ Whatever the policy:
   place afterwards;
 * random ops (``native_dropout``, ``rand``, ``bernoulli``...) are run again in recompute from the restored
   generator, in the forward's order, as plain checkpointing does; saving some of them but not others would
-  shift the random stream under the rest;
+  shift the random stream under the rest. Attention kernels count as random only when they apply dropout
+  (``dropout_p > 0``): without it they draw nothing and a policy may save them;
 * except CPU dropout draws (``bernoulli_``), which are kept from forward at one byte per element and replayed
   (:mod:`remat.replayed_draws`): on CPU the draw costs far more than the byte.
 
@@ -39,103 +52,50 @@ or plain checkpointing there.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import host_copies, replayed_draws
-
-aten = torch.ops.aten
-
-DOT_OPS: frozenset[Any] = frozenset(
-    op
-    for op in (
-        aten.mm,
-        aten.addmm,
-        aten.bmm,
-        aten.baddbmm,
-        aten.matmul,
-        aten.linear,
-        aten.convolution,
-        aten._convolution,
-        aten.cudnn_convolution,
-        aten._scaled_dot_product_efficient_attention,
-        aten._scaled_dot_product_flash_attention,
-        aten._scaled_dot_product_flash_attention_for_cpu,
-        aten._scaled_dot_product_cudnn_attention,
-        getattr(aten, "_flash_attention_forward", None),
-        getattr(aten, "_efficient_attention_forward", None),
-    )
-    if op is not None
+from .op_kinds import (
+    ATTENTION_OPS,
+    DOT_OPS,
+    MATMUL_OPS,
+    aliases_input,
+    asks_policy,
+    draws_random,
+    never_saved,
+    packet,
+    resolve_op,
+    worth_saving,
 )
 
-
-# Fresh buffers (uninitialised or constant): free to recompute, and often filled in place right after
-# (CPU dropout is ``empty_like(x).bernoulli_()``), which would invalidate a saved copy.
-FRESH_BUFFER_OPS: frozenset[Any] = frozenset(
-    getattr(aten, name)
-    for name in (
-        "empty",
-        "empty_like",
-        "empty_strided",
-        "new_empty",
-        "new_empty_strided",
-        "zeros",
-        "zeros_like",
-        "new_zeros",
-        "ones",
-        "ones_like",
-        "new_ones",
-        "full",
-        "full_like",
-        "new_full",
-        "scalar_tensor",
-    )
-    if hasattr(aten, name)
-)
-
-
-def _never_saved(op: Any) -> bool:
-    """Ops whose outputs a policy never saves, whatever it says: fresh buffers, and ops that mutate their
-    inputs (their output is a mutated input; a saved entry that is mutated again makes torch's selective
-    checkpoint fail in backward, and recomputing them replays the same mutation)."""
-    if _packet(op) in FRESH_BUFFER_OPS:
-        return True
-    schema = getattr(op, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
-
-
-def _random(op: Any) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-
-
-def _aliases_input(op: Any) -> bool:
-    """Whether ``op``'s outputs may be views of its inputs (``view``, ``t``, ``split``...): not worth a copy."""
-    schema = getattr(op, "_schema", None)
-    return bool(schema is not None and any(r.alias_info is not None for r in schema.returns))
-
-
-def _packet(op: Any) -> Any:
-    """The overload packet of an op overload (aten.mm.default -> aten.mm); packets pass through."""
-    return getattr(op, "overloadpacket", op)
-
-
-def resolve_op(op: Any) -> Any:
-    """Turn ``torch.ops.aten.mm``, ``aten.mm.default``, ``"aten.mm"`` or ``"mm"`` into an overload packet."""
-    if isinstance(op, str):
-        name = op.split(".", 1)[1] if op.startswith("aten.") else op
-        name = name.split(".")[0]
-        if not hasattr(aten, name):
-            raise ValueError(f"unknown operator {op!r}: torch.ops.aten has no {name!r}")
-        return getattr(aten, name)
-    if isinstance(op, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        return _packet(op)
-    raise TypeError(
-        f"expected an operator such as torch.ops.aten.mm, aten.mm.default, 'aten.mm' or 'mm', got {op!r} "
-        f"({type(op).__name__}); for torch.mm or nn.Linear name the aten op they run (mm, addmm)"
-    )
+__all__ = [
+    "ATTENTION_OPS",
+    "DOT_OPS",
+    "MATMUL_OPS",
+    "MENU",
+    "EveryOtherMatmul",
+    "Policy",
+    "all_but_pointwise_saveable",
+    "attention_saveable",
+    "dots_every_other_saveable",
+    "dots_saveable",
+    "everything_saveable",
+    "expand",
+    "get",
+    "names",
+    "nothing_saveable",
+    "offload_dots",
+    "offload_only",
+    "register",
+    "resolve_op",
+    "save_all_but",
+    "save_and_offload",
+    "save_only",
+]
 
 
 _ASK = object()  # a decision that is not the op's alone: ask the policy's ``save`` each time
@@ -147,7 +107,8 @@ class Policy:
     """A named per-operator policy; ``context_fn()`` gives the contexts ``torch.utils.checkpoint`` takes.
 
     ``by_op``: ``save`` decides from the operator alone (not its arguments), so each operator's decision is
-    worked out once and looked up after; the built-in policies are. A user callable is asked at every op.
+    worked out once and looked up after; the stateless built-in policies are. A user callable is asked at every
+    op.
     """
 
     name: str
@@ -158,11 +119,13 @@ class Policy:
 
     def offloads(self, op: Any) -> bool:
         """Whether this policy keeps ``op``'s outputs in host memory (in eager mode)."""
-        if self.offload is None or _never_saved(op) or _random(op) or _aliases_input(op):
+        if self.offload is None or never_saved(op) or draws_random(op) or aliases_input(op):
             return False
         return bool(self.offload(op))
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if not asks_policy(op, args, kwargs):  # per call: an attention kernel draws only when its dropout_p > 0
+            return CheckpointPolicy.PREFER_RECOMPUTE
         # keyed by id (an OpOverload hashes in Python), the op kept beside its decision so that an id reused by
         # another object is not mistaken for it
         entry = self._decisions.get(id(op))
@@ -178,35 +141,43 @@ class Policy:
 
     def _decide_by_op(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         """The decision for every call of ``op``: a ``CheckpointPolicy``, ``_OFFLOADED``, or ``_ASK``."""
-        if _never_saved(op) or _random(op):
-            return CheckpointPolicy.PREFER_RECOMPUTE
         if self.offloads(op):
             return _OFFLOADED
         if not self.by_op:
             return _ASK
         return _as_checkpoint_policy(self.save(ctx, op, *args, **kwargs))
 
+    def for_region(self) -> Policy:
+        """This policy with its own per-region state (a fresh call count for :data:`dots_every_other_saveable`);
+        itself when it keeps none."""
+        fresh = getattr(self.save, "fresh", None)
+        return self if fresh is None else replace(self, save=fresh())
+
     def context_fn(self) -> Any:
+        policy = self.for_region()
         if replayed_draws.tracing():  # torch.compile takes torch's own pair of dispatch modes
-            return create_selective_checkpoint_contexts(self)
+            return create_selective_checkpoint_contexts(policy)
         log = replayed_draws.DrawLog()
         replay = replayed_draws.ReplayDraws(log)
         if replayed_draws.POLICY_SEES_OUTPUT:
-            forward, recompute = create_selective_checkpoint_contexts(replayed_draws.recording(self, log))
+            forward, recompute = create_selective_checkpoint_contexts(replayed_draws.recording(policy, log))
             below: tuple[Any, ...] = ()
         else:
-            forward, recompute = create_selective_checkpoint_contexts(self)
+            forward, recompute = create_selective_checkpoint_contexts(policy)
             below = (replayed_draws.RecordDraws(log),)
+        # Counting policies start each recompute from the first call (torch < 2.6 asks them again there).
+        restart = getattr(policy.save, "recompute_started", None)
+        replay_first = (replay, *([_OnEnter(restart)] if restart is not None else []))
         # torch's mode innermost: it decides what to cache, and what it runs reaches the draw log below it.
         if self.offload is None:
             return (
                 replayed_draws.StackedContexts(*below, forward),
-                replayed_draws.StackedContexts(replay, recompute),
+                replayed_draws.StackedContexts(*replay_first, recompute),
             )
         store, serve = host_copies.contexts(self.offloads)
         return (
             replayed_draws.StackedContexts(*below, store, forward),
-            replayed_draws.StackedContexts(replay, serve, recompute),
+            replayed_draws.StackedContexts(*replay_first, serve, recompute),
         )
 
 
@@ -216,9 +187,64 @@ def _as_checkpoint_policy(decision: bool | CheckpointPolicy) -> CheckpointPolicy
     return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _OnEnter:
+    """A context manager that calls ``fn()`` each time it is entered (and can be entered again)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def __enter__(self) -> None:
+        self.fn()
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
 everything_saveable = Policy("everything_saveable", lambda ctx, op, *a, **k: True, by_op=True)
 nothing_saveable = Policy("nothing_saveable", lambda ctx, op, *a, **k: False, by_op=True)
-dots_saveable = Policy("dots_saveable", lambda ctx, op, *a, **k: _packet(op) in DOT_OPS, by_op=True)
+dots_saveable = Policy("dots_saveable", lambda ctx, op, *a, **k: packet(op) in DOT_OPS, by_op=True)
+attention_saveable = Policy("attention_saveable", lambda ctx, op, *a, **k: packet(op) in ATTENTION_OPS, by_op=True)
+
+
+def _pointwise(op: Any) -> bool:
+    return torch.Tag.pointwise in getattr(op, "tags", ())
+
+
+def _save_unless_pointwise(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    # Views are recomputed too (free): a saved view would keep alive the recomputed output it looks into.
+    return not _pointwise(op) and worth_saving(op)
+
+
+all_but_pointwise_saveable = Policy("all_but_pointwise_saveable", _save_unless_pointwise, by_op=True)
+
+
+class EveryOtherMatmul:
+    """The decisions of :data:`dots_every_other_saveable` for one region run: attention kernels saved, the
+    1st, 3rd, 5th... matmul of the region saved, the 2nd, 4th... recomputed. The count restarts in every
+    region (:meth:`fresh`), and is kept apart for the recompute, which makes the same calls in the same order
+    (torchtitan's per-op policy counts ``mm`` calls the same way)."""
+
+    def __init__(self) -> None:
+        self.calls = {False: 0, True: 0}  # by ctx.is_recompute
+
+    def fresh(self) -> EveryOtherMatmul:
+        return EveryOtherMatmul()
+
+    def recompute_started(self) -> None:
+        self.calls[True] = 0
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+        kind = packet(op)
+        if kind in ATTENTION_OPS:
+            return True
+        if kind not in MATMUL_OPS:
+            return False
+        recompute = bool(getattr(ctx, "is_recompute", False))
+        self.calls[recompute] += 1
+        return self.calls[recompute] % 2 == 1
+
+
+dots_every_other_saveable = Policy("dots_every_other_saveable", EveryOtherMatmul())
 
 
 def _op_names(ops: Iterable[Any]) -> str:
@@ -229,19 +255,17 @@ def save_only(*ops: Any, name: str | None = None) -> Policy:
     """Save only the outputs of ``ops``; recompute everything else."""
     chosen = frozenset(resolve_op(o) for o in ops)
     label = name or f"save_only({_op_names(chosen)})"
-    return Policy(label, lambda ctx, op, *a, **k: _packet(op) in chosen, by_op=True)
+    return Policy(label, lambda ctx, op, *a, **k: packet(op) in chosen)
 
 
 def save_all_but(*ops: Any, name: str | None = None) -> Policy:
     """Save every output except those of ``ops`` (which are recomputed)."""
     chosen = frozenset(resolve_op(o) for o in ops)
     label = name or f"save_all_but({_op_names(chosen)})"
-    return Policy(label, lambda ctx, op, *a, **k: _packet(op) not in chosen, by_op=True)
+    return Policy(label, lambda ctx, op, *a, **k: packet(op) not in chosen)
 
 
-offload_dots = Policy(
-    "offload_dots", lambda ctx, op, *a, **k: False, offload=lambda op: _packet(op) in DOT_OPS, by_op=True
-)
+offload_dots = Policy("offload_dots", lambda ctx, op, *a, **k: False, offload=lambda op: packet(op) in DOT_OPS)
 
 
 def offload_only(*ops: Any, name: str | None = None) -> Policy:
@@ -251,7 +275,7 @@ def offload_only(*ops: Any, name: str | None = None) -> Policy:
     if not chosen:
         raise ValueError("offload_only() needs at least one operator, e.g. offload_only('mm', 'addmm')")
     label = name or f"offload_only({_op_names(chosen)})"
-    return Policy(label, lambda ctx, op, *a, **k: False, offload=lambda op: _packet(op) in chosen, by_op=True)
+    return Policy(label, lambda ctx, op, *a, **k: False, offload=lambda op: packet(op) in chosen)
 
 
 def save_and_offload(save: Iterable[Any] = (), offload: Iterable[Any] = (), *, name: str | None = None) -> Policy:
@@ -263,12 +287,30 @@ def save_and_offload(save: Iterable[Any] = (), offload: Iterable[Any] = (), *, n
     if both:
         raise ValueError(f"operators {_op_names(both)} are both saved and offloaded: name each in one list only")
     label = name or f"save_and_offload(save=({_op_names(kept)}),offload=({_op_names(moved)}))"
-    return Policy(
-        label, lambda ctx, op, *a, **k: _packet(op) in kept, offload=lambda op: _packet(op) in moved, by_op=True
+    return Policy(label, lambda ctx, op, *a, **k: packet(op) in kept, offload=lambda op: packet(op) in moved)
+
+
+_REGISTRY: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        everything_saveable,
+        nothing_saveable,
+        dots_saveable,
+        all_but_pointwise_saveable,
+        attention_saveable,
+        dots_every_other_saveable,
+        offload_dots,
     )
+}
 
-
-_REGISTRY: dict[str, Policy] = {p.name: p for p in (everything_saveable, nothing_saveable, dots_saveable, offload_dots)}
+# The per-operator policies a profile measures with ``policies="menu"``: each saves a different share of a
+# block's activations at a different recompute price, and the optimal planner picks per block among them.
+MENU: tuple[str, ...] = (
+    "dots_saveable",
+    "all_but_pointwise_saveable",
+    "attention_saveable",
+    "dots_every_other_saveable",
+)
 
 
 def register(policy: Policy) -> Policy:
@@ -296,3 +338,20 @@ def get(name_or_policy: str | Policy | Callable[..., Any]) -> Policy:
 
 def names() -> Iterable[str]:
     return sorted(_REGISTRY)
+
+
+def expand(policies: str | Iterable[str | Policy]) -> list[str]:
+    """Policy names from a ``policies=`` argument: a name, ``"menu"`` (every policy of :data:`MENU`), a
+    comma-separated string of them, or an iterable of names and :class:`Policy` objects (which must be
+    registered to be used in plans). Duplicates are dropped; unknown names raise ValueError."""
+    items: Iterable[str | Policy] = policies.split(",") if isinstance(policies, str) else policies
+    out: list[str] = []
+    for item in items:
+        if isinstance(item, str) and item.strip() == "menu":
+            names_ = list(MENU)
+        elif isinstance(item, str) and not item.strip():
+            continue
+        else:
+            names_ = [get(item.strip() if isinstance(item, str) else item).name]
+        out.extend(n for n in names_ if n not in out)
+    return out

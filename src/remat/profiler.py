@@ -60,10 +60,10 @@ from .training_step import Batch, default_loss, run_step
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
 
 
-def default_actions(device: torch.device, policies: Iterable[str] = ("dots_saveable",)) -> list[str]:
-    """The actions a block is profiled under: keep, checkpoint, ``selective:<policy>`` for each of ``policies``,
-    and offload on CUDA."""
-    actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + _policies.get(p).name for p in policies]
+def default_actions(device: torch.device, policies: str | Iterable[str] = ("dots_saveable",)) -> list[str]:
+    """The actions a block is profiled under: keep, checkpoint, ``selective:<policy>`` for each of ``policies``
+    (``"menu"`` for :data:`remat.policies.MENU`), and offload on CUDA."""
+    actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + name for name in _policies.expand(policies)]
     if device.type == "cuda":
         actions.append(OFFLOAD)
     return actions
@@ -154,7 +154,7 @@ class BlockProfiler:
         model: nn.Module,
         blocks: BlocksArg = None,
         *,
-        policies: Iterable[str] = ("dots_saveable",),
+        policies: str | Iterable[str] = ("dots_saveable",),
         actions: Sequence[str] | None = None,
         repeats: int = 3,
         io: Sequence[BlockIO] | None = None,
@@ -163,7 +163,7 @@ class BlockProfiler:
         self.model = model
         self.chain = resolve_blocks(model, blocks)
         self.io = list(io) if io is not None else block_ios(self.chain)
-        self.policies = tuple(policies)
+        self.policies = tuple(_policies.expand(policies))
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
         self.rows: dict[int, BlockCost] = {}
@@ -293,7 +293,7 @@ def profile(
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     blocks: BlocksArg = None,
-    policies: Iterable[str] = ("dots_saveable",),
+    policies: str | Iterable[str] = ("dots_saveable",),
     repeats: int = 3,
     main_input: InputName | Mapping[str, InputName] = None,
     main_output: OutputName | Mapping[str, OutputName] = None,
@@ -302,9 +302,10 @@ def profile(
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
     ``main_input``/``main_output`` name the hidden state a block takes and returns where remat's guess is
-    wrong (see :mod:`remat.blocks`). Parameter gradients are left as they were. Blocks that cost the same are
-    measured once unless ``reuse_identical`` is false (see :class:`BlockProfiler`); ``info["profile_s"]`` is the
-    profile's wall time."""
+    wrong (see :mod:`remat.blocks`). ``policies``: the per-operator policies measured as ``selective:<name>``
+    actions (names, or ``"menu"`` for :data:`remat.policies.MENU`). Parameter gradients are left as they were.
+    Blocks that cost the same are measured once unless ``reuse_identical`` is false (see
+    :class:`BlockProfiler`); ``info["profile_s"]`` is the profile's wall time."""
     chain = resolve_blocks(model, blocks)
     io = block_ios(chain, main_input, main_output)
     profiler = BlockProfiler(

@@ -180,7 +180,7 @@ def meta_cost_table(
     *,
     blocks: BlocksArg = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    policies: Iterable[str] = ("dots_saveable",),
+    policies: str | Iterable[str] = ("dots_saveable",),
     device_flops: float | str | DeviceThroughput = "h100-bf16",
     main_input: InputName | Mapping[str, InputName] = None,
     main_output: OutputName | Mapping[str, OutputName] = None,
@@ -211,7 +211,7 @@ def meta_cost_table(
     model = _meta_model(model_or_factory)
     chain = resolve_blocks(model, blocks)
     io = block_ios(chain, main_input, main_output)
-    actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + _policies.get(p).name for p in policies]
+    actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + name for name in _policies.expand(policies)]
     inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     tracker = LiveTensorTracker()
     bounds = ChainBounds(tracker)
