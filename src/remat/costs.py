@@ -27,6 +27,10 @@ runs (the logits of an output the training loop still holds, a tied weight's gra
 ``held_args_bytes`` are the blocks' other tensor arguments (an attention mask, position embeddings) that a
 step keeping everything frees before the chain's backward, but that a plan recomputing any block keeps for
 that recomputation.
+
+``autocast``: the autocast settings the step was measured under, as plain data (``{"device_type": "cpu",
+"dtype": "bfloat16", "enabled": True}``, see :class:`remat.precision.AutocastSpec`); ``None`` where the table
+does not say (tables written before it was recorded, hand-made tables).
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class CostTable:
     device: str = "cpu"
     source: str = "measured"
     info: dict[str, Any] = field(default_factory=dict)
+    autocast: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -121,6 +126,7 @@ class CostTable:
             device=data.get("device", "cpu"),
             source=data.get("source", "measured"),
             info=data.get("info", {}),
+            autocast=data.get("autocast"),
         )
 
     def to_json(self) -> str:

@@ -7,6 +7,10 @@ bytes kept after the forward, the forward and backward transients (:mod:`remat.b
 give forward, backward and recompute seconds (:mod:`remat.block_timing`). The step itself is tracked too, for
 the memory before the chain (stem) and after it (head) (:mod:`remat.chain_bounds`).
 
+Under ``torch.autocast`` the isolated runs keep the step's autocast settings but turn autocast's weight-cast
+cache off (:func:`remat.precision.casts_uncached`), so each block's casts are counted where they are made; the
+settings are recorded in the table (``CostTable.autocast``).
+
 It serves both :func:`profile` (one step on a sample batch) and in-training profiling: the dynamic controllers
 wrap the first real training step in a ``BlockProfiler``.
 """
@@ -28,8 +32,9 @@ from .blocks import BlocksArg, main_input, main_input_slot, replace_slot, resolv
 from .chain_bounds import ChainBounds
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
 from .hf_guards import profiled_step
-from .memory import LiveTensorTracker
+from .memory import LiveTensorTracker, model_device
 from .model_state import detached_from_step, extra_run
+from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
 from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step
 
@@ -71,6 +76,7 @@ def measure_block(
         identity,
         GradsRestored(module),
         torch.random.fork_rng(devices=rng_devices, device_type=device.type),
+        casts_uncached(),
     ):
         for action in actions:
             trackers[action] = LiveTensorTracker(device)
@@ -131,6 +137,7 @@ class BlockProfiler:
         self._bounds: ChainBounds | None = None
         self._busy = False
         self._device: torch.device | None = None
+        self._autocast: AutocastSpec | None = None
 
     def __enter__(self) -> BlockProfiler:
         for i, (fqn, module) in enumerate(self.chain):
@@ -156,6 +163,7 @@ class BlockProfiler:
                 return
             main = main_input(args, kwargs)
             self._device = main.device
+            self._autocast = AutocastSpec.current(main.device.type)
             if self._bounds is not None:
                 self._bounds.block_called(args, kwargs)
             actions = self.actions or default_actions(main.device, self.policies)
@@ -190,6 +198,7 @@ class BlockProfiler:
             device=device.type,
             source="measured",
             info={"torch": torch.__version__, "device_name": _device_name(device)},
+            autocast=(self._autocast or AutocastSpec.current(device.type)).to_dict(),
         )
 
 
@@ -209,11 +218,19 @@ def profile(
     blocks: BlocksArg = None,
     policies: Iterable[str] = ("dots_saveable",),
     repeats: int = 3,
+    autocast: AutocastArg = None,
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
-    Parameter gradients are left as they were."""
+    Parameter gradients are left as they were.
+
+    Mixed precision: called inside the training loop's ``torch.autocast`` context, the step is measured under
+    it. ``autocast=`` names the setting instead (``torch.bfloat16``, ``"fp16"``, a dict ``{"dtype": ...,
+    "device_type": ...}``, a :class:`remat.precision.AutocastSpec`, or ``False`` for none): the forward and the
+    loss then run under that autocast, the backward outside it, as in a training step. Either way the step runs
+    with autocast's weight-cast cache off (see :mod:`remat.precision`), and the table records the setting."""
+    spec = autocast_spec(autocast, model_device(model).type)
     profiler = BlockProfiler(model, blocks, policies=policies, repeats=repeats)
-    with GradsRestored(model), profiled_step(model), profiler:
-        run_step(model, batch, loss_fn)
+    with GradsRestored(model), profiled_step(model), profiler, casts_uncached():
+        run_step(model, batch, loss_fn, autocast=spec)
     return profiler.cost_table()

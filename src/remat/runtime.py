@@ -12,10 +12,12 @@ forward the hooks read the current plan's units and open/close the matching regi
   the group's input without storing anything;
 * ``offload``: ``torch.autograd.graph.save_on_cpu`` around the block.
 
+Under ``torch.autocast`` every region runs with autocast's weight-cast cache off (Note [7]).
+
 Nothing is re-wrapped when the plan changes (``handle.set_plan``), and ``handle.remove()`` removes the hooks,
 leaving the model exactly as it was. ``handle.stats`` counts block re-executions and recompute seconds.
 Every recomputation restores the RNG state the block saw in forward, so dropout replays exactly. The rules
-the hooks keep are stated once, as Note [1] to Note [6] below the imports, and cited where they apply.
+the hooks keep are stated once, as Note [1] to Note [7] below the imports, and cited where they apply.
 """
 
 from __future__ import annotations
@@ -85,6 +87,16 @@ from .suspension import all_suspended
 # remove() removes every hook, forgets open regions and deletes the mark on the model, which then behaves and
 # serialises as before apply(). Regions close in the forward hook that ends them (Note [4]); the per-thread
 # counters (recomputing, suspended) are restored in finally blocks.
+#
+# Note [7] Autocast.
+# Under torch.autocast with its weight-cast cache on (the default), a cast weight made inside a block would be
+# kept by the cache until the outermost autocast context exits, so a checkpointed block would leave its bf16
+# weights alive for the whole forward. Every region that does not keep its activations (checkpoint, selective,
+# segments, memory-poor groups, offload) therefore enters precision.casts_uncached() before its frame opens and
+# leaves it after the frame closes: its casts die with the block. The frame records the autocast state when it
+# opens (cache_enabled included) and torch's recomputation replays it, so recomputation is uncached too. keep
+# blocks run under the caller's settings: their casts are saved for backward either way, and the profiler counts
+# them in the block's saved bytes.
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
 
@@ -247,15 +259,7 @@ class RematHandle:
 
     def _close(self, key: int) -> None:
         region = self._open.pop(key)
-        if region.context is not None:
-            region.context.__exit__(None, None, None)
-        if region.generator is not None:
-            try:
-                next(region.generator)
-            except StopIteration:
-                pass
-            else:
-                raise RuntimeError("internal error: a checkpoint region did not close")
+        region.close()
         if region.unit.kind == MEMORY_POOR and key == region.unit.end:
             self._memory_poor = None
 
@@ -291,6 +295,7 @@ class RematHandle:
             return
         region = OpenRegion(unit)
         if action == OFFLOAD:
+            region.uncache_casts()  # Note [7]
             region.context = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
             region.context.__enter__()
             self._open[i] = region
@@ -308,6 +313,7 @@ class RematHandle:
 
         region.records.append(record)
         self._open[i] = region
+        region.uncache_casts()  # Note [7]
         region.generator = open_checkpoint_frame(recompute, context_fn, main)
 
     def _enter_segment_block(self, i: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -325,6 +331,7 @@ class RematHandle:
 
             records.append(record)
             self._open[i] = region
+            region.uncache_casts()  # Note [7]
             region.generator = open_checkpoint_frame(recompute, noop_context_fn, main)
             return
         region = self._open.get(unit.start)
@@ -366,6 +373,7 @@ class RematHandle:
                 self._run_block(record, current, timed=True)
 
         self._open[i] = region
+        region.uncache_casts()  # Note [7]
         region.generator = open_checkpoint_frame(recompute, noop_context_fn, group["input"])
 
 
