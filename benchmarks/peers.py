@@ -12,6 +12,11 @@ compiled blocks, and the PyPI planner ``ckptplan`` where it installs and runs. W
     python benchmarks/peers.py --quick              # one model, fp32, 50%: a check in 1-2 minutes
     python benchmarks/peers.py --out peers.jsonl --resume   # go on with an interrupted run
     python benchmarks/peers.py --markdown docs/results/peers-cpu.md
+    python benchmarks/peers.py --device cuda --size gpu --markdown docs/results/peers-cuda.md
+
+On ``--device cuda`` the models and batches live on the GPU, bf16 is ``torch.autocast("cuda")``, the peak
+of a step is the CUDA allocator's (``max_memory_allocated`` above what was allocated before it) and step
+times are wall-clock with the device synchronised around each step (:mod:`peers_device`).
 
 Records are appended to ``--out`` (JSON lines) as they arrive; ``--resume`` keeps the models and precisions
 already finished there and runs the rest.
@@ -32,6 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers_ckptplan  # noqa: E402
+import peers_device as pd  # noqa: E402
 import peers_models as pm  # noqa: E402
 import peers_table  # noqa: E402
 
@@ -40,7 +46,7 @@ from remat.bench.procmem import CHILD_ENV  # noqa: E402
 
 CHILD = Path(__file__).resolve().parent / "peers_child.py"
 # Options that must match for --resume to continue a file.
-SAME_FOR_RESUME = ("size", "budgets", "rounds", "warmup", "threads", "backend", "seed")
+SAME_FOR_RESUME = ("device", "size", "budgets", "rounds", "warmup", "threads", "backend", "seed")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budgets", default="0.25,0.5,0.75", help="fractions of the no-checkpoint activations")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds over all contenders")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before measuring each contender")
-    parser.add_argument("--size", default="default", choices=sorted(pm.SIZES))
+    parser.add_argument("--device", default="cpu", choices=pd.DEVICES, help="where the models and steps run")
+    parser.add_argument("--size", default=None, choices=sorted(pm.SIZES),
+                        help="model and batch size (default: 'default' on cpu, 'gpu', GPT-2 small's shape, on cuda)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled contenders")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (1: steadiest on a shared CPU)")
     parser.add_argument("--seed", type=int, default=0)
@@ -62,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="folder holding ckptplan (pip install --target FOLDER ckptplan)")
     parser.add_argument("--unit-timeout", type=float, default=1800, help="seconds one model and precision may take")
     args = parser.parse_args(argv)
+    if args.size is None:
+        args.size = "gpu" if args.device == "cuda" else "default"
     if args.quick:
         args.models, args.dtypes, args.budgets, args.rounds = "gpt2", "fp32", "0.5", 3
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -70,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for model in args.model_list:
         for dtype in args.dtype_list:
             pm.check_setting(pm.ModelSetting(model, dtype, args.size))
+    try:
+        pd.check_device(args.device)
+    except ValueError as err:
+        parser.error(str(err))
     bad = [b for b in args.budget_list if not 0.0 < b < 1.0]
     if bad or not args.budget_list:
         parser.error(f"--budgets takes fractions strictly between 0 and 1, got {args.budgets!r}")
@@ -78,25 +92,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def machine() -> dict[str, Any]:
+def machine(device: str = "cpu") -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "load_average_1min": load}
+    return {"cpu": pd.device_name("cpu"), "cores": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "load_average_1min": load, "device": device,
+            "device_name": pd.device_name(device), "cuda": torch.version.cuda if device == "cuda" else None}
 
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"size": args.size, "budgets": args.budget_list, "rounds": args.rounds, "warmup": args.warmup,
-            "threads": args.threads, "backend": args.backend, "seed": args.seed}
+    return {"device": args.device, "size": args.size, "budgets": args.budget_list, "rounds": args.rounds,
+            "warmup": args.warmup, "threads": args.threads, "backend": args.backend, "seed": args.seed}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -127,7 +134,7 @@ def resume_records(path: Path, opts: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run_unit(job: dict[str, Any], out: Any, timeout: float) -> list[dict[str, Any]]:
     """One model and precision in a child process; its records are written to ``out`` as they come."""
-    env = child_env(**CHILD_ENV)
+    env = child_env(**(CHILD_ENV if job.get("device", "cpu") == "cpu" else {}))  # glibc's settings: CPU only
     proc = subprocess.Popen([sys.executable, str(CHILD), json.dumps(job)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     records: list[dict[str, Any]] = []
@@ -169,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     command = "python benchmarks/peers.py" + (" " + shlex.join(sys.argv[1:]) if argv is None else "")
     header = next((r for r in kept if r.get("record") == "run"), None) or {
-        "record": "run", "command": command, "options": opts, "machine": machine(), "started": started}
+        "record": "run", "command": command, "options": opts, "machine": machine(args.device),
+        "started": started}
     done = {(r["model"], r["dtype"]) for r in kept if r.get("record") == "unit_done"}
     with out_path.open("w") as out:
         for record in [header, *[r for r in kept if r.get("record") != "run"]]:
@@ -188,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     records = [header, *[r for r in kept if r.get("record") != "run"]]
     wanted = {(m, d) for m in args.model_list for d in args.dtype_list}
     records = [r for r in records if r.get("record") == "run" or (r.get("model"), r.get("dtype")) in wanted]
-    body = peers_table.render(records)
+    body = peers_table.render(records, device=args.device)
     print(body)
     if args.markdown:
         write_markdown(Path(args.markdown), header, body, time.time() - started)
@@ -197,13 +205,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_markdown(path: Path, header: dict[str, Any], body: str, wall_s: float) -> None:
     m, o = header["machine"], header["options"]
+    device = o.get("device", "cpu")
+    if device == "cuda":
+        title = f"# remat next to its peers (CUDA: {m.get('device_name')})"
+        where = (f"Machine: {m.get('device_name')} (CUDA {m.get('cuda')}), host {m['cpu']}, {m['cores']} cores, "
+                 f"torch {m['torch']}, Python {m['python']}; peaks from the CUDA allocator, wall-clock step times; ")
+    else:
+        title = "# remat next to its peers (CPU)"
+        where = (f"Machine: {m['cpu']}, {m['cores']} cores (shared; 1-minute load average "
+                 f"{m['load_average_1min']:.1f} at the start), torch {m['torch']}, Python {m['python']}; "
+                 f"{o['threads']} intra-op thread(s), ")
     intro = [
-        "# remat next to its peers (CPU)",
+        title,
         "",
         f"Command: `{header['command']}`  ",
-        f"Machine: {m['cpu']}, {m['cores']} cores (shared; 1-minute load average {m['load_average_1min']:.1f} at "
-        f"the start), torch {m['torch']}, Python {m['python']}; {o['threads']} intra-op thread(s), compile backend "
-        f"`{o['backend']}`, {o['rounds']} timing rounds, models of size `{o['size']}` "
+        where + f"compile backend `{o['backend']}`, {o['rounds']} timing rounds, models of size `{o['size']}` "
         f"({pm.SIZES[o['size']]}).  ",
         f"Wall time of this invocation: {wall_s / 60:.1f} min.",
         "",

@@ -1,23 +1,26 @@
 """One (model, precision) of the peers benchmark, run in a process of its own: memory, gradients, timings.
 
 ``python benchmarks/peers_child.py JOB_JSON`` prints one ``REMAT {json}`` line per record (the protocol of
-:mod:`remat.bench.childproc`). The parent starts it with the whole-process meter's allocator settings
-(``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``: freed tensors go back to the system), so:
+:mod:`remat.bench.childproc`). On the CPU the parent starts it with the whole-process meter's allocator
+settings (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``: freed tensors go back to the system);
+on CUDA the model, its copies and the batch live on the GPU and glibc is left alone. Then:
 
 1. ``remat.profile`` of the model (eager, before anything is compiled), then every contender is built.
-2. Memory: per contender, warm-up steps (compilation included), then one step under the whole-process meter
-   (:class:`remat.bench.procmem.ProcessPeakMeter`: growth of the resident high-water mark) and, for eager
-   contenders, one under the live-tensor tracker (``remat.measure``). Parameter gradients exist before the
-   measured step (zeroed in place), so both meters see the same transient memory: activations and gradients
-   in flight. The hand-written contenders are measured at every ``k`` first; each budget gets the smallest
-   ``k`` whose peak fits.
+2. Memory: per contender, warm-up steps (compilation included), then one step under the peak meter, on the
+   CPU the whole-process one (:class:`remat.bench.procmem.ProcessPeakMeter`: growth of the resident
+   high-water mark), on CUDA the allocator's (:class:`peers_device.AllocatorPeak`: ``max_memory_allocated``
+   above what was allocated before the step), and, for eager contenders, one under the live-tensor tracker
+   (``remat.measure``). Parameter gradients exist before the measured step (zeroed in place), so both meters
+   see the same transient memory: activations and gradients in flight. The hand-written contenders are
+   measured at every ``k`` first; each budget gets the smallest ``k`` whose peak fits.
 3. Gradients: the measured step runs from the same seed for everyone; its gradients are compared with those
    of the contender's reference (bitwise, and the largest absolute difference).
-4. Timings: glibc is switched to the timing settings of DESIGN.md with ``mallopt`` (what
+4. Timings: on the CPU glibc is first switched to the timing settings of DESIGN.md with ``mallopt`` (what
    ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=268435456`` set at
-   start: no page faults per step), then rounds over all contenders, the order reversed every other round;
-   every step is one record. Forward and backward (and PGAC's update) are timed; no optimizer runs, so the
-   weights, and the gradients every contender must reproduce, stay the same.
+   start: no page faults per step); then rounds over all contenders, the order reversed every other round;
+   every step is one record (CPU time on the CPU; on CUDA wall-clock, the device synchronised around it).
+   Forward and backward (and PGAC's update) are timed; no optimizer runs, so the weights,
+   and the gradients every contender must reproduce, stay the same.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 import peers_ckptplan
 import peers_contenders as pc
+import peers_device as pd
 import peers_models as pm
 import torch
 import torch._dynamo
@@ -65,8 +69,9 @@ class Bench:
         self.job = job
         self.setting = pm.ModelSetting(job["model"], job["dtype"], job["size"])
         self.base = {"model": self.setting.model, "dtype": self.setting.dtype}
-        self.batch = pm.make_batch(self.setting, seed=job["seed"])
-        self.meter_problem = process_meter_problem()
+        self.device = pd.check_device(job.get("device", "cpu"))
+        self.batch = pm.make_batch(self.setting, seed=job["seed"], device=self.device)
+        self.meter_problem = process_meter_problem() if self.device == "cpu" else None
         self.memory: dict[str, dict[str, Any]] = {}
         self.reference_grads: dict[str, list[torch.Tensor]] = {}
 
@@ -77,16 +82,19 @@ class Bench:
     def step(self, c: pc.Contender, seed: int) -> tuple[float, float]:
         """Zero the gradients, switch to ``c``, run one step from ``seed``; returns its wall-clock and CPU
         seconds (the process's CPU time: with one intra-op thread, what the step would take on a machine of
-        its own, however busy this one is)."""
+        its own, however busy this one is; on CUDA the host's share only). The device is synchronised before
+        and after, so the wall-clock covers the GPU's work."""
         for p in c.model.parameters():
             if p.grad is not None:
                 p.grad.zero_()
         c.select()
         torch.manual_seed(seed)
+        pd.synchronize(self.device)
         start, cpu_start = time.perf_counter(), time.process_time()
         with c.step_context():
-            pm.forward_backward(c.forward, self.batch, self.setting.dtype)
+            pm.forward_backward(c.forward, self.batch, self.setting.dtype, self.device)
         c.after_backward()
+        pd.synchronize(self.device)
         return time.perf_counter() - start, time.process_time() - cpu_start
 
     def grads(self, c: pc.Contender) -> list[torch.Tensor]:
@@ -101,8 +109,12 @@ class Bench:
         started = time.perf_counter()
         for i in range(warmup):
             self.step(c, seed + 100 + i)
-        process = None
-        if self.meter_problem is None:
+        process = allocator = None
+        if self.device == "cuda":
+            with pd.AllocatorPeak(self.device) as peak:
+                self.step(c, seed)
+            allocator = peak.bytes
+        elif self.meter_problem is None:
             with ProcessPeakMeter() as meter:
                 self.step(c, seed)
             process = meter.activation_bytes
@@ -111,10 +123,11 @@ class Bench:
         grads = self.grads(c)
         tracker = None
         if c.tracker:
-            with remat.measure() as mem:
+            with remat.measure(self.device) as mem:
                 self.step(c, seed)
             tracker = mem.activation_bytes
-        result = {"key": c.key, "process_bytes": process, "tracker_bytes": tracker, **self._compare(c, grads),
+        result = {"key": c.key, "process_bytes": process, "allocator_bytes": allocator, "tracker_bytes": tracker,
+                  **self._compare(c, grads),
                   "info": c.info(), "setup_s": time.perf_counter() - started}
         self.memory[c.key] = result
         self.emit("memory", **result)
@@ -147,12 +160,16 @@ class Bench:
                 cs.add(chosen.get(budget, probe), budget)
 
     def _figure(self, memory: dict[str, Any]) -> int:
-        """The figure budgets are judged by: the whole-process one, the tracker's where that cannot run."""
-        return memory["process_bytes"] if memory["process_bytes"] is not None else memory["tracker_bytes"]
+        """The figure budgets are judged by: the allocator's (CUDA) or the whole-process one (CPU), the
+        tracker's where neither ran."""
+        for key in ("allocator_bytes", "process_bytes", "tracker_bytes"):
+            if memory.get(key) is not None:
+                return memory[key]
+        raise RuntimeError(f"{memory['key']}: no meter gave a figure")
 
     # ----- timings
     def time_rounds(self, keys: list[str], contenders: dict[str, pc.Contender]) -> None:
-        allocator = use_timing_allocator()
+        allocator = use_timing_allocator() if self.device == "cpu" else None
         self.emit("timing_setup", allocator_switched=allocator, threads=torch.get_num_threads())
         for key in keys:  # one warm-up step each after the allocator switch
             self.step(contenders[key], self.job["seed"] + 7)
@@ -160,7 +177,8 @@ class Bench:
             order = keys if r % 2 == 0 else keys[::-1]
             for key in order:
                 wall, cpu = self.step(contenders[key], self.job["seed"] + 1000 + r)
-                self.emit("timing", key=key, round=r, seconds=wall, cpu_seconds=cpu)
+                cpu_field = {"cpu_seconds": cpu} if self.device == "cpu" else {}  # on CUDA: wall-clock only
+                self.emit("timing", key=key, round=r, seconds=wall, **cpu_field)
 
 
 def run(job: dict[str, Any]) -> None:
@@ -169,10 +187,11 @@ def run(job: dict[str, Any]) -> None:
     bench = Bench(job)
     setting = bench.setting
     budgets = [float(b) for b in job["budgets"]]
-    base = pm.build_model(setting, seed=job["seed"])
-    with pm.precision_context(setting.dtype):
+    base = pm.build_model(setting, seed=job["seed"]).to(bench.device)
+    with pd.precision_context(setting.dtype, bench.device):
         costs = remat.profile(base, bench.batch)
     bench.emit("unit_start", setting=setting.describe(), blocks=len(costs), budgets=budgets,
+               device=bench.device, device_name=pd.device_name(bench.device),
                backend=job["backend"], threads=torch.get_num_threads(), torch=torch.__version__,
                predicted_none_bytes=no_checkpoint_peak(costs), meter_problem=bench.meter_problem)
     cs = pc.ContenderSet(base, pm.block_list, costs, job["backend"])
@@ -180,7 +199,7 @@ def run(job: dict[str, Any]) -> None:
     for key in list(cs.contenders):
         bench.measure(cs.contenders[key])
     bench.choose_k(cs, budgets)
-    compiled_bytes = bench.memory["compiled"]["process_bytes"]
+    compiled_bytes = bench.memory["compiled"]["allocator_bytes"] or bench.memory["compiled"]["process_bytes"]
     for budget in budgets:
         cs.remat_static(budget)
         cs.remat_pgac(budget)
@@ -189,9 +208,10 @@ def run(job: dict[str, Any]) -> None:
         cs.remat_compiled(budget, int(budget * compiled_bytes) if compiled_bytes else None)
     for key in list(cs.contenders):
         bench.measure(cs.contenders[key])
-    plain = pm.build_model(setting, seed=job["seed"])
+    plain = pm.build_model(setting, seed=job["seed"]).to(bench.device)
     ckptplan = peers_ckptplan.try_ckptplan(plain, pm.block_list(plain), bench.batch["input_ids"], budgets[0],
                                            job.get("ckptplan_path"))
+    del plain
     bench.emit("ckptplan", **ckptplan)
     bench.emit("rows", rows=[r.__dict__ for r in cs.rows], refused=[r.__dict__ for r in cs.refused],
                contenders={k: {"name": c.name, "group": c.group, "exact": c.exact, "detail": c.detail,

@@ -41,11 +41,11 @@ def first_block_input(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor
     """The hidden states entering the first block, and the keyword arguments the blocks need."""
     if hasattr(model, "transformer"):  # GPT-2
         t = model.transformer
-        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
         return t.wte(ids) + t.wpe(positions), {}
     inner = model.model  # Llama: the rotary embeddings go to every layer
     hidden = inner.embed_tokens(ids)
-    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     return hidden, {"position_embeddings": inner.rotary_emb(hidden, positions)}
 
 
@@ -62,8 +62,8 @@ def try_ckptplan(model: nn.Module, blocks: list[nn.Module], ids: torch.Tensor, b
         stage = "profile_blocks"
         with torch.no_grad():
             hidden, kwargs = first_block_input(model, ids)
-        profiles = module.profile_blocks(declared, (hidden,), kwargs or None, device="cpu", dtype=torch.float32,
-                                         num_warmup=1, num_trials=2)
+        profiles = module.profile_blocks(declared, (hidden,), kwargs or None, device=ids.device.type,
+                                         dtype=torch.float32, num_warmup=1, num_trials=2)
         stage = "plan_checkpoints"
         module.plan_checkpoints(profiles, declared, target_kind="activation_saving_fraction",
                                 target_value=1.0 - budget_fraction, planner="dynamic_programming")

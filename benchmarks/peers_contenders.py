@@ -41,7 +41,14 @@ EAGER = "eager"
 COMPILED = "compiled"
 
 aten = torch.ops.aten
-# What a user's "save the matmuls" policy names: matrix products and the attention kernels.
+# What a user's "save the matmuls" policy names: matrix products and the attention kernels, the CPU's and
+# CUDA's (flash, memory-efficient, cuDNN), those this torch has.
+ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
 MATMUL_OPS = frozenset(
     op
     for op in (
@@ -49,9 +56,7 @@ MATMUL_OPS = frozenset(
         aten.addmm.default,
         aten.bmm.default,
         aten.baddbmm.default,
-        getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
-        getattr(aten, "_scaled_dot_product_efficient_attention", None),
-        getattr(aten, "_scaled_dot_product_flash_attention", None),
+        *(getattr(aten, name, None) for name in ATTENTION_OPS),
     )
     if op is not None
 )

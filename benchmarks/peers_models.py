@@ -3,17 +3,18 @@
 Two Hugging Face causal language models built from their config classes with random weights (nothing is
 downloaded): GPT-2 (the library's default dropout, 0.1) and Llama (no dropout), each with its library-default
 attention implementation. Two sizes: ``default`` for the committed table and ``tiny`` for quick checks and the
-smoke test. ``precision_context`` gives the forward's precision: fp32, or bf16 autocast on the CPU.
+smoke test, and ``gpu`` (GPT-2 small's shape at a 8192-token vocabulary, and a Llama of the same shape) for a
+GPU. The forward runs in fp32 or under bf16 autocast on the benchmark's device (:mod:`peers_device`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from peers_device import precision_context
 from torch import nn
 
 MODELS = ("gpt2", "llama")
@@ -23,6 +24,8 @@ DTYPES = ("fp32", "bf16")
 SIZES: dict[str, dict[str, int]] = {
     "default": dict(layers=6, hidden=128, heads=4, vocab=256, batch=4, seq=128),
     "tiny": dict(layers=3, hidden=32, heads=2, vocab=128, batch=2, seq=32),
+    # GPT-2 small's layers, width and context; a smaller vocabulary keeps the logits from dwarfing the blocks
+    "gpu": dict(layers=12, hidden=768, heads=12, vocab=8192, batch=8, seq=1024),
 }
 
 
@@ -76,23 +79,18 @@ def block_list(model: nn.Module) -> list[nn.Module]:
     return list(container)
 
 
-def make_batch(setting: ModelSetting, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random token ids, used as inputs and labels."""
+def make_batch(setting: ModelSetting, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Random token ids (drawn on the CPU, the same on every device), used as inputs and labels."""
     s = SIZES[setting.size]
     ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(device)
     return {"input_ids": ids, "labels": ids}
 
 
-def precision_context(dtype: str) -> contextlib.AbstractContextManager[Any]:
-    """The context the forward runs in: nothing for fp32, ``torch.autocast("cpu", torch.bfloat16)`` for bf16."""
-    if dtype == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def forward_backward(forward: Callable[..., Any], batch: dict[str, torch.Tensor], dtype: str) -> torch.Tensor:
+def forward_backward(forward: Callable[..., Any], batch: dict[str, torch.Tensor], dtype: str,
+                     device: str = "cpu") -> torch.Tensor:
     """One training step without the optimizer: the forward in the step's precision, then the backward."""
-    with precision_context(dtype):
+    with precision_context(dtype, device):
         loss = forward(**batch).loss
     loss.backward()
     return loss.detach()

@@ -1,10 +1,11 @@
 """The peers benchmark's records turned into its table, and the summary of where remat's optimal plan stands.
 
-Memory: each contender's peak over its reference's, by the whole-process meter (every contender) and by the
-live-tensor tracker (eager ones); the reference is eager no checkpointing for eager contenders and the whole
-model under ``torch.compile`` without a budget for compiled ones. A contender fits a budget when its
-whole-process ratio is at most the budget. Step time: in every round, the contender's step over its
-reference's step of the same round; the table gives the median over rounds and their range.
+Memory: each contender's peak over its reference's, by the peak meter (every contender: the whole-process
+meter on the CPU, the CUDA allocator on a GPU) and by the live-tensor tracker (eager ones); the reference is
+eager no checkpointing for eager contenders and the whole model under ``torch.compile`` without a budget for
+compiled ones. A contender fits a budget when its peak-meter ratio is at most the budget. Step time: in
+every round, the contender's step over its reference's step of the same round (CPU seconds on the CPU,
+wall-clock seconds on CUDA); the table gives the median over rounds and their range.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Unit:
     dtype: str
     start: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, dict[str, Any]] = field(default_factory=dict)
-    times: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))  # CPU seconds
+    times: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))  # CPU s (CUDA: wall)
     wall: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
     rows: dict[str, Any] = field(default_factory=dict)
     ckptplan: dict[str, Any] = field(default_factory=dict)
@@ -65,6 +66,12 @@ def paired_ratios(unit: Unit, key: str, reference: str, wall: bool = False) -> l
     times = unit.wall if wall else unit.times
     a, b = times.get(key, {}), times.get(reference, {})
     return [a[r] / b[r] for r in sorted(a) if r in b and b[r] > 0]
+
+
+def peak_bytes(memory: dict[str, Any]) -> int | None:
+    """The peak meter's figure of a memory record: the CUDA allocator's, else the whole-process meter's."""
+    allocator = memory.get("allocator_bytes")
+    return allocator if allocator is not None else memory.get("process_bytes")
 
 
 def _ratio(value: Any, reference: Any) -> float | None:
@@ -115,7 +122,7 @@ def unit_lines(unit: Unit) -> list[Line]:
         ref = unit.memory.get(ref_key, {})
         ratios = paired_ratios(unit, key, ref_key)
         wall = paired_ratios(unit, key, ref_key, wall=True)
-        process_ratio = _ratio(mem.get("process_bytes"), ref.get("process_bytes"))
+        process_ratio = _ratio(peak_bytes(mem), peak_bytes(ref))
         own = unit.times.get(key, {})
         detail = info.get("detail", "")
         extra = mem.get("info") or {}
@@ -156,17 +163,21 @@ def _step(line: Line) -> str:
     return f"{line.step_median:.2f} [{line.step_low:.2f}–{line.step_high:.2f}]"
 
 
-def markdown_table(lines: list[Line]) -> str:
-    head = ("| model | dtype | budget | contender | detail | peak/ref (process) | peak/ref (tracker) | fits | "
-            "step/ref CPU median [range] | step ms CPU | step/ref wall | gradients |")
-    out = [head, "|" + "---|" * 12]
+def markdown_table(lines: list[Line], device: str = "cpu") -> str:
+    """The table; on CUDA the peak column is the allocator's and the step times are wall-clock (no CPU column)."""
+    cuda = device == "cuda"
+    meter, clock = ("allocator", "wall") if cuda else ("process", "CPU")
+    head = (f"| model | dtype | budget | contender | detail | peak/ref ({meter}) | peak/ref (tracker) | fits | "
+            f"step/ref {clock} median [range] | step ms {clock} |" + ("" if cuda else " step/ref wall |")
+            + " gradients |")
+    out = [head, "|" + "---|" * (11 if cuda else 12)]
     for x in lines:
         budget = f"{x.budget:.0%}" if x.budget is not None else "ref"
         fits = {True: "yes", False: "no", None: "—"}[x.fits]
         grads = x.grads or x.note
+        wall = "" if cuda else f" {_num(x.wall_median)} |"
         out.append(f"| {x.model} | {x.dtype} | {budget} | {x.name} | {x.detail} | {_num(x.process_ratio)} | "
-                   f"{_num(x.tracker_ratio)} | {fits} | {_step(x)} | {_num(x.step_ms, '{:.1f}')} | "
-                   f"{_num(x.wall_median)} | {grads} |")
+                   f"{_num(x.tracker_ratio)} | {fits} | {_step(x)} | {_num(x.step_ms, '{:.1f}')} |{wall} {grads} |")
     return "\n".join(out)
 
 
@@ -216,22 +227,27 @@ def standings_table(rows: list[Standing]) -> str:
     return "\n".join(out)
 
 
-def noise_floor(units: list[Unit]) -> str:
+def noise_floor(units: list[Unit], device: str = "cpu") -> str:
     parts = []
     for unit in units:
         cpu, wall = paired_ratios(unit, "none-aa", "none"), paired_ratios(unit, "none-aa", "none", wall=True)
-        if cpu:
+        if cpu and device == "cuda":
+            parts.append(f"{unit.model}/{unit.dtype} wall {statistics.median(wall):.3f} "
+                         f"[{min(wall):.3f}–{max(wall):.3f}]")
+        elif cpu:
             parts.append(f"{unit.model}/{unit.dtype} CPU {statistics.median(cpu):.3f} [{min(cpu):.3f}–{max(cpu):.3f}], "
                          f"wall {statistics.median(wall):.3f} [{min(wall):.3f}–{max(wall):.3f}]")
     return "A/A (no checkpointing against itself, step/ref): " + ("; ".join(parts) if parts else "not measured")
 
 
-def render(records: list[dict[str, Any]]) -> str:
-    """The whole report body: the table, the standing of remat's optimal plan, the noise floor."""
+def render(records: list[dict[str, Any]], device: str = "cpu") -> str:
+    """The whole report body: the device, the table, the standing of remat's optimal plan, the noise floor."""
     units = group_units(records)
     lines = [x for unit in units for x in unit_lines(unit)]
     standing = [s for unit in units for s in standings(unit, unit_lines(unit))]
-    parts = [markdown_table(lines), "", standings_table(standing), "", noise_floor(units)]
+    names = sorted({u.start["device_name"] for u in units if u.start.get("device_name")})
+    where = f"Device: {device}" + (f" ({', '.join(names)})" if names else "")
+    parts = [where, "", markdown_table(lines, device), "", standings_table(standing), "", noise_floor(units, device)]
     failed = [f"{u.model}/{u.dtype}: {u.failed}" for u in units if u.failed]
     unfinished = [f"{u.model}/{u.dtype}" for u in units if not u.done and not u.failed]
     if failed:

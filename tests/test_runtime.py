@@ -25,7 +25,7 @@ from toy_models import (
 
 import remat
 from remat.blocks import main_tensor, without_caches
-from remat.runtime import RecomputeStats
+from remat.recompute_stats import RecomputeStats
 from remat.simulator import Plan, simulate
 from remat.suspension import suspend_all
 
@@ -393,15 +393,7 @@ def _raise_in_block(model: MLPChain, index: int) -> torch.utils.hooks.RemovableH
     [
         "full",
         "memory_poor",
-        pytest.param(
-            "every_k",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a segment whose block raises before the segment's last block keeps its checkpoint frame "
-                "(saved-tensor hooks) open until the next forward reaches that block; tensors saved meanwhile "
-                "(the next step's stem) land in the stale frame",
-            ),
-        ),
+        "every_k",
     ],
 )
 def test_an_exception_in_a_block_leaves_the_next_step_exact(plan: str) -> None:

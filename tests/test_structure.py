@@ -1,5 +1,6 @@
 """The package's shape: no module reaches into another's private names, imports form no circle, modules stay
-short enough to read in one sitting, and the types users receive are exported.
+short enough to read in one sitting, the types users receive are exported, and the README's table of pieces
+names every module.
 
 Every module under ``src/remat`` is parsed with ``ast``; imports anywhere in a module count, inside functions
 too. The checks are run on a small package written to a temporary folder as well, so they are known to find
@@ -255,3 +256,30 @@ def test_the_types_users_receive_are_exported() -> None:
     finally:
         handle.remove()
     assert {"RematHandle", "MemoryReport", "Simulation"} <= set(remat.__all__)
+
+
+def _readme_pieces() -> set[str]:
+    """The file names and patterns the README's "What is inside" table lists (its backticked paths)."""
+    import re
+
+    text = (SOURCE.parents[1] / "README.md").read_text()
+    section = text.split("## What is inside", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    return {name for row in rows for name in re.findall(r"`([\w*/]+(?:\.py|/))`", row)}
+
+
+def test_the_readme_table_names_every_module() -> None:
+    pieces = _readme_pieces()
+    listed = {p.relative_to(SOURCE) for piece in pieces for p in SOURCE.glob(piece.rstrip("/"))}
+    assert all(any(SOURCE.glob(piece.rstrip("/"))) for piece in pieces), "the README names files that do not exist"
+    top_level = {p.relative_to(SOURCE) for p in SOURCE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    packages = {p.relative_to(SOURCE) for p in SOURCE.iterdir() if (p / "__init__.py").exists()}
+    in_packages = {p.relative_to(SOURCE) for d in packages for p in (SOURCE / d).glob("*.py")}
+    covered = listed | {p for p in in_packages if p.parent in listed}
+    covered |= {
+        d
+        for d in packages
+        if all(p.relative_to(SOURCE) in covered or p.name == "__init__.py" for p in (SOURCE / d).glob("*.py"))
+    }
+    missing = sorted(str(p) for p in (top_level | packages | in_packages) - covered if p.name != "__init__.py")
+    assert not missing, f"README.md's 'What is inside' table does not name: {missing}"

@@ -7,7 +7,8 @@ memory-poor groups support both: a checkpointed block is recomputed again for ea
 those of training without checkpointing. A ``selective:<policy>`` block whose policy saves operator outputs
 does not: torch's selective checkpointing hands out each saved output once, and the second pass fails with
 ``RuntimeError: Trying to backward an extra time. You are only allowed to backward once on any region
-computed under selective activation checkpoint.`` (``selective:nothing_saveable`` saves nothing and works).
+computed under selective activation checkpoint.`` (``selective:nothing_saveable`` saves nothing and works, and so
+does ``selective:offload_dots``, whose host copies serve every recompute).
 
 ``remat.plan(costs, "optimal", budget, double_backward=True)`` restricts the optimal planner to the actions
 :func:`double_backward_safe` accepts; the static strategies choose none of the others.
@@ -20,8 +21,9 @@ from collections.abc import Sequence
 from .actions import MEMORY_POOR, SEGMENT
 from .costs import CHECKPOINT, SELECTIVE_PREFIX, CostTable
 
-# Selective policies that save no operator output, so their regions can be passed through more than once.
-SAVES_NOTHING = frozenset({"nothing_saveable"})
+# Selective policies that save no operator output on the device (offload_dots keeps host copies, which serve
+# every recompute), so their regions can be passed through more than once.
+SAVES_NOTHING = frozenset({"nothing_saveable", "offload_dots"})
 GROUP_KINDS = (SEGMENT, MEMORY_POOR)
 
 

@@ -25,7 +25,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 from torch.utils._pytree import tree_flatten
 
 
@@ -92,6 +97,22 @@ class LiveTensorTracker(TorchDispatchMode):
             return
         self._events.append((event_id, -nbytes))
         self.live_bytes -= nbytes
+
+    def exit_anywhere(self) -> None:
+        """Leave this mode although modes entered after it are still active (a profiler whose step is found to
+        have ended inside the user's ``remat.measure()``): the modes above it are taken off, this one exits, and
+        they are put back in their order, so the user's tracker keeps counting."""
+        stack = _get_current_dispatch_mode_stack()
+        if not any(m is self for m in stack):
+            return
+        above = []
+        while _get_current_dispatch_mode_stack()[-1] is not self:
+            above.append(_pop_mode())
+        try:
+            self.__exit__(None, None, None)
+        finally:
+            for mode in reversed(above):
+                _push_mode(mode)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -187,14 +208,13 @@ def measure(device: str | torch.device | None = None, *, tracker: bool = True) -
         torch.cuda.reset_peak_memory_stats(dev)
         start_allocated = torch.cuda.memory_allocated(dev)
     mode = LiveTensorTracker(dev) if (tracker or dev.type != "cuda") else None
+    if mode is not None:
+        mode.__enter__()
     try:
-        if mode is not None:
-            with mode:
-                yield report
-        else:
-            yield report
+        yield report
     finally:
         if mode is not None:
+            mode.exit_anywhere()  # a mode entered inside (PGAC's own meter) may still be active
             mode.close()
             report.activation_bytes = mode.peak(exclude_survivors=True)
             report.peak_bytes = mode.peak(exclude_survivors=False)

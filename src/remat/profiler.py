@@ -7,9 +7,15 @@ bytes kept after the forward, the forward and backward transients (:mod:`remat.b
 give forward, backward and recompute seconds (:mod:`remat.block_timing`). The step itself is tracked too, for
 the memory before the chain (stem) and after it (head) (:mod:`remat.chain_bounds`).
 
+<<<<<<< HEAD
 Under ``torch.autocast`` the isolated runs keep the step's autocast settings but turn autocast's weight-cast
 cache off (:func:`remat.precision.casts_uncached`), so each block's casts are counted where they are made; the
 settings are recorded in the table (``CostTable.autocast``).
+=======
+Under an offload policy (``selective:offload_dots``...) the host copies are not device memory on CUDA and
+the tracker does not count them; on CPU they are, and it does (see :mod:`remat.host_copies`). Such an
+action's recompute seconds are the recomputation plus the forward's extra time (the copies it queues).
+>>>>>>> main
 
 It serves both :func:`profile` (one step on a sample batch) and in-training profiling: the dynamic controllers
 wrap the first real training step in a ``BlockProfiler``.
@@ -93,6 +99,9 @@ def measure_block(
             recompute[action] = fwd_s
         elif action == OFFLOAD:
             recompute[action] = max((a_fwd - fwd_s) + (a_bwd - bwd_s), 0.0)
+        elif _policies.get(action[len(SELECTIVE_PREFIX) :]).offload is not None:
+            # copies back in recompute, plus the copies to host the forward queued
+            recompute[action] = a_recompute + max(a_fwd - fwd_s, 0.0)
         else:
             recompute[action] = min(a_recompute, fwd_s)
     return BlockCost(
@@ -154,7 +163,7 @@ class BlockProfiler:
             hook.remove()
         self._hooks.clear()
         if self._tracker is not None:
-            self._tracker.__exit__(*exc)
+            self._tracker.exit_anywhere()  # the step may be found to have ended inside a later measure()
             self._tracker.close()
 
     def _pre_hook(self, i: int, fqn: str) -> Callable[..., None]:

@@ -22,11 +22,12 @@ the hooks keep are stated once, as Note [1] to Note [7] below the imports, and c
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from .blocks import BlocksArg, main_tensor, resolve_blocks
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .hf_guards import refuse_hf_checkpointing, training_forward_guards
 from .model_state import extra_run
+from .recompute_stats import RecomputeStats
 from .regions import CallRecord, OpenRegion, eager, open_checkpoint_frame, same_tensor
 from .rng import forked
 from .simulator import Plan, Unit
@@ -86,7 +88,11 @@ from .suspension import all_suspended
 # Note [6] Teardown.
 # remove() removes every hook, forgets open regions and deletes the mark on the model, which then behaves and
 # serialises as before apply(). Regions close in the forward hook that ends them (Note [4]); the per-thread
-# counters (recomputing, suspended) are restored in finally blocks.
+# counters (recomputing, suspended) are restored in finally blocks. A forward that raises closes every region
+# still open, so no checkpoint frame (a saved-tensor hook of the thread) outlives it: a block that raises is
+# seen by its always_call forward hook (called with no output while the exception propagates), and an
+# exception in the model's own code between two blocks of a segment by an always_call forward hook on the
+# model itself.
 #
 # Note [7] Autocast.
 # Under torch.autocast with its weight-cast cache on (the default), a cast weight made inside a block would be
@@ -99,30 +105,6 @@ from .suspension import all_suspended
 # them in the block's saved bytes.
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
-
-
-@dataclass
-class RecomputeStats:
-    """Block re-executions in backward and the seconds they took, per block FQN."""
-
-    fqns: list[str]
-    calls: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.calls = {f: 0 for f in self.fqns}
-        self.seconds = {f: 0.0 for f in self.fqns}
-
-    @property
-    def total_calls(self) -> int:
-        return sum(self.calls.values())
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(self.seconds.values())
 
 
 class RematHandle:
@@ -153,6 +135,8 @@ class RematHandle:
             post_hook = applied.CopyRefusingHook(self._make_post_hook(i))
             self._hooks.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             self._hooks.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+        model_exit = applied.CopyRefusingHook(eager(self._after_model_forward))
+        self._hooks.append(model.register_forward_hook(model_exit, always_call=True))  # Note [6]
 
     # ----- plan -----
     def set_plan(self, plan: Plan) -> None:
@@ -241,6 +225,9 @@ class RematHandle:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if self._inactive():
                 return
+            if output is None and _raising():  # Note [6]
+                self._abandon_open_regions()
+                return
             unit = self._unit_of[i]
             key = unit.start if unit.kind == "segment" else i
             region = self._open.get(key)
@@ -256,6 +243,18 @@ class RematHandle:
                     observer(i, out, False)
 
         return eager(hook)
+
+    def _after_model_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._open and output is None and _raising():  # Note [6]: the model's code raised between blocks
+            self._abandon_open_regions()
+
+    def _abandon_open_regions(self) -> None:
+        """Close every open region (last opened first) of a forward that raised; its graph is never used."""
+        for key in sorted(self._open, reverse=True):
+            with contextlib.suppress(Exception):  # the forward's own exception is the one to see
+                self._close(key)
+        self._open.clear()
+        self._memory_poor = None
 
     def _close(self, key: int) -> None:
         region = self._open.pop(key)
@@ -393,6 +392,11 @@ def apply(
     applied.register(model, handle)
     model._remat_handle = handle  # type: ignore[assignment]
     return handle
+
+
+def _raising() -> bool:
+    """Whether an exception is propagating: torch calls always_call hooks with no output from its except block."""
+    return sys.exc_info()[1] is not None
 
 
 def applied_handle(model: nn.Module) -> RematHandle | None:

@@ -40,7 +40,8 @@ from ..costs import CHECKPOINT, CostTable
 from ..planners import STRATEGIES
 from ..planners import plan as make_plan
 from ..profiler import BlockProfiler, profile
-from ..runtime import RecomputeStats, RematHandle, apply
+from ..recompute_stats import RecomputeStats
+from ..runtime import RematHandle, apply
 from ..simulator import Plan
 from ..sizes import normalize_budget
 from .process_group import distributed_world

@@ -1,0 +1,228 @@
+"""remat on a CUDA device: checkpointed GPT-2 gradients bit for bit equal to no checkpointing (dropout replayed
+from the CUDA generator), a plan's peak read from the CUDA allocator within its budget and within 5% of the
+prediction, ``remat.measure`` on the allocator, offload copying saved tensors into pinned host memory, and the
+offload policies (``selective:offload_dots``) keeping less on the device than ``selective:dots_saveable``.
+
+Every test here is marked ``gpu`` and skipped where no CUDA device is available (``pytest -m gpu`` selects
+them)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from toy_models import uniform_costs
+
+import remat
+from remat.host_copies import HostCopy
+from remat.simulator import Plan
+
+# Deterministic cuBLAS needs a fixed workspace configuration, read when the first cuBLAS handle is made.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+VOCAB = 256
+Batch = dict[str, torch.Tensor]
+
+
+@pytest.fixture
+def deterministic() -> Iterator[None]:
+    """Deterministic CUDA kernels (no atomics whose order changes the sums) for the bitwise comparisons."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _gpt2_on_cuda(make_gpt2: Callable[..., nn.Module], batch: int, seq: int) -> tuple[nn.Module, Batch]:
+    model = make_gpt2(n_layer=4, n_embd=64, vocab=VOCAB, n_positions=seq, seed=0).cuda()
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0)).cuda()
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _step(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward and backward from a fixed seed (CPU and CUDA generators); the loss and every gradient."""
+    torch.manual_seed(1234)
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _plan_for(strategy: str, fqns: list[str]) -> Plan:
+    if strategy == "selective":
+        return Plan(dict.fromkeys(fqns, "selective:dots_saveable"))
+    if strategy == "offload_dots":
+        return Plan(dict.fromkeys(fqns, "selective:offload_dots"))
+    if strategy == "offload":
+        return Plan(dict.fromkeys(fqns, "offload"))
+    return remat.plan(uniform_costs(fqns), strategy, **({"k": 2} if strategy == "every_k" else {}))
+
+
+@pytest.mark.parametrize("strategy", ["full", "every_k", "memory_poor", "selective", "offload", "offload_dots"])
+def test_checkpointed_gpt2_gradients_equal_no_checkpointing_bitwise(
+    strategy: str, make_gpt2: Callable[..., nn.Module], deterministic: None
+) -> None:
+    model, batch = _gpt2_on_cuda(make_gpt2, batch=4, seq=64)
+    assert model.config.resid_pdrop > 0 and model.config.attn_pdrop > 0  # dropout on: the CUDA RNG is replayed
+    reference = _step(model, batch)
+    other_seed = model(**batch).loss.detach()
+    assert not torch.equal(other_seed, reference[0])  # the dropout masks change the loss: replay is needed
+    fqns = [fqn for fqn, _ in remat.find_blocks(model)]
+    plan = _plan_for(strategy, fqns)
+    handle = remat.apply(model, plan)
+    try:
+        loss, grads = _step(model, batch)
+    finally:
+        handle.remove()
+    assert torch.equal(loss, reference[0])
+    assert grads.keys() == reference[1].keys()
+    for name, grad in grads.items():
+        assert grad.is_cuda and torch.equal(grad, reference[1][name]), name
+    if strategy != "offload":
+        assert handle.stats.total_calls >= len(fqns)  # every block really ran again in backward
+
+
+def _allocator_peak_of_step(model: nn.Module, batch: Batch) -> int:
+    """Bytes the CUDA allocator held at the step's peak above what it held before the step.
+
+    A first, unmeasured step allocates what outlives a step (the parameter gradients, accumulated in place by
+    the measured step, and the cuBLAS workspace), so that the measured growth is the step's transient memory,
+    which is what the simulator predicts. The step's output lives until after backward, as in the profile.
+    """
+    start = 0
+    for _ in range(2):
+        model.zero_grad(set_to_none=False)
+        torch.manual_seed(5)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        out = model(**batch)
+        out.loss.backward()
+        del out
+        torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+@pytest.mark.parametrize("budget", [0.4, 0.7])
+def test_plan_peak_from_the_cuda_allocator_is_within_budget_and_prediction(
+    budget: float, make_gpt2: Callable[..., nn.Module]
+) -> None:
+    model, batch = _gpt2_on_cuda(make_gpt2, batch=8, seq=128)
+    costs = remat.profile(model, batch, repeats=1)
+    assert costs.device.startswith("cuda")
+    plan = remat.plan(costs, "optimal", budget=budget)
+    assert plan.fits and plan.predicted_peak_bytes <= plan.budget_bytes
+    handle = remat.apply(model, plan)
+    try:
+        peak = _allocator_peak_of_step(model, batch)
+    finally:
+        handle.remove()
+    summary = (
+        f"budget {remat.format_bytes(plan.budget_bytes)}, predicted {remat.format_bytes(plan.predicted_peak_bytes)}, "
+        f"measured {remat.format_bytes(peak)}"
+    )
+    assert peak <= plan.budget_bytes, summary
+    assert abs(peak - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, summary
+
+
+def test_measure_on_cuda_reads_the_allocator() -> None:
+    torch.empty(1, device="cuda")  # CUDA initialised: measure() picks the device by itself
+    with remat.measure() as m:
+        kept = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # 1 MiB, a whole number of 512-byte blocks
+        freed = torch.empty(1 << 21, dtype=torch.uint8, device="cuda")
+        del freed
+    assert m.device.startswith("cuda") and m.source == "cuda-allocator+tracker"
+    assert m.peak_bytes == (1 << 20) + (1 << 21)  # everything allocated inside, the survivor included
+    assert m.activation_bytes == 1 << 21  # the tracker: only what died inside
+    with remat.measure("cuda", tracker=False) as m:
+        temp = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        del temp
+    assert m.source == "cuda-allocator" and m.peak_bytes == m.activation_bytes == 1 << 20
+    assert kept.numel() == 1 << 20
+
+
+class _CopiesToHost(TorchDispatchMode):
+    """Records each copy of a CUDA tensor into a CPU tensor: the bytes, whether the CPU tensor is pinned, and
+    whether the source is a parameter."""
+
+    def __init__(self, parameters: set[int]) -> None:
+        super().__init__()
+        self.parameters = parameters
+        self.copies: list[tuple[int, bool, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is torch.ops.aten.copy_.default:
+            dst, src = args[0], args[1]
+            if dst.device.type == "cpu" and src.device.type == "cuda":
+                is_parameter = src.untyped_storage().data_ptr() in self.parameters
+                self.copies.append((dst.untyped_storage().nbytes(), dst.is_pinned(), is_parameter))
+        return func(*args, **(kwargs or {}))
+
+
+def _held_after_forward(model: nn.Module, batch: Batch, mode: Any = None) -> tuple[int, torch.Tensor]:
+    """CUDA bytes allocated once the forward has run (before backward) above the bytes before it."""
+    torch.manual_seed(1234)
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    if mode is None:
+        out = model(**batch)
+    else:
+        with mode:
+            out = model(**batch)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - start
+    out.loss.backward()
+    return held, out.loss.detach()
+
+
+def test_offload_moves_saved_tensors_to_pinned_host_memory(make_gpt2: Callable[..., nn.Module]) -> None:
+    model, batch = _gpt2_on_cuda(make_gpt2, batch=4, seq=64)
+    fqns = [fqn for fqn, _ in remat.find_blocks(model)]
+    handle = remat.apply(model, Plan(dict.fromkeys(fqns, "keep")))
+    try:
+        _held_after_forward(model, batch)  # allocates the gradients and the cuBLAS workspace
+        held_kept, _ = _held_after_forward(model, batch)
+        handle.set_plan(Plan(dict.fromkeys(fqns, "offload")))
+        recorder = _CopiesToHost({p.untyped_storage().data_ptr() for p in model.parameters()})
+        held_offloaded, _ = _held_after_forward(model, batch, recorder)
+    finally:
+        handle.remove()
+    activations = [(nbytes, pinned) for nbytes, pinned, is_parameter in recorder.copies if not is_parameter]
+    assert activations, "no saved activation was copied to the host"
+    assert all(pinned for _, pinned, _ in recorder.copies), "a saved tensor went to pageable host memory"
+    # What the blocks saved now lives on the host: the forward leaves less on the device.
+    assert held_offloaded < held_kept
+    assert held_kept - held_offloaded >= sum(nbytes for nbytes, _ in activations) // 4
+
+
+def test_offload_dots_peaks_lower_on_the_device_than_dots_saveable(make_gpt2: Callable[..., nn.Module]) -> None:
+    copy = HostCopy.of(torch.randn(256, 256, device="cuda"))
+    assert copy.tensor.device.type == "cpu" and copy.tensor.is_pinned()  # the host copy is pinned
+    assert torch.equal(copy.on_device().cpu(), copy.tensor)
+    model, batch = _gpt2_on_cuda(make_gpt2, batch=8, seq=128)
+    fqns = [fqn for fqn, _ in remat.find_blocks(model)]
+    peaks: dict[str, int] = {}
+    for policy in ("dots_saveable", "offload_dots", "nothing_saveable"):
+        handle = remat.apply(model, Plan(dict.fromkeys(fqns, f"selective:{policy}")))
+        try:
+            peaks[policy] = _allocator_peak_of_step(model, batch)
+        finally:
+            handle.remove()
+    summary = ", ".join(f"{name} {remat.format_bytes(peak)}" for name, peak in peaks.items())
+    # The matmul outputs dots_saveable keeps on the device are in host memory under offload_dots.
+    assert peaks["offload_dots"] < peaks["dots_saveable"], summary
+    # and the device holds about what plain checkpointing holds: under half the extra dots_saveable keeps
+    extra_saved = peaks["dots_saveable"] - peaks["nothing_saveable"]
+    assert peaks["offload_dots"] - peaks["nothing_saveable"] < extra_saved / 2, summary

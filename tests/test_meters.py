@@ -1,0 +1,76 @@
+"""``remat.measure()`` around each of the first training steps under every integration reads the step: never
+zero, and close to the same measurement of a plain step. The integrations profile the first step with a
+tracker of their own (and PGAC measures steps with one), entered and left at step boundaries that may fall
+inside the user's measurement; the two must not take each other's place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import remat
+
+transformers = pytest.importorskip("transformers")
+
+
+def _bert() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128
+    )
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    return transformers.BertForMaskedLM(config).train(), {"input_ids": ids, "labels": ids}
+
+
+def _measured_steps(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer | None, n: int) -> list:
+    reports = []
+    for _ in range(n):
+        with remat.measure() as report:
+            model(**batch).loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+        reports.append(report)
+    return reports
+
+
+def _hf_without_optimizer(model: torch.nn.Module) -> tuple[Callable[[], None], None]:
+    from remat.integrations import hf
+
+    session = hf.enable(model, budget=0.5)
+    return session.remove, None
+
+
+def _hf_with_optimizer(model: torch.nn.Module) -> tuple[Callable[[], None], torch.optim.Optimizer]:
+    from remat.integrations import hf
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    session = hf.enable(model, budget=0.5)
+    return session.remove, optimizer
+
+
+def _pgac(model: torch.nn.Module) -> tuple[Callable[[], None], torch.optim.Optimizer]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    pgac = remat.PGAC(model, 0.5, measure=1).attach(optimizer)
+    return pgac.remove, optimizer
+
+
+@pytest.mark.parametrize("integrate", [_hf_without_optimizer, _hf_with_optimizer, _pgac], ids=lambda f: f.__name__)
+def test_the_first_steps_are_measured(integrate: Callable) -> None:
+    model, batch = _bert()
+    plain = _measured_steps(model, batch, None, 1)[0]
+    model.zero_grad(set_to_none=True)
+    remove, optimizer = integrate(model)
+    try:
+        reports = _measured_steps(model, batch, optimizer, 3)
+    finally:
+        remove()
+    for i, report in enumerate(reports):
+        assert report.activation_bytes > 0 and report.peak_bytes > 0, f"step {i} read zero"
+        # every step holds at least its parameter gradients' worth of transient memory and at most the profiling
+        # step's extra (the profiler runs each block alone on top of the step)
+        assert 0.2 * plain.peak_bytes < report.peak_bytes < 3 * plain.peak_bytes, (i, report, plain)
+    _after = _measured_steps(model, batch, None, 1)[0]
+    assert _after.peak_bytes == pytest.approx(plain.peak_bytes, rel=0.05)  # nothing left installed
