@@ -13,7 +13,8 @@ outermost autocast context exits. Two consequences for remat:
 So the profiler runs each block alone, and the runtime runs every block that is not ``keep``, inside a nested
 ``torch.autocast(device_type, dtype, enabled=True, cache_enabled=False)`` (:func:`casts_uncached`): every cast is
 made, counted and freed where it happens. torch's checkpoint replays the autocast state of the forward,
-``cache_enabled`` included, so the recomputation runs uncached too.
+``cache_enabled`` included, so the recomputation runs uncached too. ``keep`` blocks run under the caller's
+settings: their casts are saved for backward either way, and the profiler counts them in the block's saved bytes.
 
 :class:`AutocastSpec` is the setting itself (device type, dtype, enabled), as the profiler records it in a
 :class:`~remat.costs.CostTable` (``costs.autocast``, plain data: :meth:`AutocastSpec.to_dict`) and as
@@ -55,7 +56,9 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
         return value
     key = str(value).lower().removeprefix("torch.")
     if key not in _DTYPE_NAMES:
-        raise ValueError(f"unknown autocast dtype {value!r}; use torch.bfloat16, torch.float16 or one of {sorted(_DTYPE_NAMES)}")
+        raise ValueError(
+            f"unknown autocast dtype {value!r}; use torch.bfloat16, torch.float16 or one of {sorted(_DTYPE_NAMES)}"
+        )
     return _DTYPE_NAMES[key]
 
 

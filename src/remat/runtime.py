@@ -95,14 +95,8 @@ from .suspension import all_suspended
 # model itself.
 #
 # Note [7] Autocast.
-# Under torch.autocast with its weight-cast cache on (the default), a cast weight made inside a block would be
-# kept by the cache until the outermost autocast context exits, so a checkpointed block would leave its bf16
-# weights alive for the whole forward. Every region that does not keep its activations (checkpoint, selective,
-# segments, memory-poor groups, offload) therefore enters precision.casts_uncached() before its frame opens and
-# leaves it after the frame closes: its casts die with the block. The frame records the autocast state when it
-# opens (cache_enabled included) and torch's recomputation replays it, so recomputation is uncached too. keep
-# blocks run under the caller's settings: their casts are saved for backward either way, and the profiler counts
-# them in the block's saved bytes.
+# Every region that does not keep its activations runs with autocast's weight-cast cache off, entered before its
+# frame opens (so recomputation replays it) and left after it closes; why, and the helpers: remat.precision.
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
 
