@@ -134,6 +134,24 @@ def autocast_spec(value: AutocastArg, device_type: str) -> AutocastSpec | None:
     )
 
 
+def precision_mismatch(recorded: Mapping[str, Any] | None, current: AutocastSpec) -> str | None:
+    """Why costs recorded under ``recorded`` (``CostTable.autocast``) do not describe a step running under
+    ``current``, or ``None`` when they do (or the table recorded nothing)."""
+    spec = recorded_spec(recorded)
+    if spec is None or (spec.enabled, spec.dtype if spec.enabled else None) == (
+        current.enabled,
+        current.dtype if current.enabled else None,
+    ):
+        return None
+    return (
+        f"remat: the plan was made from costs measured under {spec.describe()}, but the training step runs under "
+        f"{current.describe()}; activation sizes differ between precisions, so the plan may not keep its budget. "
+        "Profile in the training precision: call remat.profile inside the training loop's torch.autocast, pass "
+        "autocast= (e.g. autocast=torch.bfloat16) with batch=, or give neither batch= nor costs= so the first "
+        "training step is profiled"
+    )
+
+
 def recorded_spec(data: Mapping[str, Any] | None) -> AutocastSpec | None:
     """The spec a CostTable recorded (``costs.autocast``), or ``None`` for a table that recorded none."""
     return AutocastSpec.from_dict(data) if data else None
@@ -173,6 +191,7 @@ __all__ = [
     "casts_uncached",
     "dtype_name",
     "parse_dtype",
+    "precision_mismatch",
     "recorded_spec",
     "step_autocast",
 ]

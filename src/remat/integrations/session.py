@@ -28,6 +28,7 @@ the others keep would all-gather alone.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,8 +38,10 @@ from torch import nn
 
 from ..blocks import resolve_blocks
 from ..costs import CHECKPOINT, CostTable
+from ..memory import model_device
 from ..planners import STRATEGIES
 from ..planners import plan as make_plan
+from ..precision import AutocastArg, AutocastSpec, precision_mismatch
 from ..profiler import BlockProfiler, profile
 from ..recompute_stats import RecomputeStats
 from ..runtime import RematHandle, apply
@@ -85,7 +88,9 @@ class RematSession:
     ``strategy``: a :data:`remat.STRATEGIES` name or ``"pgac"``; ``budget``: bytes, "2GiB" or a fraction;
     ``options`` go to :func:`remat.plan` (``k=``, ``fraction=``, ``strict=``...) or to :class:`remat.PGAC`
     (``alpha``, ``q``, ``gamma``, ``every``, ``total_steps``...). ``auto_step=False`` turns off the global
-    optimizer hooks; then call :meth:`step` (or :meth:`attach`) yourself.
+    optimizer hooks; then call :meth:`step` (or :meth:`attach`) yourself. ``autocast=`` is the training
+    precision a ``batch=`` is profiled under (as :func:`remat.profile` takes it). The first training forward's
+    autocast setting is recorded (:attr:`step_autocast`); costs measured under another setting are warned about.
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class RematSession:
         sync: str | None = None,
         process_group: Any = None,
         auto_step: bool = True,
+        autocast: AutocastArg = None,
         **options: Any,
     ) -> None:
         check_strategy(strategy, budget)
@@ -116,6 +122,7 @@ class RematSession:
         self.sync = sync
         self.process_group = process_group
         self.costs: CostTable | None = costs
+        self.step_autocast: AutocastSpec | None = None  # seen in the first training forward
         self.pgac: Any = None
         self._profiler: BlockProfiler | None = None
         self._hooks: list[Any] = []
@@ -133,7 +140,7 @@ class RematSession:
             if costs is None:
                 _refuse_compiled(chain)  # PGAC would profile the first step
                 if batch is not None:
-                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain)
+                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, autocast=autocast)
             import remat
 
             self.pgac = remat.PGAC(
@@ -145,7 +152,7 @@ class RematSession:
             if plan is None:
                 if self.costs is None and batch is not None:
                     _refuse_compiled(chain)
-                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain)
+                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, autocast=autocast)
                 if self.costs is not None:
                     self.costs = self._shared(self.costs)
                     plan = self._plan_for(self.costs)
@@ -154,8 +161,7 @@ class RematSession:
             self.handle = apply(model, initial, chain)
         model._remat_session = self  # type: ignore[assignment]
         self._global_done = not (auto_step and (self._waiting or self.pgac is not None))
-        if self._waiting or not self._global_done:
-            self._hooks.append(model.register_forward_pre_hook(self._on_forward))
+        self._hooks.append(model.register_forward_pre_hook(self._on_forward))  # removed once it has no more to do
         if not self._global_done:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -230,11 +236,14 @@ class RematSession:
         if self._global_done and self._global_hooks:
             # Removed here, outside the optimizer's loop over its hooks, which must not change while it runs.
             self._remove_global_hooks()
+        training = torch.is_grad_enabled() and self.model.training
+        if training and self.step_autocast is None:
+            self._check_precision()
         if not self._waiting:
-            if self._global_done:
+            if self._global_done and self.step_autocast is not None:
                 self._remove_hooks()
             return
-        if not (torch.is_grad_enabled() and self.model.training):
+        if not training:
             return
         if self._profiler is None:
             _refuse_compiled(self.handle.blocks)
@@ -248,6 +257,15 @@ class RematSession:
             self._profiler.__enter__()
         else:  # a second training forward before any optimizer step: the profiled step has ended
             self._finish_profiling()
+
+    def _check_precision(self) -> None:
+        """Record the autocast setting of the first training forward; warn when the costs were measured under
+        another (a first step profiled here is measured under it)."""
+        self.step_autocast = AutocastSpec.current(model_device(self.model).type)
+        costs = self.pgac.costs if self.pgac is not None else self.costs
+        problem = precision_mismatch(costs.autocast, self.step_autocast) if costs is not None else None
+        if problem:
+            warnings.warn(problem, stacklevel=3)
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._removed or self._global_done or not self._owns(optimizer):
