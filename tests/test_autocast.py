@@ -216,3 +216,17 @@ def test_trainer_and_lightning_settings_name_their_autocast() -> None:
     )
     assert precision_autocast(SimpleNamespace(precision="16-mixed", strategy=cpu)).dtype == torch.float16
     assert not precision_autocast(SimpleNamespace(precision="bf16-true", strategy=cpu)).enabled
+
+
+def test_meta_estimate_says_it_cannot_see_autocast() -> None:
+    from remat.estimate import meta_cost_table
+
+    def model() -> nn.Module:
+        return WideChain(n=2, width=32)
+
+    plain = meta_cost_table(model, torch.zeros(4, 32), device_flops="cpu")
+    with pytest.warns(UserWarning, match="no autocast on the meta device"), bf16():
+        under = meta_cost_table(model, torch.zeros(4, 32), device_flops="cpu")
+    assert under.autocast == plain.autocast == {"device_type": "meta", "dtype": "float32", "enabled": False}
+    assert [b.saved_bytes for b in under.blocks] == [b.saved_bytes for b in plain.blocks]
+    assert precision_mismatch(under.autocast, AutocastSpec("cpu", torch.bfloat16)) is not None
