@@ -47,6 +47,9 @@ class ChainBounds:
         self.tracker = tracker
         self.arguments = BlockArguments()
         self.held_args_bytes = 0
+        self._inputs: dict[str, tuple[weakref.ref, int]] = {}  # main inputs of the first and the last block
+        self._watched: list[tuple[weakref.ref, int]] = []
+        self._inputs_freed = 0
 
     def block_called(self, args: tuple[Any, ...], kwargs: dict[str, Any], main: torch.Tensor) -> None:
         """A block of the chain is called for the first time in the step (with grad enabled), with ``main`` as
@@ -54,17 +57,28 @@ class ChainBounds:
         if not self.tracker.has_mark("stem"):
             self.tracker.mark("stem")
         self.arguments.add(args, kwargs, main)
+        storage = main.untyped_storage()
+        entry = (weakref.ref(storage), storage.nbytes())
+        self._inputs.setdefault("first", entry)
+        self._inputs["last"] = entry
 
     def chain_output(self, out: torch.Tensor | None) -> None:
         """The last block returned ``out`` as its main output: the chain's forward ends here, the head's starts."""
         if out is None or not out.requires_grad or self.tracker.has_mark("chain_end"):
             return
         self.tracker.mark("chain_end")
+        alive = {id(ref()): (ref, n) for ref, n in self._inputs.values() if ref() is not None}
+        self._watched = list(alive.values())
         out.register_hook(lambda grad: self._head_end())
 
     def _head_end(self) -> None:
         self.tracker.mark("head_end")
         self.held_args_bytes = self.arguments.freed_bytes()
+        # The first and the last block's inputs die in the head (the model's forward returns) when nothing saved
+        # them (a block whose first op copies its input, as a bfloat16 RMSNorm upcasting to float32 does); a plan
+        # that checkpoints the block keeps them. The stem and the blocks' terms count them either way, so the
+        # head's figures must not count their death.
+        self._inputs_freed = sum(n for ref, n in self._watched if ref() is None)
 
     def figures(self) -> dict[str, int]:
         """``stem_bytes``, ``head_bytes``, ``head_retained_bytes`` and ``held_args_bytes`` of the step (0 where
@@ -74,8 +88,8 @@ class ChainBounds:
         head = head_retained = 0
         if tracker.has_mark("chain_end") and tracker.has_mark("head_end"):
             end = tracker.bytes_at("chain_end")
-            head = max(0, tracker.peak_between("chain_end", "head_end") - end)
-            head_retained = max(0, tracker.bytes_at("head_end") - end)
+            head = max(0, tracker.peak_between("chain_end", "head_end") - end + self._inputs_freed)
+            head_retained = max(0, tracker.bytes_at("head_end") - end + self._inputs_freed)
         return {
             "stem_bytes": stem,
             "head_bytes": head,

@@ -30,6 +30,9 @@ that recomputation.
 
 ``info`` holds plain facts about how the table was taken (torch version, device name; for a measured table
 ``profile_s``, the profile's wall time, and ``blocks_measured`` / ``blocks_reused``).
+``autocast``: the autocast settings the step was measured under, as plain data (``{"device_type": "cpu",
+"dtype": "bfloat16", "enabled": True}``, see :class:`remat.precision.AutocastSpec`); ``None`` where the table
+does not say (tables written before it was recorded, hand-made tables).
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class CostTable:
     device: str = "cpu"
     source: str = "measured"
     info: dict[str, Any] = field(default_factory=dict)
+    autocast: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -124,6 +128,7 @@ class CostTable:
             device=data.get("device", "cpu"),
             source=data.get("source", "measured"),
             info=data.get("info", {}),
+            autocast=data.get("autocast"),
         )
 
     def to_json(self) -> str:

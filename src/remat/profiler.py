@@ -7,6 +7,10 @@ bytes kept after the forward, the forward and backward transients (:mod:`remat.b
 give forward, backward and recompute seconds (:mod:`remat.block_timing`). The step itself is tracked too, for
 the memory before the chain (stem) and after it (head) (:mod:`remat.chain_bounds`).
 
+Under ``torch.autocast`` the isolated runs keep the step's autocast settings but turn autocast's weight-cast
+cache off (:func:`remat.precision.casts_uncached`), so each block's casts are counted where they are made; the
+settings are recorded in the table (``CostTable.autocast``).
+
 Under an offload policy (``selective:offload_dots``...) the host copies are not device memory on CUDA and
 the tracker does not count them; on CPU they are, and it does (see :mod:`remat.host_copies`). Such an
 action's recompute seconds are the recomputation plus the forward's extra time (the copies it queues).
@@ -51,8 +55,9 @@ from .blocks import (
 from .chain_bounds import ChainBounds
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
 from .hf_guards import profiled_step
-from .memory import LiveTensorTracker
+from .memory import LiveTensorTracker, model_device
 from .model_state import detached_from_step, extra_run
+from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
 from .regions import in_place_error
 from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step
@@ -103,6 +108,7 @@ def measure_block(
         GradsRestored(module),
         parameters_detached(module),  # no hook of the step's parameters fires (DDP's reducer)
         torch.random.fork_rng(devices=rng_devices, device_type=device.type),
+        casts_uncached(),
     ):
         for action in actions:
             trackers[action] = LiveTensorTracker(device)
@@ -178,6 +184,7 @@ class BlockProfiler:
         self._bounds: ChainBounds | None = None
         self._busy = False
         self._device: torch.device | None = None
+        self._autocast: AutocastSpec | None = None
 
     def __enter__(self) -> BlockProfiler:
         for i, (fqn, module) in enumerate(self.chain):
@@ -207,6 +214,7 @@ class BlockProfiler:
                 return
             main = self.io[i].input_tensor(args, kwargs)
             self._device = main.device
+            self._autocast = AutocastSpec.current(main.device.type)
             if self._bounds is not None:
                 self._bounds.block_called(args, kwargs, main)
             actions = self.actions or default_actions(main.device, self.policies)
@@ -270,6 +278,7 @@ class BlockProfiler:
                 "blocks_measured": len(self.rows) - len(self.reused),
                 "blocks_reused": len(self.reused),
             },
+            autocast=(self._autocast or AutocastSpec.current(device.type)).to_dict(),
         )
 
     def _profile_seconds(self) -> float:
@@ -298,6 +307,7 @@ def profile(
     main_input: InputName | Mapping[str, InputName] = None,
     main_output: OutputName | Mapping[str, OutputName] = None,
     reuse_identical: bool = True,
+    autocast: AutocastArg = None,
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
@@ -305,12 +315,19 @@ def profile(
     wrong (see :mod:`remat.blocks`). ``policies``: the per-operator policies measured as ``selective:<name>``
     actions (names, or ``"menu"`` for :data:`remat.policies.MENU`). Parameter gradients are left as they were.
     Blocks that cost the same are measured once unless ``reuse_identical`` is false (see
-    :class:`BlockProfiler`); ``info["profile_s"]`` is the profile's wall time."""
+    :class:`BlockProfiler`); ``info["profile_s"]`` is the profile's wall time.
+
+    Mixed precision: called inside the training loop's ``torch.autocast`` context, the step is measured under
+    it. ``autocast=`` names the setting instead (``torch.bfloat16``, ``"fp16"``, a dict ``{"dtype": ...,
+    "device_type": ...}``, a :class:`remat.precision.AutocastSpec`, or ``False`` for none): the forward and the
+    loss then run under that autocast, the backward outside it, as in a training step. Either way the step runs
+    with autocast's weight-cast cache off (see :mod:`remat.precision`), and the table records the setting."""
+    spec = autocast_spec(autocast, model_device(model).type)
     chain = resolve_blocks(model, blocks)
     io = block_ios(chain, main_input, main_output)
     profiler = BlockProfiler(
         model, chain, policies=policies, repeats=repeats, io=io, reuse_identical=reuse_identical
     )
-    with GradsRestored(model), profiled_step(model), profiler:
-        run_step(model, batch, loss_fn)
+    with GradsRestored(model), profiled_step(model), profiler, casts_uncached():
+        run_step(model, batch, loss_fn, autocast=spec)
     return profiler.cost_table()

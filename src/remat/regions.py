@@ -5,7 +5,8 @@ it installs the saved-tensor hooks of a checkpoint frame; advanced again, it rem
 (:mod:`remat.runtime`) advances it from a block's forward pre-hook and from a forward hook (of the same block,
 or of the last block of a segment), as ``torch.distributed``'s composable checkpoint does. This module owns
 that use of the generator (:func:`open_checkpoint_frame`), the record a recomputation re-runs a block from
-(:class:`CallRecord`), the state of a region between its two hooks (:class:`OpenRegion`), and the two checks
+(:class:`CallRecord`), the state of a region between its two hooks and how it is closed (:class:`OpenRegion`,
+which also runs the region with autocast's weight-cast cache off, see :mod:`remat.precision`), and the two checks
 the hooks rely on (:func:`same_tensor`, :func:`eager`).
 """
 
@@ -21,6 +22,7 @@ import torch
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
 from .blocks import HOW_TO_NAME, BlockIO, InputSlot, replace_slot, slot_value, without_caches
+from .precision import casts_uncached
 from .rng import RngSnapshot
 from .simulator import Unit
 
@@ -107,6 +109,7 @@ class OpenRegion:
     unit: Unit
     generator: Any = None
     context: Any = None
+    casts: Any = None  # the entered remat.precision.casts_uncached() context, left when the region closes
     records: list[CallRecord] = field(default_factory=list)
     last_output: torch.Tensor | None = None
     last_outputs: list[tuple[Any, Any]] = field(default_factory=list)  # (index or key, weakref) of each tensor
@@ -160,6 +163,28 @@ def in_place_error(fqn: str, when: str) -> RuntimeError:
         "the argument at the start of the block's forward (x = x.clone()), or keep that block (action 'keep', "
         "e.g. edit the plan's actions or leave the block out with blocks=)"
     )
+
+    def uncache_casts(self) -> None:
+        """Turn autocast's weight-cast cache off until the region closes; call before its frame or context
+        opens, so the frame records (and its recomputation replays) the uncached state."""
+        self.casts = casts_uncached()
+        self.casts.__enter__()
+
+    def close(self) -> None:
+        """Leave the region's context, close its checkpoint frame, then turn the cast cache back on."""
+        try:
+            if self.context is not None:
+                self.context.__exit__(None, None, None)
+            if self.generator is not None:
+                try:
+                    next(self.generator)
+                except StopIteration:
+                    pass
+                else:
+                    raise RuntimeError("internal error: a checkpoint region did not close")
+        finally:
+            if self.casts is not None:
+                self.casts.__exit__(None, None, None)
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:

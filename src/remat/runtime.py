@@ -12,10 +12,12 @@ forward the hooks read the current plan's units and open/close the matching regi
   the group's input without storing anything;
 * ``offload``: ``torch.autograd.graph.save_on_cpu`` around the block.
 
+Under ``torch.autocast`` every region runs with autocast's weight-cast cache off (Note [7]).
+
 Nothing is re-wrapped when the plan changes (``handle.set_plan``), and ``handle.remove()`` removes the hooks,
 leaving the model exactly as it was. ``handle.stats`` counts block re-executions and recompute seconds.
 Every recomputation restores the RNG state the block saw in forward, so dropout replays exactly. The rules
-the hooks keep are stated once, as Note [1] to Note [6] below the imports, and cited where they apply.
+the hooks keep are stated once, as Note [1] to Note [7] below the imports, and cited where they apply.
 """
 
 from __future__ import annotations
@@ -99,6 +101,10 @@ from .suspension import all_suspended, counting
 # seen by its always_call forward hook (called with no output while the exception propagates), and an
 # exception in the model's own code between two blocks of a segment by an always_call forward hook on the
 # model itself.
+#
+# Note [7] Autocast.
+# Every region that does not keep its activations runs with autocast's weight-cast cache off, entered before its
+# frame opens (so recomputation replays it) and left after it closes; why, and the helpers: remat.precision.
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
 
@@ -288,6 +294,7 @@ class RematHandle:
             return
         region = OpenRegion(unit)
         if action == OFFLOAD:
+            region.uncache_casts()  # Note [7]
             region.context = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
             region.context.__enter__()
             self._open[i] = region
@@ -305,6 +312,7 @@ class RematHandle:
 
         region.records.append(record)
         self._open[i] = region
+        region.uncache_casts()  # Note [7]
         region.generator = open_checkpoint_frame(recompute, context_fn, main)
 
     def _enter_segment_block(self, i: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -322,6 +330,7 @@ class RematHandle:
 
             records.append(record)
             self._open[i] = region
+            region.uncache_casts()  # Note [7]
             region.generator = open_checkpoint_frame(recompute, noop_context_fn, main)
             return
         region = self._open.get(unit.start)
@@ -361,6 +370,7 @@ class RematHandle:
                 self._run_block(record, current, timed=True)
 
         self._open[i] = region
+        region.uncache_casts()  # Note [7]
         region.generator = open_checkpoint_frame(recompute, noop_context_fn, group["input"])
 
 

@@ -2,7 +2,9 @@
 
 ``batch`` is what the user would pass to ``model``: a tensor, a tuple or list of positional arguments, or a
 dict of keyword arguments. The loss is ``loss_fn(output)``, by default ``output.loss`` when the model returns
-one, else the sum of its (first) output tensor.
+one, else the sum of its (first) output tensor. With an autocast setting the forward and the loss run under it
+(weight-cast cache off, see :mod:`remat.precision`) and the backward outside it, as in a mixed-precision
+training loop.
 """
 
 from __future__ import annotations
@@ -14,19 +16,28 @@ import torch
 from torch import nn
 
 from .blocks import main_tensor
+from .precision import AutocastSpec, step_autocast
 
 Batch = torch.Tensor | tuple[Any, ...] | list[Any] | dict[str, Any]
 
 
-def run_step(model: nn.Module, batch: Batch, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
-    """One forward and backward of ``model`` on ``batch``; returns the loss (detached)."""
-    if isinstance(batch, dict):
-        output = model(**batch)
-    elif isinstance(batch, tuple | list):
-        output = model(*batch)
-    else:
-        output = model(batch)
-    loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+def run_step(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    autocast: AutocastSpec | None = None,
+) -> torch.Tensor:
+    """One forward and backward of ``model`` on ``batch``; returns the loss (detached). With ``autocast`` the
+    forward and the loss run under it (weight-cast cache off)."""
+    with step_autocast(autocast):
+        if isinstance(batch, dict):
+            output = model(**batch)
+        elif isinstance(batch, tuple | list):
+            output = model(*batch)
+        else:
+            output = model(batch)
+        loss = loss_fn(output) if loss_fn is not None else default_loss(output)
     loss.backward()
     return loss.detach()
 

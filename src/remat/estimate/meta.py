@@ -9,6 +9,7 @@ and bytes written (:mod:`remat.estimate.time_model`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from ..blocks import (
 from ..chain_bounds import ChainBounds
 from ..costs import CHECKPOINT, KEEP, SELECTIVE_PREFIX, BlockCost, CostTable
 from ..memory import LiveTensorTracker
+from ..precision import AutocastSpec, active_device_types
 from ..suspension import suspend_all
 from ..training_step import Batch, run_step
 from .time_model import DeviceThroughput, device_throughput, flops_time_model
@@ -205,8 +207,18 @@ def meta_cost_table(
     fused-attention target the attention bytes are overestimated (compare with
     ``transformer_layer_activation_bytes(..., flash_attention=True)``). Dropout keeps its masks in the
     activation dtype, as eager CPU dropout does (GPUs keep 1-byte masks), and selective regions keep them at
-    one byte per element (see :mod:`remat.replayed_draws`).
+    one byte per element (see :mod:`remat.replayed_draws`). PyTorch has no autocast on ``meta``: the estimate is
+    in the parameters' dtype (cast the model, e.g. ``remat plan --device meta --dtype bfloat16``, for bf16
+    parameters) and records no autocast, so a session training under autocast warns about it; for a
+    mixed-precision step, profile a smaller configuration on a real device under its ``torch.autocast``.
     """
+    if active_device_types():
+        warnings.warn(
+            "remat: the meta estimate cannot run under torch.autocast (PyTorch has no autocast on the meta device); "
+            "its figures are in the parameters' dtype. Profile on a real device inside the autocast context for a "
+            "mixed-precision step",
+            stacklevel=2,
+        )
     device = device_throughput(device_flops)
     model = _meta_model(model_or_factory)
     chain = resolve_blocks(model, blocks)
@@ -264,6 +276,7 @@ def meta_cost_table(
         **bounds.figures(),
         device="meta",
         source="meta",
+        autocast=AutocastSpec("meta", torch.float32, enabled=False).to_dict(),
         info={
             "time_source": "flops-estimate",
             "device_flops": device.name,

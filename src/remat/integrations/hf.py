@@ -47,6 +47,7 @@ from torch import nn
 from ..chain import several_chains_error
 from ..checkpointing import PolicyLike, checkpoint_fn
 from ..costs import CostTable
+from ..precision import AutocastSpec
 from ..simulator import Plan
 from .session import RematSession
 
@@ -183,6 +184,7 @@ def enable(
     blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None = None,
     sync: str | None = None,
     auto_step: bool = True,
+    autocast: Any = None,
     **options: Any,
 ) -> HFSession:
     """Put a remat plan on a Hugging Face model's layers and return the session (``remove()`` undoes it).
@@ -198,6 +200,11 @@ def enable(
     cost table, ``plan=`` applies a plan as it is. The chain is the model's ``GradientCheckpointingLayer``
     modules (:func:`layers`) unless ``blocks=`` names others. ``main_input=``/``main_output=`` (in ``options``) name
     the hidden state a layer takes and returns where remat's guess is wrong. See the module docs for ``use_cache``.
+
+    Mixed precision: the profiled first step runs inside the training loop's ``torch.autocast`` (the
+    ``Trainer``'s with ``bf16=True`` or ``fp16=True``) and is measured under it. A ``batch=`` is profiled under
+    ``autocast=`` (``torch.bfloat16``, ``"fp16"``, or :func:`trainer_autocast` of the ``TrainingArguments``);
+    costs measured under another setting than the first training step's are warned about.
     """
     chain = list(blocks) if blocks is not None else layers(model)
     return HFSession(
@@ -211,8 +218,19 @@ def enable(
         blocks=chain,
         sync=sync,
         auto_step=auto_step,
+        autocast=autocast,
         **options,
     )
+
+
+def trainer_autocast(args: Any, device_type: str = "cpu") -> AutocastSpec:
+    """The autocast setting a ``Trainer`` with these ``TrainingArguments`` trains under: bf16 autocast with
+    ``bf16=True``, fp16 with ``fp16=True``, none otherwise (``device_type``: where the model trains)."""
+    if getattr(args, "bf16", False):
+        return AutocastSpec(device_type, torch.bfloat16)
+    if getattr(args, "fp16", False):
+        return AutocastSpec(device_type, torch.float16)
+    return AutocastSpec(device_type, torch.float32, enabled=False)
 
 
 def disable(model: nn.Module) -> None:

@@ -14,7 +14,9 @@ The hooks it uses, in the order Lightning calls them:
   the second step;
 * ``teardown``: the hooks are removed; ``callback.session`` keeps the plan, the costs and the statistics.
 
-Plans made from a ``batch=`` or from ``costs=`` apply from the first step. Under DDP every rank uses rank 0's
+Plans made from a ``batch=`` or from ``costs=`` apply from the first step. A ``batch=`` is profiled under the
+trainer's precision (``precision="bf16-mixed"`` or ``"16-mixed"``: autocast, see :func:`precision_autocast`); the
+profiled first step runs inside Lightning's autocast and is measured under it. Under DDP every rank uses rank 0's
 measurements. Lightning's ``FSDPStrategy`` shards in its setup, after the callback's: give ``batch=`` or
 ``costs=`` there (see :mod:`remat.integrations.distributed`).
 
@@ -32,6 +34,7 @@ from torch import nn
 
 from ..blocks import resolve_blocks
 from ..costs import CostTable
+from ..precision import AutocastSpec
 from ..simulator import Plan
 from .session import RematSession, check_strategy
 
@@ -66,6 +69,16 @@ def forward_root(model: nn.Module, fqns: Sequence[str]) -> str:
     while common and (".".join(common) not in modules or isinstance(modules[".".join(common)], _CONTAINERS)):
         common.pop()
     return ".".join(common)
+
+
+def precision_autocast(trainer: Any) -> AutocastSpec:
+    """The autocast setting of a Lightning ``Trainer``'s training step: bf16 autocast for
+    ``precision="bf16-mixed"``, fp16 for ``"16-mixed"``, none otherwise (``"bf16-true"`` casts the parameters
+    instead, which a profile sees as it is), on the device of the trainer's strategy."""
+    strategy = getattr(trainer, "strategy", None)
+    device = getattr(getattr(strategy, "root_device", None), "type", "cpu")
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(getattr(trainer, "precision", "")))
+    return AutocastSpec(device, dtype) if dtype is not None else AutocastSpec(device, torch.float32, enabled=False)
 
 
 class RematCallback(_Base):  # type: ignore[misc, valid-type]
@@ -116,6 +129,7 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
             plan=self.plan,
             sync=self.sync,
             auto_step=False,
+            autocast=precision_autocast(trainer) if self.batch is not None else None,
             **self.options,
         )
 

@@ -28,6 +28,7 @@ the others keep would all-gather alone.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,8 +38,10 @@ from torch import nn
 
 from ..blocks import resolve_blocks
 from ..costs import CHECKPOINT, CostTable
+from ..memory import model_device
 from ..planners import STRATEGIES
 from ..planners import plan as make_plan
+from ..precision import AutocastArg, AutocastSpec, precision_mismatch
 from ..profiler import BlockProfiler, profile
 from ..recompute_stats import RecomputeStats
 from ..runtime import RematHandle, apply
@@ -87,6 +90,9 @@ class RematSession:
     (``alpha``, ``q``, ``gamma``, ``every``, ``total_steps``...). ``auto_step=False`` turns off the global
     optimizer hooks; then call :meth:`step` (or :meth:`attach`) yourself. ``main_input``/``main_output`` name
     the hidden state a block takes and returns where remat's guess is wrong (see :mod:`remat.blocks`).
+    ``autocast=`` is the training precision a ``batch=`` is profiled under (as :func:`remat.profile` takes
+    it). The first training forward's autocast setting is recorded (:attr:`step_autocast`); costs measured under
+    another setting are warned about.
     """
 
     def __init__(
@@ -105,6 +111,7 @@ class RematSession:
         auto_step: bool = True,
         main_input: Any = None,
         main_output: Any = None,
+        autocast: AutocastArg = None,
         **options: Any,
     ) -> None:
         check_strategy(strategy, budget)
@@ -119,6 +126,7 @@ class RematSession:
         self.sync = sync
         self.process_group = process_group
         self.costs: CostTable | None = costs
+        self.step_autocast: AutocastSpec | None = None  # seen in the first training forward
         self.pgac: Any = None
         self._profiler: BlockProfiler | None = None
         self._hooks: list[Any] = []
@@ -137,7 +145,7 @@ class RematSession:
             if costs is None:
                 _refuse_compiled(chain)  # PGAC would profile the first step
                 if batch is not None:
-                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, **names)
+                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, autocast=autocast, **names)
             import remat
 
             self.pgac = remat.PGAC(
@@ -156,7 +164,7 @@ class RematSession:
             if plan is None:
                 if self.costs is None and batch is not None:
                     _refuse_compiled(chain)
-                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, **names)
+                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, autocast=autocast, **names)
                 if self.costs is not None:
                     self.costs = self._shared(self.costs)
                     plan = self._plan_for(self.costs)
@@ -165,8 +173,7 @@ class RematSession:
             self.handle = apply(model, initial, chain, **names)
         model._remat_session = self  # type: ignore[assignment]
         self._global_done = not (auto_step and (self._waiting or self.pgac is not None))
-        if self._waiting or not self._global_done:
-            self._hooks.append(model.register_forward_pre_hook(self._on_forward))
+        self._hooks.append(model.register_forward_pre_hook(self._on_forward))  # removed once it has no more to do
         if not self._global_done:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -241,11 +248,14 @@ class RematSession:
         if self._global_done and self._global_hooks:
             # Removed here, outside the optimizer's loop over its hooks, which must not change while it runs.
             self._remove_global_hooks()
+        training = torch.is_grad_enabled() and self.model.training
+        if training and self.step_autocast is None:
+            self._check_precision()
         if not self._waiting:
-            if self._global_done:
+            if self._global_done and self.step_autocast is not None:
                 self._remove_hooks()
             return
-        if not (torch.is_grad_enabled() and self.model.training):
+        if not training:
             return
         if self._profiler is None:
             _refuse_compiled(self.handle.blocks)
@@ -259,6 +269,15 @@ class RematSession:
             self._profiler.__enter__()
         else:  # a second training forward before any optimizer step: the profiled step has ended
             self._finish_profiling()
+
+    def _check_precision(self) -> None:
+        """Record the autocast setting of the first training forward; warn when the costs were measured under
+        another (a first step profiled here is measured under it)."""
+        self.step_autocast = AutocastSpec.current(model_device(self.model).type)
+        costs = self.pgac.costs if self.pgac is not None else self.costs
+        problem = precision_mismatch(costs.autocast, self.step_autocast) if costs is not None else None
+        if problem:
+            warnings.warn(problem, stacklevel=3)
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._removed or self._global_done or not self._owns(optimizer):
