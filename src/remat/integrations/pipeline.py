@@ -7,7 +7,9 @@ all forwards run before any backward, so all ``n_microbatches`` are alive on eve
 ``p`` of ``S`` runs ``min(n_microbatches, S - p)`` forwards before its first backward and then alternates one
 backward and one forward, so at most that many are alive. A stage's budget (bytes for all its activations) is
 therefore divided by the in-flight count to plan one micro-batch (:func:`micro_batch_budget`), and a plan or
-PGAC mask is fitted to that share, with costs profiled on one micro-batch.
+PGAC mask is fitted to that share, with costs profiled on one micro-batch (on the last stage with the real
+loss, whose own temporaries count). Call ``schedule.step(..., return_outputs=False)`` in training: with the default the last
+stage keeps every micro-batch's output to merge them, memory no plan accounts for.
 
 PGAC per stage (:func:`stage_pgac`): each stage scores its own blocks and keeps its own EMA. Thresholds are
 ``"local"`` (``tau_p = gamma * Quantile_q(scores of stage p)``) or ``"global"`` (the quantile of the whole
@@ -172,7 +174,8 @@ def apply_stage_plan(
 ) -> RematHandle:
     """Plan the stage for one micro-batch under its share of ``stage_budget`` and apply the plan.
 
-    ``costs``: the stage's CostTable measured on one micro-batch (``remat.profile(stage, sample)``). Raises
+    ``costs``: the stage's CostTable measured on one micro-batch (``remat.profile(stage, sample,
+    loss_fn=...)``, the real loss on the last stage). Raises
     :class:`remat.BudgetError` when the share is below what the stage needs."""
     p, s = _stage_position(stage_index, num_stages, group)
     budget = micro_batch_budget(stage_budget, schedule, s, p, n_microbatches)
