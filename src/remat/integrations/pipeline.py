@@ -8,8 +8,8 @@ all forwards run before any backward, so all ``n_microbatches`` are alive on eve
 backward and one forward, so at most that many are alive. A stage's budget (bytes for all its activations) is
 therefore divided by the in-flight count to plan one micro-batch (:func:`micro_batch_budget`), and a plan or
 PGAC mask is fitted to that share, with costs profiled on one micro-batch (on the last stage with the real
-loss, whose own temporaries count). Call ``schedule.step(..., return_outputs=False)`` in training: with the default the last
-stage keeps every micro-batch's output to merge them, memory no plan accounts for.
+loss, whose own temporaries count). Call ``schedule.step(..., return_outputs=False)`` in training: with the
+default the last stage keeps every micro-batch's output to merge them, memory no plan accounts for.
 
 PGAC per stage (:func:`stage_pgac`): each stage scores its own blocks and keeps its own EMA. Thresholds are
 ``"local"`` (``tau_p = gamma * Quantile_q(scores of stage p)``) or ``"global"`` (the quantile of the whole
