@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,3 +199,15 @@ def test_two_stages_plans_and_pgac_match_no_checkpointing_within_stage_budgets(t
         assert glob[0] == glob[1]  # one threshold for the whole chain
         local = [[step["tau"] for step in ranks[r][kind]["local"]] for r in range(STAGES)]
         assert local[0] != local[1]  # each stage's own
+
+
+@pytest.mark.slow
+def test_example_train_pipeline_runs_under_torchrun(tmp_path, free_port):
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    cmd += [str(root / "examples" / "train_pipeline.py"), "--steps", "2", "--pgac", "--thresholds", "global"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len([line for line in proc.stdout.splitlines() if line.startswith("step ")]) == 2
+    assert proc.stdout.count("within its budget") == 2 and "OVER" not in proc.stdout
