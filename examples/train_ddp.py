@@ -61,8 +61,13 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same initial weights on every rank
     config = GPT2Config(
-        n_layer=args.layers, n_embd=args.hidden, n_head=4, vocab_size=512, n_positions=args.seq_len,
-        bos_token_id=0, eos_token_id=0,
+        n_layer=args.layers,
+        n_embd=args.hidden,
+        n_head=4,
+        vocab_size=512,
+        n_positions=args.seq_len,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = GPT2LMHeadModel(config).to(device).train()
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own data

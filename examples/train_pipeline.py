@@ -116,7 +116,9 @@ def main() -> None:
             stage, costs, budget, args.schedule, n_microbatches=args.micro_batches, strategy=args.strategy
         )
 
-    _, schedule = pipeline.build(stage, rank, world, args.schedule, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    _, schedule = pipeline.build(
+        stage, rank, world, args.schedule, n_microbatches=args.micro_batches, sample=sample, loss_fn=loss_fn
+    )
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     if args.pgac:
         control.attach(opt)
@@ -164,9 +166,13 @@ def main() -> None:
             print(f"step {step}  loss {loss:.4f}  {seconds * 1e3:.0f} ms  activation peaks: {peaks}", flush=True)
     fits = mem.activation_bytes <= stage_budget
     verdicts = [None] * world if rank == 0 else None
-    dist.gather_object((rank, mem.activation_bytes, stage_budget, fits), verdicts)
+    scores = " ".join(f"{v:.3g}" for v in control.scores.values()) if args.pgac else ""
+    tau = f", tau {control.tau:.3g}" if args.pgac else ""
+    dist.gather_object((rank, mem.activation_bytes, stage_budget, fits, scores, tau), verdicts)
     if rank == 0:
-        for p, peak, limit, ok in verdicts:
+        for p, peak, limit, ok, scores, tau in verdicts:
+            if scores:
+                print(f"stage {p}: PGAC scores {scores}{tau}")
             state = "within" if ok else "OVER"
             print(
                 f"stage {p}: last step's peak {remat.format_bytes(peak)} {state} its budget {remat.format_bytes(limit)}"

@@ -102,8 +102,9 @@ def run_mode(rank: int, kind: str, mode: str | None, costs, stage_budget: int) -
         control = pipeline.stage_pgac(
             stage, stage_budget, kind, n_microbatches=MICRO, costs=costs, thresholds=mode, alpha=0.5, q=0.5
         )
-    _, schedule = pipeline.build(stage, rank, STAGES, kind, n_microbatches=MICRO, loss_fn=loss_fn)
-    _, ref_schedule = pipeline.build(ref, rank, STAGES, kind, n_microbatches=MICRO, loss_fn=loss_fn)
+    one = sample(rank)  # the stage's shapes, so that pipelining runs no inference on uninitialised tensors
+    _, schedule = pipeline.build(stage, rank, STAGES, kind, n_microbatches=MICRO, sample=one, loss_fn=loss_fn)
+    _, ref_schedule = pipeline.build(ref, rank, STAGES, kind, n_microbatches=MICRO, sample=one, loss_fn=loss_fn)
     opt, ref_opt = torch.optim.SGD(stage.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     if mode is not None:
         control.attach(opt)
@@ -126,6 +127,7 @@ def run_mode(rank: int, kind: str, mode: str | None, costs, stage_budget: int) -
                 "ref_peak": ref_peak,
                 "actions": actions,
                 "tau": control.tau if mode is not None else None,
+                "scores": list(control.scores.values()) if mode is not None else [],
             }
         )
     control.remove()
@@ -190,6 +192,7 @@ def test_two_stages_plans_and_pgac_match_no_checkpointing_within_stage_budgets(t
                     assert step["loss"] == step["ref_loss"]
                     assert step["peak"] <= res[kind]["budget"] < step["ref_peak"], (kind, mode, r, step)
                     assert any(a != "keep" for a in step["actions"])
+                    assert all(0 < s < 1e3 for s in step["scores"]), step["scores"]  # real gradients scored
         last = ranks[-1][kind]["global"]
         assert all(step["loss"] is not None for step in last)
         for mode in ("local", "global"):

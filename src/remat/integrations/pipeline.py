@@ -21,7 +21,7 @@ describes a variant that piggybacks the scores on the pipeline's own messages in
 >>> stages = split_chain(model.blocks, 2, stem=model.embed, head=model.head)
 >>> stage = stages[rank]
 >>> handle = apply_stage_plan(stage, remat.profile(stage, sample), budget, "1f1b", n_microbatches=4)
->>> pipe, schedule = build(stage, rank, 2, "1f1b", n_microbatches=4, loss_fn=loss_fn)
+>>> pipe, schedule = build(stage, rank, 2, "1f1b", n_microbatches=4, sample=sample, loss_fn=loss_fn)
 >>> schedule.step(x, target=y) if rank == 0 else schedule.step(target=y)
 """
 
@@ -133,16 +133,30 @@ def build(
     schedule: str,
     *,
     n_microbatches: int,
+    sample: torch.Tensor | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     device: torch.device | str = "cpu",
     group: Any = None,
 ) -> tuple[Any, Any]:
     """The ``PipelineStage`` of this rank and its ``ScheduleGPipe`` or ``Schedule1F1B`` (``loss_fn(output,
-    target)`` on the last stage). Shapes are inferred in the first step."""
+    target)`` on the last stage).
+
+    ``sample``: one micro-batch of what the stage receives. With it the stage's input and output shapes are
+    given to ``PipelineStage`` (the stage runs once on it without gradients, the RNG state restored after).
+    Without it ``torch.distributed.pipelining`` infers them in the first step by running every stage forward
+    and backward on uninitialised tensors, which a PGAC on the stage would score as if they were data: give
+    ``sample`` on every stage whenever PGAC runs."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     kind = ScheduleGPipe if check_schedule(schedule) == "gpipe" else Schedule1F1B
-    pipe = PipelineStage(stage, stage_index, num_stages, torch.device(device), group=group)
+    shapes: dict[str, Any] = {}
+    if sample is not None:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = stage(sample)
+        # requires_grad in the metadata says which gradients cross the stage boundary.
+        received = sample.detach().requires_grad_(stage_index > 0 and sample.is_floating_point())
+        shapes = {"input_args": received, "output_args": out.detach().requires_grad_(out.is_floating_point())}
+    pipe = PipelineStage(stage, stage_index, num_stages, torch.device(device), group=group, **shapes)
     return pipe, kind(pipe, n_microbatches=n_microbatches, loss_fn=loss_fn)
 
 
