@@ -130,17 +130,22 @@ def estimate_stages(
     stages: int,
     schedule: str,
     n_microbatches: int,
-    budget: int | float | str | None = None,
+    budget: int | float | str | None | Sequence[int | float | str | None] = None,
     strategy: str = "optimal",
     formula_layer_bytes: int | None = None,
     stage_sizes: Sequence[int] | None = None,
 ) -> list[StageEstimate]:
     """Per stage: activation bytes with its micro-batches in flight and, with ``budget`` (bytes per stage, or
     a fraction of the stage's no-checkpoint memory with its micro-batches in flight), its plan for one
-    micro-batch. A stage whose share is below what it needs gets ``error`` instead of a plan."""
+    micro-batch; a list gives one budget per stage. A stage whose share is below what it needs gets
+    ``error`` instead of a plan."""
     sizes = list(stage_sizes) if stage_sizes is not None else stage_sizes_even(len(costs), stages)
+    budgets = list(budget) if isinstance(budget, list | tuple) else [budget] * stages
+    if len(budgets) != stages:
+        raise ValueError(f"give one budget per stage ({stages}), got {len(budgets)}")
     out = []
     for p, (s, e) in enumerate(split_stages(len(costs), sizes)):
+        budget = budgets[p]
         rows = stage_costs(costs, s, e)
         flight = in_flight(schedule, stages, p, n_microbatches)
         mb_bytes = no_checkpoint_peak(rows)
