@@ -151,7 +151,9 @@ def estimate_stages(
         mb_bytes = no_checkpoint_peak(rows)
         total = parse_budget(budget, flight * mb_bytes) if budget is not None else None
         chosen, error = None, None
-        if total is not None:
+        if total is not None and total // flight < 1:
+            error = f"a stage budget of {total} bytes leaves nothing for each of {flight} micro-batches in flight"
+        elif total is not None:
             try:
                 chosen = make_plan(rows, strategy, total // flight)
             except BudgetError as err:
