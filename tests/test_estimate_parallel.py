@@ -18,7 +18,8 @@ from remat.simulator import no_checkpoint_peak
 def test_tensor_and_sequence_parallel_layer_formulas(t):
     s, b, h, a = 2048, 2, 4096, 32
     sbh = s * b * h
-    assert transformer_layer_activation_bytes(s, b, h, a, tensor_parallel=t) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    tp = transformer_layer_activation_bytes(s, b, h, a, tensor_parallel=t)
+    assert tp == sbh * (10 + 24 / t + 5 * a * s / (h * t))
     sp = transformer_layer_activation_bytes(s, b, h, a, tensor_parallel=t, sequence_parallel=True)
     assert sp == sbh * (34 / t + 5 * a * s / (h * t))
     with pytest.raises(ValueError, match="tensor_parallel must be a positive integer"):
