@@ -5,7 +5,8 @@
 For each configuration: the CostTable of one micro-batch computed on ``meta`` (``remat plan --device meta
 --stages ...`` does the same), one transformer layer's kept bytes beside the layer formula
 ``34sbh + 5as²b`` (1-byte dropout masks, as on GPUs) and its variant with masks in the activation dtype
-(what eager dropout keeps off the GPU, and on ``meta``), then the first and last pipeline stage: activation
+(what eager dropout keeps off the GPU, and on ``meta``) and what the meta table keeps beyond the latter in
+units of ``sbh``, then the first and last pipeline stage: activation
 bytes with their micro-batches in flight, without checkpointing and with the optimal plan at half of it.
 Prints a markdown table and the seconds each configuration took.
 """
@@ -54,7 +55,7 @@ def row(name: str, layers: int, hidden: int, heads: int, seq: int, mb: int, stag
     par = f"S={stages} 1F1B, {2 * stages}x{mb}, tp {tp}{'+SP' if sp else ''}"
     return (
         f"| {name} | {spec.num_params / 1e9:.2f}B | {layers}/{hidden}/{heads}/{seq} | {par} | "
-        f"{format_bytes(kept)} | {format_bytes(gpu)} | {format_bytes(eager)} | {kept / eager:.3f} | "
+        f"{format_bytes(kept)} | {format_bytes(gpu)} | {format_bytes(eager)} | {(kept - eager) / (seq * mb * hidden):.2f} | "
         f"{format_bytes(shape.layer_bytes(tp, sp))} | "
         f"{first.in_flight} x {format_bytes(first.micro_batch_bytes)} = {format_bytes(first.stage_bytes)} | "
         f"{planned(first)} | "
@@ -66,7 +67,7 @@ def row(name: str, layers: int, hidden: int, heads: int, seq: int, mb: int, stag
 def main() -> None:
     print(
         "| model | parameters | layers/hidden/heads/seq | parallelism | meta: kept per layer | formula "
-        "34sbh+5as²b | formula, 2-byte masks | meta / formula | formula per layer per TP rank | "
+        "34sbh+5as²b | formula, 2-byte masks | (meta - that) / sbh | formula per layer per TP rank | "
         "stage 0, no checkpointing | stage 0, plan at 0.5 | last stage, no checkpointing | last stage, plan "
         "at 0.5 | seconds |"
     )
