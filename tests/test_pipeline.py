@@ -128,6 +128,7 @@ def run_mode(rank: int, kind: str, mode: str | None, costs, stage_budget: int) -
                 "actions": actions,
                 "tau": control.tau if mode is not None else None,
                 "scores": list(control.scores.values()) if mode is not None else [],
+                "missed": sum(control.scorer.missed) if mode is not None else 0,
             }
         )
     control.remove()
@@ -193,6 +194,7 @@ def test_two_stages_plans_and_pgac_match_no_checkpointing_within_stage_budgets(t
                     assert step["peak"] <= res[kind]["budget"] < step["ref_peak"], (kind, mode, r, step)
                     assert any(a != "keep" for a in step["actions"])
                     assert all(0 < s < 1e3 for s in step["scores"]), step["scores"]  # real gradients scored
+                    assert step["missed"] == 0  # every micro-batch in flight scored
         last = ranks[-1][kind]["global"]
         assert all(step["loss"] is not None for step in last)
         for mode in ("local", "global"):

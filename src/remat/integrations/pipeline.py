@@ -11,7 +11,8 @@ PGAC mask is fitted to that share, with costs profiled on one micro-batch (on th
 loss, whose own temporaries count). Call ``schedule.step(..., return_outputs=False)`` in training: with the
 default the last stage keeps every micro-batch's output to merge them, memory no plan accounts for.
 
-PGAC per stage (:func:`stage_pgac`): each stage scores its own blocks and keeps its own EMA. Thresholds are
+PGAC per stage (:func:`stage_pgac`): each stage scores its own blocks over all its micro-batches and keeps its
+own EMA. Thresholds are
 ``"local"`` (``tau_p = gamma * Quantile_q(scores of stage p)``) or ``"global"`` (the quantile of the whole
 chain's scores, every stage putting its EMA scores at its offset in a zero vector as long as the chain and one
 all-reduce (sum) over the pipeline group giving every stage the whole chain). Masks change only between steps:
@@ -256,4 +257,7 @@ def stage_pgac(
     p, s = _stage_position(stage_index, num_stages, group)
     budget = micro_batch_budget(stage_budget, schedule, s, p, n_microbatches)
     chain = ChainScores(p, s, group) if thresholds == "global" else None
-    return PGAC(stage, budget, costs=costs, blocks=costs.fqns, threshold_scores=chain, **pgac_options)
+    pgac = PGAC(stage, budget, costs=costs, blocks=costs.fqns, threshold_scores=chain, **pgac_options)
+    # Every micro-batch in flight is scored, not only the one whose forward ran last.
+    pgac.scorer.max_pending = in_flight(schedule, s, p, n_microbatches)
+    return pgac
