@@ -48,6 +48,7 @@ def row(name: str, layers: int, hidden: int, heads: int, seq: int, mb: int, stag
     eager = transformer_layer_activation_bytes(seq, mb, hidden, heads, mask_bytes=2)
     shape = layer_shape(spec, args)
     first, last = figures[0], figures[-1]
+    excess = (kept - eager) / (seq * mb * hidden)
 
     def planned(s) -> str:  # noqa: ANN001
         return format_bytes(s.planned_stage_bytes) if s.planned_stage_bytes is not None else "no fit"
@@ -55,7 +56,7 @@ def row(name: str, layers: int, hidden: int, heads: int, seq: int, mb: int, stag
     par = f"S={stages} 1F1B, {2 * stages}x{mb}, tp {tp}{'+SP' if sp else ''}"
     return (
         f"| {name} | {spec.num_params / 1e9:.2f}B | {layers}/{hidden}/{heads}/{seq} | {par} | "
-        f"{format_bytes(kept)} | {format_bytes(gpu)} | {format_bytes(eager)} | {(kept - eager) / (seq * mb * hidden):.2f} | "
+        f"{format_bytes(kept)} | {format_bytes(gpu)} | {format_bytes(eager)} | {excess:.2f} | "
         f"{format_bytes(shape.layer_bytes(tp, sp))} | "
         f"{first.in_flight} x {format_bytes(first.micro_batch_bytes)} = {format_bytes(first.stage_bytes)} | "
         f"{planned(first)} | "
