@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import cli_args
+from . import cli_args, cli_parallel
 from .costs import profile_summary
 from .sizes import format_bytes
 
@@ -139,6 +139,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planners import plan
 
     start = time.perf_counter()
+    if args.stages:
+        return _plan_stages(args, start)
     spec, _, costs = _costs(args)
     options: dict[str, Any] = {}
     if args.k is not None:
@@ -150,6 +152,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(result.table(costs))
     print(f"planned in {time.perf_counter() - start:.1f} s")
     _write_json(args.json, {"plan": json.loads(result.to_json()), "costs": costs.to_dict()})
+    return 0
+
+
+def _plan_stages(args: argparse.Namespace, start: float) -> int:
+    spec, _, costs = _costs(args, batch_size=args.micro_batch)
+    stages = cli_parallel.stage_figures(args, spec, costs, args.budget)
+    label = f"{spec.name} ({spec.num_params:,} parameters), sequence {args.seq_len}, costs from {costs.source}"
+    cli_parallel.print_stages(label, args, stages)
+    for s in stages:
+        if s.plan is not None:
+            counts = {a: list(s.plan.actions.values()).count(a) for a in dict.fromkeys(s.plan.actions.values())}
+            print(f"stage {s.index} plan: " + ", ".join(f"{a} x{n}" for a, n in counts.items()))
+    print(f"planned in {time.perf_counter() - start:.1f} s")
+    _write_json(args.json, {"stages": [cli_parallel.stage_json(s) for s in stages]})
     return 0
 
 
@@ -206,6 +222,8 @@ def _time_step(spec: Any, batch: dict[str, torch.Tensor], repeats: int = 3) -> f
 def cmd_advise(args: argparse.Namespace) -> int:
     from .advise import advise, model_state_bytes
 
+    if args.stages:
+        return cli_parallel.advise_stages(args, *_costs(args, batch_size=args.micro_batch), _write_json)
     spec, batch, costs = _costs(args)
     state = model_state_bytes(spec.num_params, args.optimizer, args.dtype != "float32")
     step_times = None
@@ -260,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-k", type=cli_args.positive_int, default=None, help="segment length for every_k")
     p.add_argument("--fraction", type=cli_args.unit_fraction, default=None, help="fraction checkpointed for random")
+    cli_parallel.add_arguments(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("profile", help="measure per-block costs (time, saved bytes per action)")
@@ -283,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--device-memory", type=cli_args.size, default="80GiB", help="memory of the training device")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    cli_parallel.add_arguments(p)
     p.set_defaults(func=cmd_advise)
     return parser
 

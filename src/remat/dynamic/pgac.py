@@ -17,7 +17,8 @@ during the first training step, which runs with every block checkpointed; plans 
 Distributed data parallel: ``sync="global"`` averages the EMA scores across ranks with one all-reduce per
 update (together with the learned schedule's reward), and with ``costs=None`` rank 0's measured cost table
 is broadcast once, so every rank computes the same tau and mask. ``sync="local"`` keeps a mask per rank.
-Pipeline parallelism is described in :mod:`.pgac_pipeline`.
+Pipelines: :mod:`remat.integrations.pipeline` runs a PGAC per stage (``threshold_scores``: the whole chain's
+scores for global thresholds); :mod:`.pgac_pipeline` simulates a protocol without collectives.
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ class PGAC:
     that many steps (None: every step on CUDA from allocator statistics, never on CPU, where the live-tensor
     tracker slows the step; 0: never); ``overshoot_penalty`` the learned schedule's weight on exceeding the
     budget; ``process_group`` for ``sync``; ``history_limit`` records kept; ``main_input``/``main_output`` the
-    hidden state a block takes and returns, where remat's guess is wrong (see :mod:`remat.blocks`).
+    hidden state a block takes and returns, where remat's guess is wrong (see :mod:`remat.blocks`);
+    ``threshold_scores`` a callable given this PGAC's EMA scores that returns the scores ``Quantile_q`` is taken
+    over (default: those scores; a pipeline stage passes the whole chain's, see
+    :mod:`remat.integrations.pipeline`).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class PGAC:
         history_limit: int = 100_000,
         main_input: Any = None,
         main_output: Any = None,
+        threshold_scores: Callable[[list[float]], Sequence[float]] | None = None,
     ) -> None:
         check_options(alpha, q, every, sync, total_steps, measure, history_limit)
         self.model = model
@@ -94,6 +99,7 @@ class PGAC:
         self.total_steps = total_steps
         self.overshoot_penalty = float(overshoot_penalty)
         self.process_group = process_group
+        self.threshold_scores = threshold_scores
         if sync == "global":
             require_distributed()
         self._budget_spec = normalize_budget(budget)  # a malformed budget fails here, not after the first step
@@ -315,7 +321,8 @@ class PGAC:
 
         fraction = min(1.0, self.step_count / self.total_steps) if self.total_steps else 0.0
         self._gamma = self.schedule(fraction)
-        self._tau = self._gamma * quantile(self._ema, self.q)
+        pool = list(self.threshold_scores(list(self._ema))) if self.threshold_scores is not None else self._ema
+        self._tau = self._gamma * quantile(pool, self.q)
         stored = score_mask(self._ema, self._tau)
         fitted = self._fit(stored) if self._fitter is not None else None
         if fitted is not None:

@@ -66,7 +66,9 @@ class GradientScorer:
     the gradient hook itself: a hook that referenced its own tensor would form a reference cycle that keeps
     the tensor alive until the garbage collector runs. A block's new forward drops what is still held for
     its previous forward, so a forward without backward (evaluation with grad enabled) holds at most one
-    output per block until the next forward or :meth:`collect`.
+    output per block until the next forward or :meth:`collect`. ``max_pending`` raises that to the number of
+    forwards whose backward is still to come (a pipeline stage with several micro-batches in flight): the
+    oldest is dropped first. Outputs recomputed inside segments are matched to the latest forward only.
     """
 
     def __init__(self, handle: RematHandle) -> None:
@@ -75,7 +77,8 @@ class GradientScorer:
         self.enabled = True
         self.missed = [0] * self.n  # deltas that arrived without their activation (should stay 0)
         self._norms: list[tuple[int, torch.Tensor]] = []
-        self._held: dict[int, tuple[object, torch.Tensor]] = {}
+        self.max_pending = 1
+        self._held: dict[int, dict[object, torch.Tensor]] = {}  # block -> forward call token -> a_l
         self._calls: list[object | None] = [None] * self.n  # token of each block's latest forward call
         self._scored: list[object | None] = [None] * self.n  # token of the call whose score is done
         self._plan = None
@@ -100,19 +103,23 @@ class GradientScorer:
             return
         src = self._source(i)
         if not recomputed:
-            self._held.pop(i, None)
+            pending = self._held.get(i)
+            while pending and len(pending) >= self.max_pending:
+                del pending[next(iter(pending))]  # the oldest forward's
+            if pending is not None and not pending:
+                del self._held[i]
             if not out.requires_grad:
                 return
             token = object()
             self._calls[i] = token
             if src.kind == FORWARD:
-                self._held[i] = (token, out)
+                self._held.setdefault(i, {})[token] = out
             out.register_hook(functools.partial(self._on_grad, i, token))
             return
         token = self._calls[i]
         if src.kind == FORWARD or token is None or self._scored[i] is token:
             return
-        self._held[i] = (token, out.detach())
+        self._held[i] = {token: out.detach()}
         if src.kind == MEMORY_POOR:
             # Only the latest re-derived output of the group is alive in the group's backward.
             start, end = src.group
@@ -121,14 +128,16 @@ class GradientScorer:
                     self._held.pop(j, None)
 
     def _on_grad(self, i: int, token: object, delta: torch.Tensor) -> None:
-        entry = self._held.get(i)
-        if entry is None or entry[0] is not token:
+        pending = self._held.get(i)
+        a = pending.pop(token, None) if pending else None
+        if pending is not None and not pending:
+            del self._held[i]
+        if a is None:
             self.missed[i] += 1
             return
-        del self._held[i]
         self._scored[i] = token
         with torch.no_grad():
-            self._norms.append((i, torch.linalg.vector_norm(delta * entry[1]).float()))
+            self._norms.append((i, torch.linalg.vector_norm(delta * a).float()))
 
     def collect(self) -> tuple[list[float], list[int]] | None:
         """Root-sum-square of the norms per block since the last call, and how many backward passes scored

@@ -20,6 +20,8 @@ def transformer_layer_activation_bytes(
     flash_attention: bool = False,
     activation: str = "gelu",
     full_recompute: bool = False,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
 ) -> int:
     """Bytes of activations one transformer layer keeps for its backward pass.
 
@@ -56,15 +58,24 @@ def transformer_layer_activation_bytes(
     still 1 byte): ``66sbh + 9as²b``. ``mask_bytes``: GPUs keep dropout masks as 1-byte booleans; eager
     CPU dropout keeps them in the activation dtype (``mask_bytes=bytes_per_element``).
     ``full_recompute=True`` (the layer checkpointed): only the layer input stays, ``p·sbh`` (``2sbh``).
+
+    ``tensor_parallel=t`` (Megatron-style, Korthikanti et al. 2022): the layer norms' inputs (``2p·sbh``),
+    the inputs of the QKV and first MLP projections (``2p·sbh``) and the two dropout masks after attention and
+    the MLP (``2m·sbh``) are replicated on every rank; everything else is split ``t`` ways, giving
+    ``sbh(10 + 24/t + 5as/(ht))`` for ``p=2, m=1``. ``sequence_parallel=True`` splits the replicated part
+    along the sequence too: the whole layer, and a recomputed layer's input, divided by ``t``.
     """
     for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("bytes_per_element", bytes_per_element)):
         if value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value}")
     if activation not in ("gelu", "silu", "relu"):
         raise ValueError(f"unknown activation {activation!r}; use 'gelu' (or 'silu': keeps its input) or 'relu'")
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be a positive integer, got {tensor_parallel}")
+    t = tensor_parallel
     p, sbh = bytes_per_element, s * b * h
     if full_recompute:
-        return p * sbh
+        return p * sbh // t if sequence_parallel else p * sbh
     m = mask_bytes if dropout else 0
     keeps_activation_input = activation != "relu"
     per_sbh = 12 * p + (4 * p if keeps_activation_input else 0) + 2 * m
@@ -72,4 +83,8 @@ def transformer_layer_activation_bytes(
         scores = 4 * a * s * b  # float32 log-sum-exp per row and head
     else:
         scores = a * s * s * b * ((2 * p + m) if dropout else p)
-    return per_sbh * sbh + scores
+    total = per_sbh * sbh + scores
+    if t == 1:
+        return total
+    replicated = 0 if sequence_parallel else (4 * p + 2 * m) * sbh
+    return replicated + (total - replicated) // t

@@ -11,6 +11,8 @@ DeepSpeed:
   and in place of ``deepspeed.checkpointing.checkpoint``.
 * :mod:`remat.integrations.lightning`: ``RematCallback`` for Lightning's ``Trainer``.
 * :mod:`remat.integrations.compile`: using plans and policies with ``torch.compile``.
+* :mod:`remat.integrations.pipeline`: ``torch.distributed.pipelining`` stages cut from a chain, GPipe or 1F1B,
+  a plan or a PGAC mask per stage under a per-stage budget that counts the micro-batches in flight.
 * :mod:`remat.integrations.session`: :class:`~remat.integrations.session.RematSession`, the object the
   integrations above return: a plan now, or every block checkpointed and profiled during the first training
   step and the plan from the second step on, or PGAC.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-_SUBMODULES = ("compile", "deepspeed", "distributed", "hf", "lightning", "session")
+_SUBMODULES = ("compile", "deepspeed", "distributed", "hf", "lightning", "pipeline", "session")
 
 __all__ = list(_SUBMODULES)
 
