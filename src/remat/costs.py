@@ -16,6 +16,10 @@ Memory terms, all in bytes, for block ``i`` run on its own with its input alread
   ``"keep"`` (a selective region holds its cached outputs and kept dropout draws while it recomputes the
   rest); absent means 0.
 
+Lossy actions (``compress:<format>``, opt-in) also have ``grad_error[action]``, the relative error of the
+block's parameter gradients against exact ones on the profiling batch, and ``grad_cosine[action]``, their
+cosine similarity; exact actions have no entry (their error is 0).
+
 Time terms, in seconds: ``fwd_s`` and ``bwd_s`` under ``"keep"``; ``recompute_s[action]`` is the extra time
 spent in backward re-running work under that action (0 for ``"keep"``; for ``"offload"`` it is the copy
 time).
@@ -55,6 +59,8 @@ class BlockCost:
     fwd_temp_bytes: int = 0
     bwd_temp_bytes: int = 0
     bwd_extra_bytes: dict[str, int] = field(default_factory=dict)
+    grad_error: dict[str, float] = field(default_factory=dict)
+    grad_cosine: dict[str, float] = field(default_factory=dict)
 
     @property
     def actions(self) -> list[str]:

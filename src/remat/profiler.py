@@ -11,6 +11,9 @@ Under an offload policy (``selective:offload_dots``...) the host copies are not 
 the tracker does not count them; on CPU they are, and it does (see :mod:`remat.host_copies`). Such an
 action's recompute seconds are the recomputation plus the forward's extra time (the copies it queues).
 
+Lossy actions (``compress:<format>``) are profiled only when asked (``profile(..., lossy=("int8",))``): their
+rows also get the gradient error the action introduces in the block (:mod:`remat.grad_error`).
+
 It serves both :func:`profile` (one step on a sample batch) and in-training profiling: the dynamic controllers
 wrap the first real training step in a ``BlockProfiler``.
 """
@@ -31,7 +34,9 @@ from .block_timing import time_action
 from .blocks import BlocksArg, main_input, main_input_slot, replace_slot, resolve_blocks, slot_value, without_caches
 from .chain_bounds import ChainBounds
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
+from .grad_error import block_grad_error
 from .hf_guards import profiled_step
+from .lossy_actions import COMPRESS_PREFIX, is_lossy, parse_compress
 from .memory import LiveTensorTracker
 from .model_state import detached_from_step, extra_run
 from .suspension import suspend_all
@@ -40,12 +45,24 @@ from .training_step import Batch, default_loss, run_step
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
 
 
-def default_actions(device: torch.device, policies: Iterable[str] = ("dots_saveable",)) -> list[str]:
+def default_actions(
+    device: torch.device, policies: Iterable[str] = ("dots_saveable",), lossy: Iterable[str] = ()
+) -> list[str]:
     """The actions a block is profiled under: keep, checkpoint, ``selective:<policy>`` for each of ``policies``,
-    and offload on CUDA."""
+    offload on CUDA, and ``compress:<format>`` for each of ``lossy`` (formats or compress actions)."""
     actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + _policies.get(p).name for p in policies]
     if device.type == "cuda":
         actions.append(OFFLOAD)
+    return actions + lossy_actions(lossy)
+
+
+def lossy_actions(lossy: Iterable[str]) -> list[str]:
+    """``compress:`` actions from formats (``"int8"``) or actions (``"compress:int8:matmul"``), checked."""
+    if isinstance(lossy, str):
+        lossy = (lossy,)
+    actions = [f if is_lossy(f) else COMPRESS_PREFIX + f for f in lossy]
+    for action in actions:
+        parse_compress(action)
     return actions
 
 
@@ -80,6 +97,7 @@ def measure_block(
             trackers[action] = LiveTensorTracker(device)
             output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main)
             times[action] = time_action(module, action, args, kwargs, main, device, repeats)
+        errors = {a: block_grad_error(module, a, args, kwargs, main) for a in actions if is_lossy(a)}
     terms = ByteTerms.from_trackers(trackers)
     fwd_s, bwd_s, _ = times[KEEP]
     recompute: dict[str, float] = {}
@@ -89,7 +107,7 @@ def measure_block(
             recompute[action] = 0.0
         elif action == CHECKPOINT:
             recompute[action] = fwd_s
-        elif action == OFFLOAD:
+        elif action == OFFLOAD or is_lossy(action):
             recompute[action] = max((a_fwd - fwd_s) + (a_bwd - bwd_s), 0.0)
         elif _policies.get(action[len(SELECTIVE_PREFIX) :]).offload is not None:
             # copies back in recompute, plus the copies to host the forward queued
@@ -107,6 +125,8 @@ def measure_block(
         fwd_temp_bytes=terms.fwd_temp,
         bwd_temp_bytes=terms.bwd_temp,
         bwd_extra_bytes=terms.bwd_extra,
+        grad_error={a: e.relative for a, e in errors.items()},
+        grad_cosine={a: e.cosine for a, e in errors.items()},
     )
 
 
@@ -126,10 +146,12 @@ class BlockProfiler:
         policies: Iterable[str] = ("dots_saveable",),
         actions: Sequence[str] | None = None,
         repeats: int = 3,
+        lossy: Iterable[str] = (),
     ) -> None:
         self.model = model
         self.chain = resolve_blocks(model, blocks)
         self.policies = tuple(policies)
+        self.lossy = lossy_actions(lossy)
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
         self.rows: dict[int, BlockCost] = {}
@@ -165,7 +187,7 @@ class BlockProfiler:
             self._device = main.device
             if self._bounds is not None:
                 self._bounds.block_called(args, kwargs)
-            actions = self.actions or default_actions(main.device, self.policies)
+            actions = self.actions or default_actions(main.device, self.policies, self.lossy)
             self._busy = True
             try:
                 # Step off every dispatch mode (the step's tracker included) so the block is timed and
@@ -216,11 +238,13 @@ def profile(
     blocks: BlocksArg = None,
     policies: Iterable[str] = ("dots_saveable",),
     repeats: int = 3,
+    lossy: Iterable[str] = (),
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
-    Parameter gradients are left as they were."""
-    profiler = BlockProfiler(model, blocks, policies=policies, repeats=repeats)
+    ``lossy`` adds compress actions (formats such as ``"int8"``, ``"fp8"``, or ``"compress:int8:matmul"``),
+    with their measured gradient error. Parameter gradients are left as they were."""
+    profiler = BlockProfiler(model, blocks, policies=policies, repeats=repeats, lossy=lossy)
     with GradsRestored(model), profiled_step(model), profiler:
         run_step(model, batch, loss_fn)
     return profiler.cost_table()
