@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toy_models import assert_same_step, uniform_chain
+from toy_models import assert_same_step, uniform_chain, uniform_costs
 
 import remat
 from remat.compression import BLOCK, CompressingHooks, Packed, pack
@@ -156,6 +156,9 @@ def test_exact_blocks_stay_bitwise_exact_beside_lossy_ones(gpt2) -> None:
 
 
 def test_predicted_peak_matches_measured_with_compressed_blocks(gpt2) -> None:
+    """Within the tolerance of the exact plans' predictions (10%, see test_profile.py), except that with the
+    last block compressed the prediction is up to 5% low: its backward peaks earlier than keep's, while more of
+    the head's backward is still alive (149 KiB of 5.0 MiB here)."""
     model, batch, costs = gpt2
     for actions in (
         [INT8, KEEP, KEEP, KEEP],
@@ -165,7 +168,82 @@ def test_predicted_peak_matches_measured_with_compressed_blocks(gpt2) -> None:
     ):
         _, measured, plan = _run(model, batch, costs, actions)
         ratio = plan.predicted_peak_bytes / measured
-        assert 1.0 <= ratio <= 1.15, f"{actions}: predicted {plan.predicted_peak_bytes}, measured {measured}"
+        assert 0.95 <= ratio <= 1.1, f"{actions}: predicted {plan.predicted_peak_bytes}, measured {measured}"
     _, all_keep, _ = _run(model, batch, costs, [KEEP] * 4)
     _, all_int8, _ = _run(model, batch, costs, [INT8] * 4)
     assert all_int8 < 0.5 * all_keep
+
+
+# ---------------------------------------------------------------- planning
+
+
+def _lossy_table(n: int = 4) -> CostTable:
+    """Identical synthetic blocks where int8 keeps little and its backward peaks far below keep's (the case
+    where lossy storage reaches below every exact plan), with hand-set gradient errors."""
+    table = uniform_costs([f"b{i}" for i in range(n)], keep=1000, io=100, temp=50)
+    for i, row in enumerate(table.blocks):
+        row.saved_bytes[INT8] = 130
+        row.recompute_s[INT8] = 1e-4
+        row.bwd_extra_bytes[INT8] = -800
+        row.grad_error[INT8] = 0.01 * (i + 1)  # later blocks are worse to compress
+        row.grad_cosine[INT8] = 0.999
+    return table
+
+
+def test_lossy_actions_are_never_planned_unless_asked(gpt2) -> None:
+    _, _, costs = gpt2
+    for budget in (0.5, 0.75, 1.0):
+        exact = remat.plan(costs, "optimal", budget)
+        assert not any(a.startswith("compress:") for a in exact.actions.values())
+        assert exact.options["lossy"] is False and exact.options["grad_error"] == 0.0
+    lossy = remat.plan(costs, "optimal", 0.5, allow_lossy=True)
+    exact = remat.plan(costs, "optimal", 0.5)
+    assert any(a.startswith("compress:") for a in lossy.actions.values())
+    assert lossy.predicted_recompute_s < exact.predicted_recompute_s
+    assert lossy.options["grad_error"] == pytest.approx(
+        sum(
+            row.grad_error[a]
+            for row, a in zip(costs.blocks, lossy.actions.values(), strict=True)
+            if a in row.grad_error
+        )
+    )
+    with pytest.raises(ValueError, match="strategy 'sqrt' plans exact actions only"):
+        remat.plan(costs, "sqrt", allow_lossy=True)
+
+
+def test_an_error_budget_bounds_the_sum_of_block_errors() -> None:
+    table = _lossy_table()
+    free = remat.plan(table, "optimal", 2000, allow_lossy=True)
+    assert [a == INT8 for a in free.actions.values()] == [True, True, True, False]
+    assert free.options["grad_error"] == pytest.approx(0.06)
+    bounded = remat.plan(table, "optimal", 2000, max_grad_error=0.035)
+    # the cheapest errors are bought first: blocks 0 and 1 (0.01 + 0.02)
+    assert [a == INT8 for a in bounded.actions.values()] == [True, True, False, False]
+    assert bounded.options["grad_error"] == pytest.approx(0.03) and bounded.fits
+    assert (
+        free.predicted_recompute_s
+        < bounded.predicted_recompute_s
+        < remat.plan(table, "optimal", 2000).predicted_recompute_s
+    )
+    none = remat.plan(table, "optimal", 2000, max_grad_error=0.0)
+    assert not any(a == INT8 for a in none.actions.values())
+    # below every exact plan every block must be compressed (0.1 in all)
+    with pytest.raises(remat.BudgetError, match="least total gradient error reached under that byte budget is 0.1"):
+        remat.plan(table, "optimal", 900, max_grad_error=0.05)
+    with pytest.raises(ValueError, match="max_grad_error is a sum of relative errors"):
+        remat.plan(table, "optimal", 2000, max_grad_error=-1)
+
+
+def test_a_budget_below_every_exact_plan_says_which_lossy_setting_fits() -> None:
+    table = _lossy_table()
+    with pytest.raises(remat.BudgetError) as refused:
+        remat.plan(table, "optimal", 900)
+    message = str(refused.value)
+    assert "allow_lossy=True" in message and "max_grad_error=" in message and "compress:int8" in message
+    assert refused.value.floor == 1250  # the least exact plan
+    lossy = remat.plan(table, "optimal", 900, allow_lossy=True)
+    assert lossy.fits and lossy.predicted_peak_bytes <= 900
+    # Without lossy costs in the table, the message says how to get them.
+    exact_only = uniform_costs([f"b{i}" for i in range(4)], keep=1000, io=100, temp=50)
+    with pytest.raises(remat.BudgetError, match=r"lossy=\('int8',\)\) and plan with allow_lossy=True"):
+        remat.plan(exact_only, "optimal", 900)

@@ -18,6 +18,7 @@ from torch import nn
 from .block_run import backward_releasing_output, clear_grads, run_action
 from .blocks import main_tensor
 from .costs import KEEP
+from .lossy_actions import is_lossy
 from .memory import LiveTensorTracker
 
 
@@ -75,6 +76,11 @@ class ByteTerms:
             saved=saved,
             fwd_temp=max(0, keep.peak_between("start", "fwd_end") - saved[KEEP]),
             bwd_temp=max(0, bwd_peak[KEEP] - saved[KEEP]),
-            # how much higher the backward peaked under an action than under keep (only the positive ones)
-            bwd_extra={a: p - bwd_peak[KEEP] for a, p in bwd_peak.items() if a != KEEP and p > bwd_peak[KEEP]},
+            # how much higher the backward peaked under an action than under keep (only the positive ones, but
+            # also the negative ones of lossy actions: their backward restores one node's tensors at a time)
+            bwd_extra={
+                a: p - bwd_peak[KEEP]
+                for a, p in bwd_peak.items()
+                if a != KEEP and (p > bwd_peak[KEEP] or (is_lossy(a) and p < bwd_peak[KEEP]))
+            },
         )
