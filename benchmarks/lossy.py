@@ -9,8 +9,8 @@ memory (predicted), and 90% of the least peak any exact plan reaches. At each bu
 (``remat.plan(costs, "optimal", budget)``), every block under ``compress:<format>`` (whatever the budget), and
 the optimal lossy plan (``allow_lossy=True``). For each plan: the measured peak activation bytes of one step
 (``remat.measure().activation_bytes``), the median CPU time of a step (one thread) over ``--time-steps``
-steps relative to a step with no checkpointing, and the validation loss after ``--steps`` AdamW steps (same initial weights, same
-batches, dropout 0.1) relative to exact training. Exact plans give bit-identical gradients to no
+steps relative to a step with no checkpointing, and the validation loss after ``--steps`` AdamW steps (same
+initial weights, same batches, dropout 0.1) relative to exact training. Exact plans give bit-identical gradients to no
 checkpointing, so their loss is the exact one and is not trained again.
 """
 
