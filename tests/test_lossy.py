@@ -156,9 +156,8 @@ def test_exact_blocks_stay_bitwise_exact_beside_lossy_ones(gpt2) -> None:
 
 
 def test_predicted_peak_matches_measured_with_compressed_blocks(gpt2) -> None:
-    """Within the tolerance of the exact plans' predictions (10%, see test_profile.py), except that with the
-    last block compressed the prediction is up to 5% low: its backward peaks earlier than keep's, while more of
-    the head's backward is still alive (149 KiB of 5.0 MiB here)."""
+    """Within the tolerance of the exact plans' predictions (10%, see test_profile.py), and never below: a
+    compressed block's forward (full tensors and compressed copies alive at once) counts in its peak."""
     model, batch, costs = gpt2
     for actions in (
         [INT8, KEEP, KEEP, KEEP],
@@ -168,7 +167,7 @@ def test_predicted_peak_matches_measured_with_compressed_blocks(gpt2) -> None:
     ):
         _, measured, plan = _run(model, batch, costs, actions)
         ratio = plan.predicted_peak_bytes / measured
-        assert 0.95 <= ratio <= 1.1, f"{actions}: predicted {plan.predicted_peak_bytes}, measured {measured}"
+        assert 1.0 <= ratio <= 1.1, f"{actions}: predicted {plan.predicted_peak_bytes}, measured {measured}"
     _, all_keep, _ = _run(model, batch, costs, [KEEP] * 4)
     _, all_int8, _ = _run(model, batch, costs, [INT8] * 4)
     assert all_int8 < 0.5 * all_keep

@@ -71,6 +71,11 @@ class ByteTerms:
     def from_trackers(cls, trackers: dict[str, LiveTensorTracker]) -> ByteTerms:
         saved = {action: t.bytes_at("fwd_end") for action, t in trackers.items()}
         bwd_peak = {action: t.peak_between("bwd_start", "bwd_end") for action, t in trackers.items()}
+        for action, t in trackers.items():
+            if is_lossy(action):
+                # A lossy forward holds full tensors and their compressed copies at once, above what keep's
+                # forward transient predicts: its higher peak goes into the one term the simulator reads.
+                bwd_peak[action] = max(bwd_peak[action], t.peak_between("start", "fwd_end"))
         keep = trackers[KEEP]
         return cls(
             saved=saved,

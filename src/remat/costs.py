@@ -14,8 +14,9 @@ Memory terms, all in bytes, for block ``i`` run on its own with its input alread
   flight, workspace), measured under ``"keep"``.
 * ``bwd_extra_bytes[action]``: how much higher the block's backward peaks under ``action`` than under
   ``"keep"`` (a selective region holds its cached outputs and kept dropout draws while it recomputes the
-  rest); absent means 0. A lossy action's is negative when its backward peaks lower than keep's (it restores
-  the compressed tensors of one autograd node at a time).
+  rest); absent means 0. For a lossy action it is the higher of its forward and backward peaks against
+  keep's backward peak, negative when both are lower (its backward restores one autograd node's tensors at
+  a time; its forward holds full tensors and their compressed copies at once).
 
 Lossy actions (``compress:<format>``, opt-in) also have ``grad_error[action]``, the relative error of the
 block's parameter gradients against exact ones on the profiling batch, and ``grad_cosine[action]``, their
