@@ -30,6 +30,7 @@ from .optimal import optimal
 
 PRICE_STEPS = 40  # doublings of the error price before a budget is declared out of reach
 BISECTIONS = 24
+ERROR_FIRST = 1e9  # seconds per unit of gradient error: a price above any step time
 
 
 def lossy_actions_of(costs: CostTable) -> list[str]:
@@ -86,10 +87,12 @@ def _lossy_hint(costs: CostTable, budget: int, actions: list[str]) -> str:
         )
     error = plan_error(costs, reached)
     used = sorted({a for a in reached.actions.values() if is_lossy(a)})
+    # the least error that fits: with error priced far above any time, the search minimises error first
+    least = plan_error(costs, optimal(_priced(costs, ERROR_FIRST), budget, actions=actions + lossy))
     return (
-        f" With lossy storage it fits: allow_lossy=True (or max_grad_error={error:.3g} or more) gives a plan of "
-        f"{format_bytes(reached.predicted_peak_bytes)} using {used}"
-        f" (total gradient error {error:.3g}; gradients are no longer exact)."
+        f" With lossy storage it fits: allow_lossy=True gives a plan of {format_bytes(reached.predicted_peak_bytes)}"
+        f" using {used} (total gradient error {error:.3g}), and max_grad_error={least:.3g} or more allows the least "
+        "lossy plan that fits. Gradients are then no longer exact."
     )
 
 
