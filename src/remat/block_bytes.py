@@ -18,6 +18,7 @@ from torch import nn
 from .block_run import backward_releasing_output, clear_grads, run_action
 from .blocks import main_tensor
 from .costs import KEEP
+from .lossy_actions import is_lossy
 from .memory import LiveTensorTracker
 
 
@@ -72,11 +73,21 @@ class ByteTerms:
     def from_trackers(cls, trackers: dict[str, LiveTensorTracker]) -> ByteTerms:
         saved = {action: t.bytes_at("fwd_end") for action, t in trackers.items()}
         bwd_peak = {action: t.peak_between("bwd_start", "bwd_end") for action, t in trackers.items()}
+        for action, t in trackers.items():
+            if is_lossy(action):
+                # A lossy forward holds full tensors and their compressed copies at once, above what keep's
+                # forward transient predicts: its higher peak goes into the one term the simulator reads.
+                bwd_peak[action] = max(bwd_peak[action], t.peak_between("start", "fwd_end"))
         keep = trackers[KEEP]
         return cls(
             saved=saved,
             fwd_temp=max(0, keep.peak_between("start", "fwd_end") - saved[KEEP]),
             bwd_temp=max(0, bwd_peak[KEEP] - saved[KEEP]),
-            # how much higher the backward peaked under an action than under keep (only the positive ones)
-            bwd_extra={a: p - bwd_peak[KEEP] for a, p in bwd_peak.items() if a != KEEP and p > bwd_peak[KEEP]},
+            # how much higher the backward peaked under an action than under keep (only the positive ones, but
+            # also the negative ones of lossy actions: their backward restores one node's tensors at a time)
+            bwd_extra={
+                a: p - bwd_peak[KEEP]
+                for a, p in bwd_peak.items()
+                if a != KEEP and (p > bwd_peak[KEEP] or (is_lossy(a) and p < bwd_peak[KEEP]))
+            },
         )

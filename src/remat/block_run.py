@@ -21,12 +21,15 @@ import torch
 from torch import nn
 
 from .checkpointing import checkpoint
+from .compression import compressed_saving
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
+from .lossy_actions import is_lossy
 
 
 def run_action(module: Callable[..., Any], action: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``module(*args, **kwargs)`` under ``action``: plainly (``keep``), in a non-reentrant checkpoint
-    (``checkpoint``, ``selective:<policy>``) or with saved tensors on CPU (``offload``)."""
+    (``checkpoint``, ``selective:<policy>``), with saved tensors on CPU (``offload``) or compressed
+    (``compress:<format>``)."""
     if action == KEEP:
         return module(*args, **kwargs)
     if action == CHECKPOINT:
@@ -35,6 +38,9 @@ def run_action(module: Callable[..., Any], action: str, args: tuple[Any, ...], k
         return checkpoint(module, *args, policy=action[len(SELECTIVE_PREFIX) :], **kwargs)
     if action == OFFLOAD:
         with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return module(*args, **kwargs)
+    if is_lossy(action):
+        with compressed_saving(action, module, args, kwargs):
             return module(*args, **kwargs)
     raise ValueError(f"cannot profile action {action!r}")
 

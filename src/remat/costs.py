@@ -14,7 +14,13 @@ Memory terms, all in bytes, for block ``i`` run on its own with its input alread
   flight, workspace), measured under ``"keep"``.
 * ``bwd_extra_bytes[action]``: how much higher the block's backward peaks under ``action`` than under
   ``"keep"`` (a selective region holds its cached outputs and kept dropout draws while it recomputes the
-  rest); absent means 0.
+  rest); absent means 0. For a lossy action it is the higher of its forward and backward peaks against
+  keep's backward peak, negative when both are lower (its backward restores one autograd node's tensors at
+  a time; its forward holds full tensors and their compressed copies at once).
+
+Lossy actions (``compress:<format>``, opt-in) also have ``grad_error[action]``, the relative error of the
+block's parameter gradients against exact ones on the profiling batch, and ``grad_cosine[action]``, their
+cosine similarity; exact actions have no entry (their error is 0).
 
 Time terms, in seconds: ``fwd_s`` and ``bwd_s`` under ``"keep"``; ``recompute_s[action]`` is the extra time
 spent in backward re-running work under that action (0 for ``"keep"``; for ``"offload"`` it is the copy
@@ -61,6 +67,8 @@ class BlockCost:
     fwd_temp_bytes: int = 0
     bwd_temp_bytes: int = 0
     bwd_extra_bytes: dict[str, int] = field(default_factory=dict)
+    grad_error: dict[str, float] = field(default_factory=dict)
+    grad_cosine: dict[str, float] = field(default_factory=dict)
 
     @property
     def actions(self) -> list[str]:

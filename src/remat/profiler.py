@@ -22,6 +22,9 @@ forward under ``keep`` whose saved tensors and output must match the first's
 does not match is measured fully. The table's ``info`` records the profile's wall time and how many blocks
 were measured and reused.
 
+Lossy actions (``compress:<format>``) are profiled only when asked (``profile(..., lossy=("int8",))``): their
+rows also get the gradient error the action introduces in the block (:mod:`remat.grad_error`).
+
 It serves both :func:`profile` (one step on a sample batch) and in-training profiling: the dynamic controllers
 wrap the first real training step in a ``BlockProfiler``.
 """
@@ -54,7 +57,9 @@ from .blocks import (
 )
 from .chain_bounds import ChainBounds
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
+from .grad_error import block_grad_error
 from .hf_guards import profiled_step
+from .lossy_actions import COMPRESS_PREFIX, is_lossy, parse_compress
 from .memory import LiveTensorTracker, model_device
 from .model_state import detached_from_step, extra_run
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
@@ -65,12 +70,25 @@ from .training_step import Batch, default_loss, run_step
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
 
 
-def default_actions(device: torch.device, policies: str | Iterable[str] = ("dots_saveable",)) -> list[str]:
+def default_actions(
+    device: torch.device, policies: str | Iterable[str] = ("dots_saveable",), lossy: Iterable[str] = ()
+) -> list[str]:
     """The actions a block is profiled under: keep, checkpoint, ``selective:<policy>`` for each of ``policies``
-    (``"menu"`` for :data:`remat.policies.MENU`), and offload on CUDA."""
+    (``"menu"`` for :data:`remat.policies.MENU`), offload on CUDA, and ``compress:<format>`` for each of
+    ``lossy`` (formats or compress actions)."""
     actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + name for name in _policies.expand(policies)]
     if device.type == "cuda":
         actions.append(OFFLOAD)
+    return actions + lossy_actions(lossy)
+
+
+def lossy_actions(lossy: Iterable[str]) -> list[str]:
+    """``compress:`` actions from formats (``"int8"``) or actions (``"compress:int8:matmul"``), checked."""
+    if isinstance(lossy, str):
+        lossy = (lossy,)
+    actions = [f if is_lossy(f) else COMPRESS_PREFIX + f for f in lossy]
+    for action in actions:
+        parse_compress(action)
     return actions
 
 
@@ -114,6 +132,7 @@ def measure_block(
             trackers[action] = LiveTensorTracker(device)
             output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main, pick=pick)
             times[action] = time_action(module, action, args, kwargs, main, device, repeats, pick=pick)
+        errors = {a: block_grad_error(module, a, args, kwargs, main) for a in actions if is_lossy(a)}
     terms = ByteTerms.from_trackers(trackers)
     fwd_s, bwd_s, _ = times[KEEP]
     recompute: dict[str, float] = {}
@@ -123,7 +142,7 @@ def measure_block(
             recompute[action] = 0.0
         elif action == CHECKPOINT:
             recompute[action] = fwd_s
-        elif action == OFFLOAD:
+        elif action == OFFLOAD or is_lossy(action):
             recompute[action] = max((a_fwd - fwd_s) + (a_bwd - bwd_s), 0.0)
         elif _policies.get(action[len(SELECTIVE_PREFIX) :]).offload is not None:
             # copies back in recompute, plus the copies to host the forward queued
@@ -141,6 +160,8 @@ def measure_block(
         fwd_temp_bytes=terms.fwd_temp,
         bwd_temp_bytes=terms.bwd_temp,
         bwd_extra_bytes=terms.bwd_extra,
+        grad_error={a: e.relative for a, e in errors.items()},
+        grad_cosine={a: e.cosine for a, e in errors.items()},
     )
 
 
@@ -165,11 +186,13 @@ class BlockProfiler:
         repeats: int = 3,
         io: Sequence[BlockIO] | None = None,
         reuse_identical: bool = True,
+        lossy: Iterable[str] = (),
     ) -> None:
         self.model = model
         self.chain = resolve_blocks(model, blocks)
         self.io = list(io) if io is not None else block_ios(self.chain)
         self.policies = tuple(_policies.expand(policies))
+        self.lossy = lossy_actions(lossy)
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
         self.rows: dict[int, BlockCost] = {}
@@ -217,7 +240,7 @@ class BlockProfiler:
             self._autocast = AutocastSpec.current(main.device.type)
             if self._bounds is not None:
                 self._bounds.block_called(args, kwargs, main)
-            actions = self.actions or default_actions(main.device, self.policies)
+            actions = self.actions or default_actions(main.device, self.policies, self.lossy)
             self._busy = True
             try:
                 # Step off every dispatch mode (the step's tracker included) so the block is timed and
@@ -308,6 +331,7 @@ def profile(
     main_output: OutputName | Mapping[str, OutputName] = None,
     reuse_identical: bool = True,
     autocast: AutocastArg = None,
+    lossy: Iterable[str] = (),
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
@@ -315,7 +339,8 @@ def profile(
     wrong (see :mod:`remat.blocks`). ``policies``: the per-operator policies measured as ``selective:<name>``
     actions (names, or ``"menu"`` for :data:`remat.policies.MENU`). Parameter gradients are left as they were.
     Blocks that cost the same are measured once unless ``reuse_identical`` is false (see
-    :class:`BlockProfiler`); ``info["profile_s"]`` is the profile's wall time.
+    :class:`BlockProfiler`); ``info["profile_s"]`` is the profile's wall time. ``lossy`` adds compress actions
+    (formats such as ``"int8"``, ``"fp8"``, or ``"compress:int8:matmul"``), with their measured gradient error.
 
     Mixed precision: called inside the training loop's ``torch.autocast`` context, the step is measured under
     it. ``autocast=`` names the setting instead (``torch.bfloat16``, ``"fp16"``, a dict ``{"dtype": ...,
@@ -326,7 +351,7 @@ def profile(
     chain = resolve_blocks(model, blocks)
     io = block_ios(chain, main_input, main_output)
     profiler = BlockProfiler(
-        model, chain, policies=policies, repeats=repeats, io=io, reuse_identical=reuse_identical
+        model, chain, policies=policies, repeats=repeats, io=io, reuse_identical=reuse_identical, lossy=lossy
     )
     with GradsRestored(model), profiled_step(model), profiler, casts_uncached():
         run_step(model, batch, loss_fn, autocast=spec)

@@ -10,7 +10,8 @@ forward the hooks read the current plan's units and open/close the matching regi
   backward by re-running the blocks in order from the segment's input;
 * ``memory_poor`` groups: one frame per block whose recomputation re-derives the block's input from
   the group's input without storing anything;
-* ``offload``: ``torch.autograd.graph.save_on_cpu`` around the block.
+* ``offload``: ``torch.autograd.graph.save_on_cpu`` around the block; ``compress:<format>``: saved tensors
+  stored compressed (:func:`remat.compression.saving_context`) around the block.
 
 Under ``torch.autocast`` every region runs with autocast's weight-cast cache off (Note [7]).
 
@@ -36,6 +37,7 @@ from torch.utils.checkpoint import noop_context_fn
 from . import applied, policies
 from .actions import MEMORY_POOR
 from .blocks import BlockIO, BlocksArg, InputName, OutputName, block_ios, resolve_blocks
+from .compression import is_lossy, saving_context
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .hf_guards import refuse_hf_checkpointing, training_forward_guards
 from .model_state import extra_run
@@ -293,9 +295,9 @@ class RematHandle:
         if action == KEEP:
             return
         region = OpenRegion(unit)
-        if action == OFFLOAD:
+        if action == OFFLOAD or is_lossy(action):
             region.uncache_casts()  # Note [7]
-            region.context = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+            region.context = saving_context(action, module, args, kwargs)
             region.context.__enter__()
             self._open[i] = region
             return

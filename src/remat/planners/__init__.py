@@ -12,7 +12,7 @@ from ..costs import CostTable
 from ..double_backward import check_double_backward, double_backward_actions
 from ..simulator import Plan, resolve_budget
 from ..sizes import format_bytes
-from . import optimal, static
+from . import lossy, optimal, static
 from .errors import BudgetError
 
 STRATEGIES: dict[str, Callable[..., Plan]] = {
@@ -44,7 +44,9 @@ def plan(
     ``budget`` is bytes, a string like "1.5GiB", or a float in (0, 1] meaning a fraction of the
     no-checkpoint activation memory. With ``strict`` (the default) a plan whose predicted peak exceeds the
     budget raises :class:`BudgetError`, which names the minimum any plan reaches. ``double_backward=True``
-    plans only actions that allow a second backward pass (:mod:`remat.double_backward`).
+    plans only actions that allow a second backward pass (:mod:`remat.double_backward`). Lossy
+    ``compress:`` actions are planned only by strategy ``"optimal"`` with ``allow_lossy=True`` or an error
+    budget ``max_grad_error=`` (:mod:`remat.planners.lossy`).
     """
     if strategy not in STRATEGIES:
         known = ", ".join(sorted(STRATEGIES))
@@ -57,7 +59,12 @@ def plan(
     double_backward = options.pop("double_backward", False)
     if double_backward and strategy == "optimal":
         options["actions"] = double_backward_actions(costs, options.get("actions"))
-    result = STRATEGIES[strategy](costs, budget_bytes, **options)
+    if strategy == "optimal":
+        result = lossy.plan_optimal(costs, budget_bytes, **options)
+    elif options.pop("allow_lossy", False) or options.pop("max_grad_error", None) is not None:
+        raise ValueError(f"strategy {strategy!r} plans exact actions only; lossy storage needs strategy 'optimal'")
+    else:
+        result = STRATEGIES[strategy](costs, budget_bytes, **options)
     if double_backward:
         check_double_backward(list(result.actions.values()))
     if strict and not result.fits:
