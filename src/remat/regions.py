@@ -13,6 +13,7 @@ the hooks rely on (:func:`same_tensor`, :func:`eager`).
 from __future__ import annotations
 
 import inspect
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -201,3 +202,8 @@ def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook``, never traced by ``torch.compile`` (as FSDP2 does with its hooks): with compiled blocks
     (``block.compile()``) the checkpoint regions open and close in eager code around the compiled forward."""
     return torch.compiler.disable(hook)
+
+
+def exception_propagating() -> bool:
+    """Whether an exception is propagating: torch calls always_call hooks with no output from its except block."""
+    return sys.exc_info()[1] is not None

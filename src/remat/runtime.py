@@ -13,10 +13,9 @@ forward the hooks read the current plan's units and open/close the matching regi
 * ``offload``: ``torch.autograd.graph.save_on_cpu`` around the block; ``compress:<format>``: saved tensors
   stored compressed (:func:`remat.compression.saving_context`) around the block.
 
-Under ``torch.autocast`` every region runs with autocast's weight-cast cache off (Note [7]).
-
-Nothing is re-wrapped when the plan changes (``handle.set_plan``), and ``handle.remove()`` removes the hooks,
-leaving the model exactly as it was. ``handle.stats`` counts block re-executions and recompute seconds.
+Under ``torch.autocast`` every region runs with autocast's weight-cast cache off (Note [7]). Nothing is
+re-wrapped when the plan changes (``handle.set_plan``), and ``handle.remove()`` removes the hooks, leaving the
+model exactly as it was. ``handle.stats`` counts block re-executions and recompute seconds.
 Every recomputation restores the RNG state the block saw in forward, so dropout replays exactly. The rules
 the hooks keep are stated once, as Note [1] to Note [7] below the imports, and cited where they apply.
 """
@@ -24,7 +23,6 @@ the hooks keep are stated once, as Note [1] to Note [7] below the imports, and c
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +44,7 @@ from .regions import (
     CallRecord,
     OpenRegion,
     eager,
+    exception_propagating,
     handoff_error,
     in_place_error,
     open_checkpoint_frame,
@@ -215,7 +214,7 @@ class RematHandle:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if self._inactive():
                 return
-            if output is None and _raising():  # Note [6]
+            if output is None and exception_propagating():  # Note [6]
                 self._abandon_open_regions()
                 return
             unit = self._unit_of[i]
@@ -247,7 +246,9 @@ class RematHandle:
             return None
 
     def _after_model_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self._open and output is None and _raising():  # Note [6]: the model's code raised between blocks
+        if (
+            self._open and output is None and exception_propagating()
+        ):  # Note [6]: the model's code raised between blocks
             self._abandon_open_regions()
 
     def _abandon_open_regions(self) -> None:
@@ -397,13 +398,3 @@ def apply(
     applied.register(model, handle)
     model._remat_handle = handle  # type: ignore[assignment]
     return handle
-
-
-def _raising() -> bool:
-    """Whether an exception is propagating: torch calls always_call hooks with no output from its except block."""
-    return sys.exc_info()[1] is not None
-
-
-def applied_handle(model: nn.Module) -> RematHandle | None:
-    """The handle of the plan applied to ``model`` with :func:`apply` (until ``remove``), or ``None``."""
-    return applied.owner_of(model)

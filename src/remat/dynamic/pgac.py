@@ -11,8 +11,8 @@ Per optimizer step ``t`` (sections 2.2-2.5 of the PGAC proposal):
    blocks are recomputed first, then recomputed blocks are merged into segments;
 6. the new plan is switched in on the live model (``handle.set_plan``) and takes effect at the next step.
 
-Costs come from ``costs=`` or, with ``costs=None``, are measured by :class:`remat.profiler.BlockProfiler`
-during the first training step, which runs with every block checkpointed; plans start from the second step.
+Costs come from ``costs=`` or are measured (``costs=None``) by :class:`remat.profiler.BlockProfiler` in the
+first training step, run with every block checkpointed; plans start from the second step.
 
 Distributed data parallel: ``sync="global"`` averages the EMA scores across ranks with one all-reduce per
 update (together with the learned schedule's reward), and with ``costs=None`` rank 0's measured cost table
@@ -42,7 +42,7 @@ from .pgac_mask import FittedMask, MaskFitter, quantile, score_mask
 from .pgac_options import check_options
 from .pgac_record import StepRecord, step_reward
 from .pgac_scores import GradientScorer, ema_update
-from .pgac_state import STATE_VERSION, check_state, plain
+from .pgac_state import STATE_VERSION, check_state, plain, restored_plan
 from .pgac_sync import all_reduce_mean, broadcast_costs, require_distributed
 from .schedules import NEEDS_LENGTH, Schedule, make_schedule
 
@@ -246,12 +246,7 @@ class PGAC:
             self._close_region()
             self._profiling = False
             self._set_costs(CostTable.from_dict(state["costs"]))
-        actions = dict(state["actions"])
-        if self.costs is not None:
-            plan = Plan.from_actions(self.costs, actions, "pgac", self.budget_bytes)
-        else:
-            plan = Plan(actions, strategy="pgac", budget_bytes=self.budget_bytes)
-        self.handle.set_plan(plan)
+        self.handle.set_plan(restored_plan(self.costs, dict(state["actions"]), self.budget_bytes))
         self._last_update = None
 
     # ----- step boundaries -----

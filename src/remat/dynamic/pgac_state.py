@@ -12,6 +12,9 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..costs import CostTable
+from ..simulator import Plan
+
 STATE_VERSION = 1
 STATE_KEYS = ("fqns", "step", "ema", "tau", "gamma", "schedule", "costs", "budget", "actions")
 
@@ -64,3 +67,10 @@ def check_state(state: Mapping[str, Any], fqns: Sequence[str]) -> None:
             f"this PGAC state is for the chain {list(state['fqns'])}, but the model's chain is {list(fqns)}; "
             "load it into a PGAC of the same model"
         )
+
+
+def restored_plan(costs: CostTable | None, actions: dict[str, str], budget_bytes: int | None) -> Plan:
+    """The plan a saved state names: checked against ``costs`` when they are known."""
+    if costs is not None:
+        return Plan.from_actions(costs, actions, "pgac", budget_bytes)
+    return Plan(actions, strategy="pgac", budget_bytes=budget_bytes)

@@ -27,9 +27,9 @@ from typing import Any
 
 from torch import nn
 
+from ..applied import owner_of
 from ..blocks import resolve_blocks
 from ..chain import find_blocks
-from ..runtime import applied_handle
 
 
 def compile_blocks(
@@ -40,7 +40,7 @@ def compile_blocks(
     The chain is the one remat applied to ``model`` (if any), else ``blocks`` or :func:`remat.find_blocks`.
     Parameter names and ``state_dict`` keys do not change.
     """
-    handle = applied_handle(model)
+    handle = owner_of(model)
     if blocks is not None:
         chain = resolve_blocks(model, blocks)
     elif handle is not None:
