@@ -115,16 +115,27 @@ class OpenRegion:
     last_output: torch.Tensor | None = None
     last_outputs: list[tuple[Any, Any]] = field(default_factory=list)  # (index or key, weakref) of each tensor
 
+    def uncache_casts(self) -> None:
+        """Turn autocast's weight-cast cache off until the region closes; call before its frame or context
+        opens, so the frame records (and its recomputation replays) the uncached state."""
+        self.casts = casts_uncached()
+        self.casts.__enter__()
+
     def close(self) -> None:
-        """Leave the region: exit its context (offload) or advance its frame's generator once more."""
-        if self.context is not None:
-            self.context.__exit__(None, None, None)
-        if self.generator is not None:
-            try:
-                next(self.generator)
-            except StopIteration:
-                return
-            raise RuntimeError("internal error: a checkpoint region did not close")
+        """Leave the region's context, close its checkpoint frame, then turn the cast cache back on."""
+        try:
+            if self.context is not None:
+                self.context.__exit__(None, None, None)
+            if self.generator is not None:
+                try:
+                    next(self.generator)
+                except StopIteration:
+                    pass
+                else:
+                    raise RuntimeError("internal error: a checkpoint region did not close")
+        finally:
+            if self.casts is not None:
+                self.casts.__exit__(None, None, None)
 
 
 def output_refs(io: BlockIO, output: Any) -> list[tuple[Any, Any]]:
@@ -164,28 +175,6 @@ def in_place_error(fqn: str, when: str) -> RuntimeError:
         "the argument at the start of the block's forward (x = x.clone()), or keep that block (action 'keep', "
         "e.g. edit the plan's actions or leave the block out with blocks=)"
     )
-
-    def uncache_casts(self) -> None:
-        """Turn autocast's weight-cast cache off until the region closes; call before its frame or context
-        opens, so the frame records (and its recomputation replays) the uncached state."""
-        self.casts = casts_uncached()
-        self.casts.__enter__()
-
-    def close(self) -> None:
-        """Leave the region's context, close its checkpoint frame, then turn the cast cache back on."""
-        try:
-            if self.context is not None:
-                self.context.__exit__(None, None, None)
-            if self.generator is not None:
-                try:
-                    next(self.generator)
-                except StopIteration:
-                    pass
-                else:
-                    raise RuntimeError("internal error: a checkpoint region did not close")
-        finally:
-            if self.casts is not None:
-                self.casts.__exit__(None, None, None)
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:

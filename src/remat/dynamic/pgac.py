@@ -12,9 +12,8 @@ Per optimizer step ``t`` (sections 2.2-2.5 of the PGAC proposal):
 6. the new plan is switched in on the live model (``handle.set_plan``) and takes effect at the next step.
 
 Costs come from ``costs=`` or are measured (``costs=None``) by :class:`remat.profiler.BlockProfiler` in the
-first training step, run with every block checkpointed; plans start from the second step.
-
-Distributed data parallel: ``sync="global"`` averages the EMA scores across ranks with one all-reduce per
+first training step, run with every block checkpointed; plans start from the second step. Distributed data
+parallel: ``sync="global"`` averages the EMA scores across ranks with one all-reduce per
 update (together with the learned schedule's reward), and with ``costs=None`` rank 0's measured cost table
 is broadcast once, so every rank computes the same tau and mask. ``sync="local"`` keeps a mask per rank.
 Pipelines: :mod:`remat.integrations.pipeline` runs a PGAC per stage (``threshold_scores``: the whole chain's
