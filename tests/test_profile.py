@@ -76,11 +76,38 @@ def test_gpt2_cost_table_describes_the_blocks(gpt2) -> None:
     assert costs.device == "cpu" and costs.source == "measured"
 
 
+def test_gpt2_cost_table_times_every_action_and_the_step_outside_the_blocks(gpt2) -> None:
+    _, _, costs = gpt2
+    for row in costs.blocks:
+        assert set(row.fwd_s_by_action) == set(row.bwd_s_by_action) == set(row.overhead_s) == set(row.actions)
+        assert row.fwd_s_by_action[KEEP] == row.fwd_s and row.bwd_s_by_action[KEEP] == row.bwd_s
+        assert row.overhead_s[KEEP] == 0.0 and min(row.overhead_s.values()) >= 0.0
+        # A checkpoint's backward holds the block's second forward: it is slower than keep's.
+        assert row.bwd_s_by_action[CHECKPOINT] > row.bwd_s
+        for action in row.actions:
+            assert row.time_cost(action) == row.recompute_s[action] + row.overhead_s[action]
+    # The head (a 256-word LM head and its loss) and the embeddings take time of their own.
+    assert costs.outside_s is not None and costs.outside_s > 0
+
+
 def test_cost_table_json_round_trip(gpt2) -> None:
     costs = gpt2[2]
     back = CostTable.from_json(costs.to_json())
     assert back == costs
     assert remat.plan(back, "sqrt") == remat.plan(costs, "sqrt")
+
+
+def test_cost_tables_written_before_step_times_load_with_none_and_zero_overheads(gpt2) -> None:
+    data = gpt2[2].to_dict()
+    del data["outside_s"]
+    for row in data["blocks"]:
+        del row["fwd_s_by_action"], row["bwd_s_by_action"], row["overhead_s"]
+    old = CostTable.from_dict(data)
+    assert old.outside_s is None
+    row = old.blocks[0]
+    assert row.overhead_s == {} and row.time_cost(CHECKPOINT) == row.recompute_s[CHECKPOINT]
+    with pytest.raises(KeyError, match="no time cost for action 'offload'.*Profile with that action included"):
+        row.time_cost("offload")
 
 
 def test_profile_leaves_parameter_gradients_as_they_were() -> None:

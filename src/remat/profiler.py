@@ -4,7 +4,8 @@
 takes the block's real inputs and, aside from the step (RNG forked, gradients restored, other remat hooks
 suspended), runs the block alone under every action (:func:`measure_block`): a live-tensor tracker gives the
 bytes kept after the forward, the forward and backward transients (:mod:`remat.block_bytes`); timed repeats
-give forward, backward and recompute seconds (:mod:`remat.block_timing`). The step itself is tracked too, for
+of every action, interleaved, give forward, backward, recompute and overhead seconds
+(:mod:`remat.block_timing`, :mod:`remat.action_times`). The step itself is tracked too, for
 the memory before the chain (stem) and after it (head) (:mod:`remat.chain_bounds`).
 
 Under an offload policy (``selective:offload_dots``...) the host copies are not device memory on CUDA and
@@ -25,9 +26,10 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policies as _policies
+from .action_times import action_times
 from .block_bytes import ByteTerms, run_tracked, tensor_bytes
 from .block_run import GradsRestored, edge_backward_supported
-from .block_timing import time_action
+from .block_timing import time_actions
 from .blocks import BlocksArg, main_input, main_input_slot, replace_slot, resolve_blocks, slot_value, without_caches
 from .chain_bounds import ChainBounds
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
@@ -35,7 +37,7 @@ from .hf_guards import profiled_step
 from .memory import LiveTensorTracker
 from .model_state import detached_from_step, extra_run
 from .suspension import suspend_all
-from .training_step import Batch, default_loss, run_step
+from .training_step import Batch, default_loss, run_step, step_seconds
 
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
 
@@ -66,7 +68,6 @@ def measure_block(
     args, kwargs = detached_from_step(*without_caches(*replace_slot(args, kwargs, slot, main)))
     trackers: dict[str, LiveTensorTracker] = {}
     output_bytes = 0
-    times: dict[str, tuple[float, float, float]] = {}
     edge_backward_supported()  # probe once here, not inside a tracked region
     identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     rng_devices = [device.index or 0] if device.type == "cuda" else []
@@ -79,34 +80,22 @@ def measure_block(
         for action in actions:
             trackers[action] = LiveTensorTracker(device)
             output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main)
-            times[action] = time_action(module, action, args, kwargs, main, device, repeats)
+        times = action_times(time_actions(module, actions, args, kwargs, main, device, repeats))
     terms = ByteTerms.from_trackers(trackers)
-    fwd_s, bwd_s, _ = times[KEEP]
-    recompute: dict[str, float] = {}
-    for action in actions:
-        a_fwd, a_bwd, a_recompute = times[action]
-        if action == KEEP:
-            recompute[action] = 0.0
-        elif action == CHECKPOINT:
-            recompute[action] = fwd_s
-        elif action == OFFLOAD:
-            recompute[action] = max((a_fwd - fwd_s) + (a_bwd - bwd_s), 0.0)
-        elif _policies.get(action[len(SELECTIVE_PREFIX) :]).offload is not None:
-            # copies back in recompute, plus the copies to host the forward queued
-            recompute[action] = a_recompute + max(a_fwd - fwd_s, 0.0)
-        else:
-            recompute[action] = min(a_recompute, fwd_s)
     return BlockCost(
         fqn=fqn,
-        fwd_s=fwd_s,
-        bwd_s=bwd_s,
+        fwd_s=times.fwd_s,
+        bwd_s=times.bwd_s,
         input_bytes=tensor_bytes(main),
         output_bytes=output_bytes,
         saved_bytes=terms.saved,
-        recompute_s=recompute,
+        recompute_s=times.recompute_s,
         fwd_temp_bytes=terms.fwd_temp,
         bwd_temp_bytes=terms.bwd_temp,
         bwd_extra_bytes=terms.bwd_extra,
+        fwd_s_by_action=times.fwd_s_by_action,
+        bwd_s_by_action=times.bwd_s_by_action,
+        overhead_s=times.overhead_s,
     )
 
 
@@ -219,8 +208,16 @@ def profile(
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
-    Parameter gradients are left as they were."""
+    After the profiled step, two plain steps are timed for ``outside_s`` (the step less its blocks).
+    Parameter gradients and the RNG state are left as the profiled step left them."""
     profiler = BlockProfiler(model, blocks, policies=policies, repeats=repeats)
-    with GradsRestored(model), profiled_step(model), profiler:
-        run_step(model, batch, loss_fn)
-    return profiler.cost_table()
+    with GradsRestored(model), profiled_step(model):
+        with profiler:
+            run_step(model, batch, loss_fn)
+        costs = profiler.cost_table()
+        # The step outside the chain's blocks: plain steps (no plan applied) timed after the profiled one.
+        rng = torch.random.fork_rng(devices=[] if costs.device == "cpu" else None, device_type=costs.device)
+        with suspend_all(), rng:
+            step = step_seconds(model, batch, loss_fn, steps=2)
+    costs.outside_s = max(step - sum(b.fwd_s + b.bwd_s for b in costs.blocks), 0.0)
+    return costs
