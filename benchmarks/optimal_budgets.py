@@ -1,9 +1,10 @@
 """The optimal plan against the static strategies at 25%, 50% and 75% of the no-checkpoint activation memory.
 
-For each budget: every strategy's predicted and measured peak activation memory, its measured step time and
-recompute seconds, and whether it fits. Checks printed at the end: the optimal plan's measured peak is within
-the budget (+5%), its step time is no worse than any static strategy that also fits, and at 50% its recompute
-is at most half that of ``full``.
+For each budget: every strategy's predicted and measured peak activation memory, its predicted and measured
+step time (forward and backward) and their ratio, its measured recompute seconds, and whether it fits. Checks
+printed at the end: the optimal plan's measured peak is within the budget (+5%), its step time is no worse
+than any static strategy that also fits (at 50%: than ``full``), and every strategy's predicted step is within
+10% of its measured one.
 
     python benchmarks/optimal_budgets.py [--layers 8] [--hidden 256] [--vocab 2048] [--batch 8] [--seq 128]
         [--json PATH]
@@ -76,7 +77,8 @@ def main() -> None:
     for fraction in (0.25, 0.5, 0.75):
         budget = int(fraction * rich)
         print(f"\nbudget {fraction:.0%} = {format_bytes(budget)}")
-        print(f"{'strategy':<14}{'predicted':>12}{'measured':>12}{'fits':>6}{'step ms':>10}{'recompute ms':>14}")
+        print(f"{'strategy':<14}{'predicted':>12}{'measured':>12}{'fits':>6}{'pred step':>10}{'step ms':>10}"
+              f"{'pred/meas':>10}{'recompute ms':>14}")
         results = {}
         candidates = [(name, opts) for name, opts in STATIC] + [("optimal", {})]
         for name, opts in candidates:
@@ -88,12 +90,19 @@ def main() -> None:
             result = measure(model, batch, plan, args.steps)
             label = name + (f"(k={opts['k']})" if "k" in opts else "")
             fits = result["measured_peak"] <= budget * 1.05
+            step_ratio = plan.predicted_step_s / result["step_s"]
             results[label] = {**result, "predicted_peak": plan.predicted_peak_bytes, "fits": fits,
-                              "predicted_recompute_s": plan.predicted_recompute_s}
+                              "predicted_recompute_s": plan.predicted_recompute_s,
+                              "predicted_step_s": plan.predicted_step_s, "step_ratio": step_ratio}
             print(f"{label:<14}{format_bytes(plan.predicted_peak_bytes):>12}"
                   f"{format_bytes(result['measured_peak']):>12}{'yes' if fits else 'no':>6}"
-                  f"{result['step_s'] * 1e3:>10.1f}{result['recompute_s'] * 1e3:>14.1f}")
+                  f"{plan.predicted_step_s * 1e3:>10.1f}{result['step_s'] * 1e3:>10.1f}{step_ratio:>10.3f}"
+                  f"{result['recompute_s'] * 1e3:>14.1f}")
             rows.append({"fraction": fraction, "strategy": label, **results[label]})
+        ratios = {label: r["step_ratio"] for label, r in results.items()}
+        worst = max(ratios, key=lambda label: abs(ratios[label] - 1))
+        checks.append((f"{fraction:.0%}: predicted / measured step within 10% for every strategy (worst: {worst} "
+                       f"{ratios[worst]:.3f})", all(0.9 <= r <= 1.1 for r in ratios.values())))
         opt = results.get("optimal")
         if opt is None:
             continue
@@ -107,6 +116,9 @@ def main() -> None:
         if fraction == 0.5 and "full" in results:
             ratio = opt["recompute_s"] / max(results["full"]["recompute_s"], 1e-9)
             checks.append((f"50%: optimal recompute / full recompute = {ratio:.3f} (target <= 0.5)", ratio <= 0.5))
+            if results["full"]["fits"]:
+                ratio = opt["step_s"] / results["full"]["step_s"]
+                checks.append((f"50%: optimal step / full step = {ratio:.3f} (full fits)", ratio <= 1.03))
     print("\nchecks (step times within 3% count as no worse: CPU timing noise)")
     for text, ok in checks:
         print(f"  [{'ok' if ok else 'MISS'}] {text}")
