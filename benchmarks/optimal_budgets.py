@@ -7,7 +7,7 @@ than any static strategy that also fits (at 50%: than ``full``), and every strat
 10% of its measured one.
 
     python benchmarks/optimal_budgets.py [--layers 8] [--hidden 256] [--vocab 2048] [--batch 8] [--seq 128]
-        [--json PATH]
+        [--threads N] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -58,8 +58,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per block and action in the profile")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                         n_positions=args.seq, use_cache=False)
@@ -67,12 +71,17 @@ def main() -> None:
     model.config._attn_implementation = "eager"
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
     batch = {"input_ids": ids, "labels": ids}
-    costs = remat.profile(model, batch)
+    started = time.perf_counter()
+    costs = remat.profile(model, batch, repeats=args.repeats)
+    profile_s = time.perf_counter() - started
     rich = no_checkpoint_peak(costs)
     print(f"GPT-2 style: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
           f"batch {args.batch}x{args.seq}, dropout 0.1, CPU, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print(f"no-checkpoint activation memory (predicted): {format_bytes(rich)}")
+    blocks_ms = sum(b.fwd_s + b.bwd_s for b in costs.blocks) * 1e3
+    print(f"profile: {profile_s:.1f} s ({args.repeats} repeats); blocks kept {blocks_ms:.1f} ms, step outside "
+          f"them {(costs.outside_s or 0.0) * 1e3:.1f} ms")
     rows, checks = [], []
     for fraction in (0.25, 0.5, 0.75):
         budget = int(fraction * rich)
