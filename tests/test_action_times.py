@@ -37,10 +37,15 @@ def test_terms_pair_each_round_with_keep_and_take_medians() -> None:
     assert t.recompute_s["keep"] == t.overhead_s["keep"] == 0.0
 
 
-def test_an_action_faster_than_keep_has_no_negative_overhead() -> None:
-    runs = {"keep": [(1.0, 2.0, 0.0)] * 3, "checkpoint": [(0.5, 2.5, 1.0)] * 3}
+def test_a_saving_is_a_negative_overhead_but_no_action_is_faster_than_keep() -> None:
+    # A checkpointed forward that stores nothing runs faster: part of the recomputation is paid back.
+    runs = {"keep": [(1.0, 2.0, 0.0)] * 3, "checkpoint": [(0.75, 3.0, 1.0)] * 3}
     t = action_times(runs)
-    assert t.overhead_s["checkpoint"] == 0.0
+    assert t.overhead_s["checkpoint"] == -0.25 and t.recompute_s["checkpoint"] + t.overhead_s["checkpoint"] == 0.75
+    # Timing noise may make an action look faster than keeping; its time cost stops at 0.
+    runs["checkpoint"] = [(0.5, 2.0, 1.0)] * 3
+    t = action_times(runs)
+    assert t.overhead_s["checkpoint"] == -1.0 and t.recompute_s["checkpoint"] + t.overhead_s["checkpoint"] == 0.0
 
 
 def test_unequal_rounds_are_refused() -> None:

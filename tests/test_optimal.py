@@ -45,7 +45,8 @@ def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
         if with_offload:
             saved["offload"] = out + draw(st.integers(0, 3))
             recompute["offload"] = draw(st.integers(0, 20)) * TICK
-        overhead = {a: draw(st.integers(0, 12)) * TICK for a in saved if a != "keep"}
+        # an overhead may be a saving, never larger than the recomputation (time costs stay >= 0)
+        overhead = {a: draw(st.integers(-round(recompute[a] / TICK), 12)) * TICK for a in saved if a != "keep"}
         blocks.append(
             BlockCost(f"layers.{i}", rerun, 2 * rerun, out, out, saved, recompute, draw(small), draw(small),
                       overhead_s=overhead)

@@ -38,9 +38,9 @@ def test_a_written_plan_reads_back_checked_against_its_chain() -> None:
     back = Plan.from_json(plan.to_json(), fqns=FQNS)
     assert back == plan and list(back.actions) == FQNS
     # Three blocks of 0.75 s and 1 s outside them; a segment of two and a checkpoint recompute all three (0.25 s
-    # each) and open two checkpoint frames (0.125 s each).
+    # each) and each block adds its checkpoint overhead (0.125 s).
     assert list(plan.actions.values()) == ["segment:0", "segment:0", "checkpoint"]
-    assert back.predicted_step_s == 3 * 0.75 + 1.0 + 3 * 0.25 + 2 * 0.125
+    assert back.predicted_step_s == 3 * 0.75 + 1.0 + 3 * 0.25 + 3 * 0.125
     assert f"step {back.predicted_step_s * 1e3:.2f} ms" in back.table()
     older = json.loads(plan.to_json())
     del older["predicted_step_s"]  # files written before plans predicted step times

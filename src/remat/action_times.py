@@ -10,7 +10,11 @@ run ``r`` is paired with keep's run ``r``. Per round, an action's recomputation 
 * any other selective policy: its timed recomputation, at most keep's forward.
 
 and its overhead ``fwd_a + bwd_a - recompute_a - (fwd_keep + bwd_keep)`` (see :mod:`remat.costs`). Each term is
-the median over rounds; the overhead is then floored at 0 (an action cannot make a step faster than keeping).
+the median over rounds. The overhead may be negative, down to ``-recompute_a``: a checkpointed forward saves
+nothing for backward and runs faster than a kept one, and the recomputation right before the block's backward
+finds its weights in cache. Flooring every block's overhead at 0 would add the positive half of each block's
+timing noise to every plan's prediction; flooring the time cost (``recompute + overhead``) at 0 keeps only
+what matters to a plan, that no action makes a step faster than keeping.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def action_times(runs: dict[str, Sequence[Timing]]) -> ActionTimes:
             for run, keep, rec in zip(action_runs, keep_runs, paired, strict=True)
         ]
         recompute[action] = statistics.median(paired)
-        overhead[action] = 0.0 if action == KEEP else max(statistics.median(excess), 0.0)
+        overhead[action] = 0.0 if action == KEEP else max(statistics.median(excess), -recompute[action])
     return ActionTimes(
         fwd_s=statistics.median(run[0] for run in keep_runs),
         bwd_s=statistics.median(run[1] for run in keep_runs),

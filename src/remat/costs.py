@@ -22,13 +22,14 @@ time). ``fwd_s_by_action[action]`` and ``bwd_s_by_action[action]`` are the block
 backward seconds under each action, everything the action does included (for ``"checkpoint"`` the backward
 holds the recomputation). ``overhead_s[action]`` is what the action adds to a step beyond its recomputation::
 
-    overhead_s[a] = max(0, fwd_a + bwd_a - recompute_a - (fwd_keep + bwd_keep))
+    overhead_s[a] = max(-recompute_a, fwd_a + bwd_a - recompute_a - (fwd_keep + bwd_keep))
 
 the dispatch modes of a selective region, replayed dropout draws, a checkpoint frame's bookkeeping, an
-offload's copies when they are not already its ``recompute_s`` (0 for ``"keep"``; absent means 0). The
-profiler times the actions interleaved and takes the median of this difference over repeats, so a step's
-predicted time under ``a`` is ``fwd_s + bwd_s + time_cost(a)`` with ``time_cost(a) = recompute_s[a] +
-overhead_s[a]``.
+offload's copies when they are not already its ``recompute_s`` (0 for ``"keep"``; absent means 0). It is
+negative where the action saves forward or backward time (a checkpointed forward stores nothing), but never
+so far that ``time_cost(a) = recompute_s[a] + overhead_s[a]`` falls below 0. The profiler times the actions
+interleaved and takes the median of this difference over repeats (:mod:`remat.action_times`), so a step's
+predicted time under ``a`` is ``fwd_s + bwd_s + time_cost(a)``.
 
 Table-wide: ``stem_bytes`` are activation bytes alive before the first block (embeddings and the like),
 ``head_bytes`` the peak above the chain while the part after the last block (final norm, logits, loss)

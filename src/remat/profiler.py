@@ -208,7 +208,7 @@ def profile(
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
-    After the profiled step, two plain steps are timed for ``outside_s`` (the step less its blocks).
+    After the profiled step, three plain steps are timed for ``outside_s`` (the step less its blocks).
     Parameter gradients and the RNG state are left as the profiled step left them."""
     profiler = BlockProfiler(model, blocks, policies=policies, repeats=repeats)
     with GradsRestored(model), profiled_step(model):
@@ -218,6 +218,6 @@ def profile(
         # The step outside the chain's blocks: plain steps (no plan applied) timed after the profiled one.
         rng = torch.random.fork_rng(devices=[] if costs.device == "cpu" else None, device_type=costs.device)
         with suspend_all(), rng:
-            step = step_seconds(model, batch, loss_fn, steps=2)
+            step = step_seconds(model, batch, loss_fn, steps=3)
     costs.outside_s = max(step - sum(b.fwd_s + b.bwd_s for b in costs.blocks), 0.0)
     return costs

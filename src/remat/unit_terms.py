@@ -7,7 +7,10 @@ under ``keep`` and ``checkpoint``), ``output[m]``, ``fwd_temp[m]``, ``temp[m] = 
 action adds to the step beyond its recomputation, see :mod:`remat.costs`; ``frame[m]`` under ``checkpoint``).
 Every peak is bytes above what the units before retain, and includes ``head_retained`` (what the head leaves
 alive while the chain's backward runs). A unit's time cost, the seconds it adds to a step that keeps
-everything, is ``recompute + overhead``.
+everything, is ``recompute + overhead``. A group's blocks run their forward as checkpointed blocks do (storing
+nothing inside the group), so each adds its ``checkpoint`` overhead, once: a memory-poor group opens a frame
+per block, a segment one frame for all, but the profile measures a frame together with the forward it wraps
+and cannot tell the two apart.
 
 A single block under action ``a``::
 
@@ -27,8 +30,7 @@ group's own input belongs to the unit before)::
     peak                  = max(forward peak, backward) + head_retained
     segment recompute     = rerun[s] + ... + rerun[e]
     memory_poor recompute = sum over m of (rerun[s] + ... + rerun[m])   (block m's backward re-runs s..m)
-    segment overhead      = frame[s]                                    (one checkpoint frame)
-    memory_poor overhead  = frame[s] + ... + frame[e]                   (a frame per block)
+    group overhead        = frame[s] + ... + frame[e]
     re-runs of block m    = 1 in a segment, e - m + 1 in a memory-poor group
 
 Sums of seconds run left to right in both forms (``itertools.accumulate`` and ``np.cumsum``, which numpy
@@ -108,7 +110,7 @@ class BlockNumbers:
     fwd_temp: int
     temp: int
     rerun: float
-    frame: float = 0.0  # the overhead of a checkpoint frame around the block
+    frame: float = 0.0  # the block's overhead under checkpoint
 
     @classmethod
     def of(cls, block: BlockCost) -> BlockNumbers:
@@ -138,12 +140,11 @@ def group_terms(blocks: Sequence[BlockNumbers], kind: str, head_retained: int) -
         keeps_to = list(accumulate(b.keep for b in blocks))
         backward_peak = max(keeps_to[m] + b.temp for m, b in enumerate(blocks))
         recompute, reexecutions = reruns_to[-1], (1,) * len(blocks)
-        overhead = blocks[0].frame
     else:
         backward_peak = max(b.keep + inside[m] + b.temp for m, b in enumerate(blocks))
         recompute = list(accumulate(reruns_to))[-1]
         reexecutions = tuple(len(blocks) - m for m in range(len(blocks)))
-        overhead = list(accumulate(b.frame for b in blocks))[-1]
+    overhead = list(accumulate(b.frame for b in blocks))[-1]
     peak = max(forward_peak, backward_peak) + head_retained
     return UnitTerms(blocks[-1].checkpointed, peak, recompute, reexecutions, overhead)
 
@@ -233,20 +234,21 @@ def group_table(
     reruns_to = np.cumsum(numbers.rerun[block], axis=1)
     length = np.arange(1, longest + 1, dtype=np.int64)
     table = GroupTable(first, numbers.checkpointed[block], {}, {}, {}, {}, {})
+    frames_to = np.cumsum(numbers.frame[block], axis=1)
     if SEGMENT in kinds:
         keeps_to = np.cumsum(numbers.keep[block], axis=1)
         backward = np.maximum.accumulate(keeps_to + numbers.temp[block], axis=1)
         table.peak[SEGMENT] = np.maximum(forward_peak, backward) + head_retained
         table.recompute_s[SEGMENT] = reruns_to
         table.reexecutions[SEGMENT] = length
-        table.overhead_s[SEGMENT] = np.broadcast_to(numbers.frame[block[:, :1]], block.shape)
+        table.overhead_s[SEGMENT] = frames_to
         table.time_cost_s[SEGMENT] = reruns_to + table.overhead_s[SEGMENT]
     if MEMORY_POOR in kinds:
         backward = np.maximum.accumulate(numbers.keep[block] + inside + numbers.temp[block], axis=1)
         table.peak[MEMORY_POOR] = np.maximum(forward_peak, backward) + head_retained
         table.recompute_s[MEMORY_POOR] = np.cumsum(reruns_to, axis=1)
         table.reexecutions[MEMORY_POOR] = length * (length + 1) // 2
-        table.overhead_s[MEMORY_POOR] = np.cumsum(numbers.frame[block], axis=1)
+        table.overhead_s[MEMORY_POOR] = frames_to
         table.time_cost_s[MEMORY_POOR] = table.recompute_s[MEMORY_POOR] + table.overhead_s[MEMORY_POOR]
     return table
 
