@@ -1,10 +1,10 @@
 """The optimal plan against the static strategies at 25%, 50% and 75% of the no-checkpoint activation memory.
 
 For each budget: every strategy's predicted and measured peak activation memory, its predicted and measured
-step time (forward and backward) and their ratio, its measured recompute seconds, and whether it fits. Checks
-printed at the end: the optimal plan's measured peak is within the budget (+5%), its step time is no worse
-than any static strategy that also fits (at 50%: than ``full``), and every strategy's predicted step is within
-10% of its measured one.
+step time (forward and backward; strategies timed interleaved, medians over rounds) and their ratio, its
+measured recompute seconds, and whether it fits. Checks printed at the end: the optimal plan's measured peak
+is within the budget (+5%), its step time is no worse than any static strategy that also fits (at 50%: than
+``full``), and every strategy's predicted step is within 10% of its measured one.
 
     python benchmarks/optimal_budgets.py [--layers 8] [--hidden 256] [--vocab 2048] [--batch 8] [--seq 128]
         [--threads N] [--repeats 3] [--json PATH]
@@ -29,22 +29,35 @@ STATIC = [("none", {}), ("full", {}), ("every_k", {"k": 2}), ("every_k", {"k": 3
           ("memory_poor", {}), ("random", {"fraction": 0.5, "seed": 0})]
 
 
-def measure(model, batch, plan, steps: int) -> dict:  # noqa: ANN001
-    handle = remat.apply(model, plan)
+def measure(model, batch, plans: dict[str, remat.Plan], steps: int) -> dict[str, dict]:  # noqa: ANN001
+    """Each plan's peak (one step alone), then its step time and recompute seconds: medians of ``steps``
+    rounds after a warm-up round, every round running each plan once (switched with ``set_plan``), so that
+    drift on a busy machine touches every plan alike."""
+    results: dict[str, dict] = {}
+    handle = remat.apply(model, next(iter(plans.values())))
     try:
-        model.zero_grad(set_to_none=True)
-        with remat.measure() as mem:
-            run_step(model, batch)
-        times, recompute = [], []
-        for _ in range(steps + 1):
+        times: dict[str, list[float]] = {label: [] for label in plans}
+        recompute: dict[str, list[float]] = {label: [] for label in plans}
+        for label, plan in plans.items():
+            handle.set_plan(plan)
             model.zero_grad(set_to_none=True)
-            handle.stats.reset()
-            t0 = time.perf_counter()
-            run_step(model, batch)
-            times.append(time.perf_counter() - t0)
-            recompute.append(handle.stats.total_seconds)
-        return {"measured_peak": mem.activation_bytes, "step_s": statistics.median(times[1:]),
-                "recompute_s": statistics.median(recompute[1:])}
+            with remat.measure() as mem:
+                run_step(model, batch)
+            results[label] = {"measured_peak": mem.activation_bytes}
+        for round_ in range(steps + 1):
+            for label, plan in plans.items():
+                handle.set_plan(plan)
+                model.zero_grad(set_to_none=True)
+                handle.stats.reset()
+                t0 = time.perf_counter()
+                run_step(model, batch)
+                if round_:
+                    times[label].append(time.perf_counter() - t0)
+                    recompute[label].append(handle.stats.total_seconds)
+        for label in plans:
+            results[label].update(step_s=statistics.median(times[label]),
+                                  recompute_s=statistics.median(recompute[label]))
+        return results
     finally:
         handle.remove()
 
@@ -88,16 +101,17 @@ def main() -> None:
         print(f"\nbudget {fraction:.0%} = {format_bytes(budget)}")
         print(f"{'strategy':<14}{'predicted':>12}{'measured':>12}{'fits':>6}{'pred step':>10}{'step ms':>10}"
               f"{'pred/meas':>10}{'recompute ms':>14}")
-        results = {}
-        candidates = [(name, opts) for name, opts in STATIC] + [("optimal", {})]
-        for name, opts in candidates:
+        plans = {}
+        for name, opts in [(name, opts) for name, opts in STATIC] + [("optimal", {})]:
             try:
                 plan = remat.plan(costs, name, budget, strict=False, **opts)
             except remat.BudgetError as err:
                 print(f"{name:<14} {err}")
                 continue
-            result = measure(model, batch, plan, args.steps)
-            label = name + (f"(k={opts['k']})" if "k" in opts else "")
+            plans[name + (f"(k={opts['k']})" if "k" in opts else "")] = plan
+        results = {}
+        for label, result in measure(model, batch, plans, args.steps).items():
+            plan = plans[label]
             fits = result["measured_peak"] <= budget * 1.05
             step_ratio = plan.predicted_step_s / result["step_s"]
             results[label] = {**result, "predicted_peak": plan.predicted_peak_bytes, "fits": fits,
