@@ -39,7 +39,8 @@ runs (the logits of an output the training loop still holds, a tied weight's gra
 step keeping everything frees before the chain's backward, but that a plan recomputing any block keeps for
 that recomputation. ``outside_s`` is the seconds of a step spent outside the chain's blocks (the stem, the
 head, the loss and their backward): a plain step's time less every block's ``fwd_s + bwd_s``; None when it
-was not measured.
+was not measured. Since the blocks are timed alone, it also holds what they cost more or less inside a step
+than alone, and it is negative where that exceeds the stem and head (small blocks timed alone run slower).
 
 Tables written before a field existed load with it absent: 0 or empty for the byte and overhead terms, None
 for ``outside_s``.
