@@ -106,6 +106,10 @@ def test_runs_summary_csv_and_budget(bench: Path) -> None:
         rows = list(csv.DictReader(f))
     assert [r["strategy"] for r in rows] == STRATEGIES
     assert {"step_time_ms", "recompute_overhead", "throughput", "peak_activation_bytes", "vs_static_p"} <= set(rows[0])
+    for row in rows:  # the simulator's step next to the measured forward + backward, for PGAC's plan too
+        predicted, measured = float(row["predicted_step_ms"]), float(row["forward_ms"]) + float(row["backward_ms"])
+        assert predicted > 0 and float(row["predicted_step_ratio"]) == pytest.approx(predicted / measured, rel=1e-6)
+    assert float(rows[1]["predicted_step_ms"]) > float(rows[0]["predicted_step_ms"])  # full recomputes: slower
     cli_json = json.loads((bench / "cli.json").read_text())
     assert [r["strategy"] for r in cli_json["strategies"]] == STRATEGIES
 
@@ -129,6 +133,7 @@ def test_report_has_claims_exactness_and_figures(bench: Path) -> None:
     assert "not measurable here" in dtr_line
     assert "Activation memory within the fixed budget" in report and "**confirmed**" in report
     assert "## Exactness" in report
+    assert "| predicted forward + backward ms (/ measured) |" in report
     summary = json.loads((bench / "summary.json").read_text())
     figures = summary["figures"]
     assert {"plots/pareto.png", "plots/loss.png", "plots/pgac_mask.png", "plots/block_memory.png"} <= set(figures)

@@ -20,10 +20,13 @@ SHAPE_WORDS = ('{"actions": {"<block FQN>": "<action>"', "chain order")
 
 def costs() -> CostTable:
     blocks = [
-        BlockCost(fqn, 0.25, 0.5, 8, 8, {"keep": 40, "checkpoint": 9}, {"keep": 0.0, "checkpoint": 0.25})
+        BlockCost(
+            fqn, 0.25, 0.5, 8, 8, {"keep": 40, "checkpoint": 9}, {"keep": 0.0, "checkpoint": 0.25},
+            overhead_s={"checkpoint": 0.125},
+        )
         for fqn in FQNS
-    ]
-    return CostTable(blocks, head_bytes=10)
+    ]  # fmt: skip
+    return CostTable(blocks, head_bytes=10, outside_s=1.0)
 
 
 def plan_text(actions: object, **fields: object) -> str:
@@ -34,6 +37,14 @@ def test_a_written_plan_reads_back_checked_against_its_chain() -> None:
     plan = remat.plan(costs(), "every_k", k=2)
     back = Plan.from_json(plan.to_json(), fqns=FQNS)
     assert back == plan and list(back.actions) == FQNS
+    # Three blocks of 0.75 s and 1 s outside them; a segment of two and a checkpoint recompute all three (0.25 s
+    # each) and each block adds its checkpoint overhead (0.125 s).
+    assert list(plan.actions.values()) == ["segment:0", "segment:0", "checkpoint"]
+    assert back.predicted_step_s == 3 * 0.75 + 1.0 + 3 * 0.25 + 3 * 0.125
+    assert f"step {back.predicted_step_s * 1e3:.2f} ms" in back.table()
+    older = json.loads(plan.to_json())
+    del older["predicted_step_s"]  # files written before plans predicted step times
+    assert Plan.from_json(json.dumps(older), fqns=FQNS).predicted_step_s is None
     assert Plan.from_json(plan_text({"h.0": "keep"})).actions == {"h.0": "keep"}  # no chain given: any blocks
 
 
@@ -68,12 +79,13 @@ def test_a_written_plan_reads_back_checked_against_its_chain() -> None:
         ),
         (plan_text(KEEP_ALL, options=[1]), "the plan file's 'options' is a list; it must be an object"),
         (plan_text(KEEP_ALL, budget_bytes="2GiB"), "the plan file's 'budget_bytes' is a string"),
+        (plan_text(KEEP_ALL, predicted_step_s=True), "the plan file's 'predicted_step_s' is a boolean"),
         (plan_text(KEEP_ALL, strategy=3), "the plan file's 'strategy' is a number"),
     ],
     ids=[
         "not json", "not an object", "no actions", "cli output", "actions as a list", "action not a string",
         "unknown action", "empty group id", "blocks reordered", "block missing", "unknown block", "options",
-        "budget", "strategy",
+        "budget", "step", "strategy",
     ],
 )  # fmt: skip
 def test_files_that_are_not_plans_name_the_cause_and_the_shape(text: str, cause: str) -> None:

@@ -11,6 +11,7 @@ from toy_models import MLPChain, assert_same_step, uniform_chain
 
 import remat
 from remat.costs import CHECKPOINT, KEEP, CostTable
+from remat.profiler import BlockProfiler
 
 STRATEGIES = [
     ("none", {}),
@@ -77,11 +78,63 @@ def test_gpt2_cost_table_describes_the_blocks(gpt2) -> None:
     assert costs.device == "cpu" and costs.source == "measured"
 
 
+def test_gpt2_cost_table_times_every_action_and_the_step_outside_the_blocks(gpt2) -> None:
+    _, _, costs = gpt2
+    for row in costs.blocks:
+        assert set(row.fwd_s_by_action) == set(row.bwd_s_by_action) == set(row.overhead_s) == set(row.actions)
+        assert row.fwd_s_by_action[KEEP] == row.fwd_s and row.bwd_s_by_action[KEEP] == row.bwd_s
+        assert row.overhead_s[KEEP] == 0.0 and min(row.time_cost(a) for a in row.actions) >= 0.0
+        # A checkpoint's backward holds the block's second forward: it is slower than keep's.
+        assert row.bwd_s_by_action[CHECKPOINT] > row.bwd_s
+        for action in row.actions:
+            assert row.time_cost(action) == row.recompute_s[action] + row.overhead_s[action]
+    assert isinstance(costs.outside_s, float)
+
+
+def test_outside_s_is_the_time_of_the_step_outside_the_blocks() -> None:
+    """A head that multiplies 20 times by a 256x256 matrix outweighs the chain's blocks many times over."""
+
+    class HeavyHead(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.chain = uniform_chain(3, width=16, dropout=0.0)
+            self.weight = torch.nn.Parameter(torch.randn(256, 256) / 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.chain.blocks(self.chain.inp(x)).sum() * torch.ones(256, 256)
+            for _ in range(20):
+                h = torch.tanh(h @ self.weight)
+            return h.sum()
+
+    torch.manual_seed(0)
+    model = HeavyHead()
+    costs = remat.profile(model, torch.randn(5, 8), blocks=[f"chain.blocks.{i}" for i in range(3)], repeats=1)
+    blocks = sum(b.fwd_s + b.bwd_s for b in costs.blocks)
+    assert costs.outside_s is not None and costs.outside_s > 2 * blocks
+    assert remat.simulate(costs, ["keep"] * 3).step_s == pytest.approx(blocks + costs.outside_s)
+    with BlockProfiler(model, [f"chain.blocks.{i}" for i in range(3)]) as prof:  # inside training
+        model(torch.randn(5, 8)).backward()
+    assert prof.cost_table().outside_s is None
+
+
 def test_cost_table_json_round_trip(gpt2) -> None:
     costs = gpt2[2]
     back = CostTable.from_json(costs.to_json())
     assert back == costs
     assert remat.plan(back, "sqrt") == remat.plan(costs, "sqrt")
+
+
+def test_cost_tables_written_before_step_times_load_with_none_and_zero_overheads(gpt2) -> None:
+    data = gpt2[2].to_dict()
+    del data["outside_s"]
+    for row in data["blocks"]:
+        del row["fwd_s_by_action"], row["bwd_s_by_action"], row["overhead_s"]
+    old = CostTable.from_dict(data)
+    assert old.outside_s is None
+    row = old.blocks[0]
+    assert row.overhead_s == {} and row.time_cost(CHECKPOINT) == row.recompute_s[CHECKPOINT]
+    with pytest.raises(KeyError, match="no time cost for action 'offload'.*Profile with that action included"):
+        row.time_cost("offload")
 
 
 def test_profile_leaves_parameter_gradients_as_they_were() -> None:

@@ -1,6 +1,7 @@
 """Timing one block under one action on the real device: forward, backward and recomputation seconds.
 
-Medians of a few repeats after a warm-up; on CUDA the device is synchronised around every timed region. The
+Runs after a warm-up, every action once per round (:func:`time_actions`), so that the runs of one round can be
+paired; on CUDA the device is synchronised around every timed region. The
 recomputation is timed directly (the block's second call under a checkpoint), not as a difference of backward
 times: it is a fraction of them, and their noise would swamp it.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +45,57 @@ class TimedCalls:
             self.seconds.append(time.perf_counter() - start)
 
 
+Timing = tuple[float, float, float]  # forward, backward, recomputation seconds of one run
+
+
+def time_once(
+    module: nn.Module,
+    action: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    main: torch.Tensor,
+    device: torch.device,
+    pick: Callable[[Any], torch.Tensor | None] = main_tensor,
+) -> Timing:
+    """Forward, backward and recomputation seconds of one run of the block under ``action``; the backward
+    starts from the main output, which ``pick`` takes from what the block returns."""
+    timed = TimedCalls(module, device)
+    sync(device)
+    t0 = time.perf_counter()
+    out = pick(run_action(timed, action, args, kwargs))
+    sync(device)
+    t1 = time.perf_counter()
+    torch.autograd.backward(out, torch.ones_like(out))
+    sync(device)
+    t2 = time.perf_counter()
+    del out
+    main.grad = None
+    clear_grads(module)
+    return t1 - t0, t2 - t1, sum(timed.seconds[1:])
+
+
+def time_actions(
+    module: nn.Module,
+    actions: Sequence[str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    main: torch.Tensor,
+    device: torch.device,
+    repeats: int,
+    pick: Callable[[Any], torch.Tensor | None] = main_tensor,
+) -> dict[str, list[Timing]]:
+    """``repeats`` timed runs of the block under each of ``actions``, after one warm-up round. The actions
+    run interleaved (every round runs each once), so drift on a busy machine touches them alike and the
+    runs of one round can be compared with each other."""
+    runs: dict[str, list[Timing]] = {action: [] for action in actions}
+    for round_ in range(repeats + 1):
+        for action in actions:
+            timing = time_once(module, action, args, kwargs, main, device, pick)
+            if round_:
+                runs[action].append(timing)
+    return runs
+
+
 def time_action(
     module: nn.Module,
     action: str,
@@ -53,25 +105,8 @@ def time_action(
     device: torch.device,
     repeats: int,
     pick: Callable[[Any], torch.Tensor | None] = main_tensor,
-) -> tuple[float, float, float]:
+) -> Timing:
     """Median forward, backward and recomputation seconds of the block under ``action`` (after one warm-up);
     the backward starts from the main output, which ``pick`` takes from what the block returns."""
-    fwd, bwd, recompute = [], [], []
-    for i in range(repeats + 1):
-        timed = TimedCalls(module, device)
-        sync(device)
-        t0 = time.perf_counter()
-        out = pick(run_action(timed, action, args, kwargs))
-        sync(device)
-        t1 = time.perf_counter()
-        torch.autograd.backward(out, torch.ones_like(out))
-        sync(device)
-        t2 = time.perf_counter()
-        del out
-        main.grad = None
-        clear_grads(module)
-        if i:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-            recompute.append(sum(timed.seconds[1:]))
-    return statistics.median(fwd), statistics.median(bwd), statistics.median(recompute)
+    runs = time_actions(module, [action], args, kwargs, main, device, repeats, pick=pick)[action]
+    return tuple(statistics.median(column) for column in zip(*runs, strict=True))  # type: ignore[return-value]

@@ -24,7 +24,18 @@ cosine similarity; exact actions have no entry (their error is 0).
 
 Time terms, in seconds: ``fwd_s`` and ``bwd_s`` under ``"keep"``; ``recompute_s[action]`` is the extra time
 spent in backward re-running work under that action (0 for ``"keep"``; for ``"offload"`` it is the copy
-time).
+time). ``fwd_s_by_action[action]`` and ``bwd_s_by_action[action]`` are the block's measured forward and
+backward seconds under each action, everything the action does included (for ``"checkpoint"`` the backward
+holds the recomputation). ``overhead_s[action]`` is what the action adds to a step beyond its recomputation::
+
+    overhead_s[a] = max(-recompute_a, fwd_a + bwd_a - recompute_a - (fwd_keep + bwd_keep))
+
+the dispatch modes of a selective region, replayed dropout draws, a checkpoint frame's bookkeeping, an
+offload's copies when they are not already its ``recompute_s`` (0 for ``"keep"``; absent means 0). It is
+negative where the action saves forward or backward time (a checkpointed forward stores nothing), but never
+so far that ``time_cost(a) = recompute_s[a] + overhead_s[a]`` falls below 0. The profiler times the actions
+interleaved and takes the median of this difference over repeats (:mod:`remat.action_times`), so a step's
+predicted time under ``a`` is ``fwd_s + bwd_s + time_cost(a)``.
 
 Table-wide: ``stem_bytes`` are activation bytes alive before the first block (embeddings and the like),
 ``head_bytes`` the peak above the chain while the part after the last block (final norm, logits, loss)
@@ -32,7 +43,13 @@ runs forward and backward, and ``head_retained_bytes`` what the head leaves aliv
 runs (the logits of an output the training loop still holds, a tied weight's gradient waiting to be summed).
 ``held_args_bytes`` are the blocks' other tensor arguments (an attention mask, position embeddings) that a
 step keeping everything frees before the chain's backward, but that a plan recomputing any block keeps for
-that recomputation.
+that recomputation. ``outside_s`` is the seconds of a step spent outside the chain's blocks (the stem, the
+head, the loss and their backward): a plain step's time less every block's ``fwd_s + bwd_s``; None when it
+was not measured. Since the blocks are timed alone, it also holds what they cost more or less inside a step
+than alone, and it is negative where that exceeds the stem and head (small blocks timed alone run slower).
+
+Tables written before a field existed load with it absent: 0 or empty for the byte and overhead terms, None
+for ``outside_s``.
 
 ``info`` holds plain facts about how the table was taken (torch version, device name; for a measured table
 ``profile_s``, the profile's wall time, and ``blocks_measured`` / ``blocks_reused``).
@@ -69,6 +86,20 @@ class BlockCost:
     bwd_extra_bytes: dict[str, int] = field(default_factory=dict)
     grad_error: dict[str, float] = field(default_factory=dict)
     grad_cosine: dict[str, float] = field(default_factory=dict)
+    fwd_s_by_action: dict[str, float] = field(default_factory=dict)
+    bwd_s_by_action: dict[str, float] = field(default_factory=dict)
+    overhead_s: dict[str, float] = field(default_factory=dict)
+
+    def time_cost(self, action: str) -> float:
+        """Seconds ``action`` adds to a step over keeping: its recomputation plus its overhead."""
+        try:
+            recompute = self.recompute_s[action]
+        except KeyError:
+            raise KeyError(
+                f"block {self.fqn!r} has no time cost for action {action!r}; it has {sorted(self.recompute_s)}. "
+                "Profile with that action included (remat.profile(..., policies=...))."
+            ) from None
+        return recompute + self.overhead_s.get(action, 0.0)
 
     @property
     def actions(self) -> list[str]:
@@ -98,6 +129,7 @@ class CostTable:
     source: str = "measured"
     info: dict[str, Any] = field(default_factory=dict)
     autocast: dict[str, Any] | None = None
+    outside_s: float | None = None
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -133,6 +165,7 @@ class CostTable:
             head_bytes=data.get("head_bytes", 0),
             head_retained_bytes=data.get("head_retained_bytes", 0),
             held_args_bytes=data.get("held_args_bytes", 0),
+            outside_s=data.get("outside_s"),
             device=data.get("device", "cpu"),
             source=data.get("source", "measured"),
             info=data.get("info", {}),

@@ -14,7 +14,12 @@ PLAN_FILE_SHAPE = (
     '{"actions": {"<block FQN>": "<action>", ...}, "strategy": "<name>", "budget_bytes": <int or null>, '
     '"options": {...}} with every block of the chain in chain order (only "actions" is required)'
 )
-OPTIONAL_NUMBERS = {"budget_bytes": int, "predicted_peak_bytes": int, "predicted_recompute_s": (int, float)}
+OPTIONAL_NUMBERS = {
+    "budget_bytes": int,
+    "predicted_peak_bytes": int,
+    "predicted_recompute_s": (int, float),
+    "predicted_step_s": (int, float),
+}
 
 
 def chain_mismatch(given: Sequence[str], expected: Sequence[str], chain_name: str) -> str | None:

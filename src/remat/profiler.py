@@ -4,7 +4,8 @@
 takes the block's real inputs and, aside from the step (RNG forked, gradients restored, other remat hooks
 suspended), runs the block alone under every action (:func:`measure_block`): a live-tensor tracker gives the
 bytes kept after the forward, the forward and backward transients (:mod:`remat.block_bytes`); timed repeats
-give forward, backward and recompute seconds (:mod:`remat.block_timing`). The step itself is tracked too, for
+of every action, interleaved, give forward, backward, recompute and overhead seconds
+(:mod:`remat.block_timing`, :mod:`remat.action_times`). The step itself is tracked too, for
 the memory before the chain (stem) and after it (head) (:mod:`remat.chain_bounds`).
 
 Under ``torch.autocast`` the isolated runs keep the step's autocast settings but turn autocast's weight-cast
@@ -40,10 +41,11 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policies as _policies
+from .action_times import action_times
 from .block_bytes import ByteTerms, run_tracked, tensor_bytes
 from .block_run import GradsRestored, edge_backward_supported, parameters_detached
 from .block_signature import Footprint, block_signature, keep_footprint, renamed
-from .block_timing import time_action
+from .block_timing import time_actions
 from .blocks import (
     BlockIO,
     BlocksArg,
@@ -65,7 +67,7 @@ from .model_state import detached_from_step, extra_run
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
 from .regions import in_place_error
 from .suspension import suspend_all
-from .training_step import Batch, default_loss, run_step
+from .training_step import Batch, default_loss, run_step, step_seconds
 
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
 
@@ -112,7 +114,6 @@ def measure_block(
     args, kwargs = detached_from_step(*without_caches(*replace_slot(args, kwargs, slot, main)))
     trackers: dict[str, LiveTensorTracker] = {}
     output_bytes = 0
-    times: dict[str, tuple[float, float, float]] = {}
     edge_backward_supported()  # probe once here, not inside a tracked region
 
     def pick(value: Any) -> torch.Tensor | None:
@@ -131,37 +132,25 @@ def measure_block(
         for action in actions:
             trackers[action] = LiveTensorTracker(device)
             output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main, pick=pick)
-            times[action] = time_action(module, action, args, kwargs, main, device, repeats, pick=pick)
+        times = action_times(time_actions(module, actions, args, kwargs, main, device, repeats, pick=pick))
         errors = {a: block_grad_error(module, a, args, kwargs, main) for a in actions if is_lossy(a)}
     terms = ByteTerms.from_trackers(trackers)
-    fwd_s, bwd_s, _ = times[KEEP]
-    recompute: dict[str, float] = {}
-    for action in actions:
-        a_fwd, a_bwd, a_recompute = times[action]
-        if action == KEEP:
-            recompute[action] = 0.0
-        elif action == CHECKPOINT:
-            recompute[action] = fwd_s
-        elif action == OFFLOAD or is_lossy(action):
-            recompute[action] = max((a_fwd - fwd_s) + (a_bwd - bwd_s), 0.0)
-        elif _policies.get(action[len(SELECTIVE_PREFIX) :]).offload is not None:
-            # copies back in recompute, plus the copies to host the forward queued
-            recompute[action] = a_recompute + max(a_fwd - fwd_s, 0.0)
-        else:
-            recompute[action] = min(a_recompute, fwd_s)
     return BlockCost(
         fqn=fqn,
-        fwd_s=fwd_s,
-        bwd_s=bwd_s,
+        fwd_s=times.fwd_s,
+        bwd_s=times.bwd_s,
         input_bytes=tensor_bytes(main),
         output_bytes=output_bytes,
         saved_bytes=terms.saved,
-        recompute_s=recompute,
+        recompute_s=times.recompute_s,
         fwd_temp_bytes=terms.fwd_temp,
         bwd_temp_bytes=terms.bwd_temp,
         bwd_extra_bytes=terms.bwd_extra,
         grad_error={a: e.relative for a, e in errors.items()},
         grad_cosine={a: e.cosine for a, e in errors.items()},
+        fwd_s_by_action=times.fwd_s_by_action,
+        bwd_s_by_action=times.bwd_s_by_action,
+        overhead_s=times.overhead_s,
     )
 
 
@@ -346,13 +335,23 @@ def profile(
     it. ``autocast=`` names the setting instead (``torch.bfloat16``, ``"fp16"``, a dict ``{"dtype": ...,
     "device_type": ...}``, a :class:`remat.precision.AutocastSpec`, or ``False`` for none): the forward and the
     loss then run under that autocast, the backward outside it, as in a training step. Either way the step runs
-    with autocast's weight-cast cache off (see :mod:`remat.precision`), and the table records the setting."""
+    with autocast's weight-cast cache off (see :mod:`remat.precision`), and the table records the setting.
+    After the profiled step, three plain steps are timed for ``outside_s`` (the step less its blocks)."""
     spec = autocast_spec(autocast, model_device(model).type)
     chain = resolve_blocks(model, blocks)
     io = block_ios(chain, main_input, main_output)
     profiler = BlockProfiler(
         model, chain, policies=policies, repeats=repeats, io=io, reuse_identical=reuse_identical, lossy=lossy
     )
-    with GradsRestored(model), profiled_step(model), profiler, casts_uncached():
-        run_step(model, batch, loss_fn, autocast=spec)
-    return profiler.cost_table()
+    with GradsRestored(model), profiled_step(model):
+        with profiler, casts_uncached():
+            run_step(model, batch, loss_fn, autocast=spec)
+        costs = profiler.cost_table()
+        # The step outside the chain's blocks: plain steps (no plan applied) timed after the profiled one.
+        rng = torch.random.fork_rng(devices=[] if costs.device == "cpu" else None, device_type=costs.device)
+        with suspend_all(), rng, casts_uncached():
+            step = step_seconds(model, batch, loss_fn, steps=3, autocast=spec)
+    # Not floored at 0: blocks timed alone can run slower than inside a step (small blocks above all), and
+    # a negative remainder keeps the predicted step of keeping everything equal to the measured one.
+    costs.outside_s = step - sum(b.fwd_s + b.bwd_s for b in costs.blocks)
+    return costs

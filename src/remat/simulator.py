@@ -1,4 +1,4 @@
-"""Plans and the one simulator that predicts their peak activation memory and recompute time.
+"""Plans and the one simulator that predicts their peak activation memory, recompute time and step time.
 
 A :class:`Plan` maps each block FQN (in chain order) to an action string:
 
@@ -16,6 +16,12 @@ is what the units before it retain. The head (loss) runs with everything retaine
 When any unit is not ``keep``, the blocks' other arguments the runtime holds for recomputation
 (``held_args_bytes``) are counted in every unit's peak and in the head's too (they may be freed before the
 earliest units' backward, and they were alive in the head's forward anyway: the safe side).
+
+Time is a sum: a step keeping everything takes every block's ``fwd_s + bwd_s`` plus ``outside_s`` (the stem,
+head and loss, when the table knows it), and each unit adds its time cost (recomputation plus overhead, see
+:mod:`remat.unit_terms`)::
+
+    step_s = sum of blocks' (fwd_s + bwd_s) + outside_s + sum of units' (recompute_s + overhead_s)
 """
 
 from __future__ import annotations
@@ -49,10 +55,13 @@ class Simulation:
     retained_bytes: int
     reexecutions: tuple[int, ...]
     unit_peaks: tuple[int, ...]
+    overhead_s: float = 0.0  # the units' overheads beyond their recomputation
+    time_cost_s: float = 0.0  # the units' recomputation plus overhead, summed unit by unit (what optimal minimises)
+    step_s: float = 0.0  # the predicted step: blocks kept, outside_s when known, plus time_cost_s
 
 
 def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulation:
-    """Predict peak activation bytes and recompute seconds of running ``actions`` on ``costs``."""
+    """Predict peak activation bytes, recompute seconds and step seconds of running ``actions`` on ``costs``."""
     if isinstance(actions, dict):
         problem = chain_mismatch(list(actions), costs.fqns, "the cost table's chain")
         if problem:
@@ -62,7 +71,7 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
         raise ValueError(f"plan has {len(actions)} actions for a chain of {len(costs)} blocks")
     prefix = 0
     peak = 0
-    recompute = 0.0
+    recompute = overhead = time_cost = 0.0
     reexec: list[int] = []
     unit_peaks = []
     units = units_from_actions(actions)
@@ -73,9 +82,18 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
         unit_peaks.append(terms.peak + held)
         prefix += terms.retained
         recompute += terms.recompute_s
+        overhead += terms.overhead_s
+        time_cost += terms.time_cost_s
         reexec.extend(terms.reexecutions)
     peak = max(peak, prefix + costs.head_bytes + held) + costs.stem_bytes
-    return Simulation(int(peak), recompute, int(prefix), tuple(reexec), tuple(unit_peaks))
+    step = keep_step_s(costs) + time_cost
+    return Simulation(int(peak), recompute, int(prefix), tuple(reexec), tuple(unit_peaks), overhead, time_cost, step)
+
+
+def keep_step_s(costs: CostTable) -> float:
+    """Predicted seconds of a step keeping everything: every block's forward and backward, plus ``outside_s``
+    when the table knows it."""
+    return sum(b.fwd_s + b.bwd_s for b in costs.blocks) + (costs.outside_s or 0.0)
 
 
 def no_checkpoint_peak(costs: CostTable) -> int:
@@ -99,6 +117,7 @@ class Plan:
     predicted_peak_bytes: int | None = None
     predicted_recompute_s: float | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    predicted_step_s: float | None = None
 
     def __post_init__(self) -> None:
         for fqn, action in self.actions.items():
@@ -122,7 +141,7 @@ class Plan:
         if not isinstance(actions, dict):
             actions = dict(zip(costs.fqns, actions, strict=True))
         sim = simulate(costs, actions)
-        return cls(dict(actions), strategy, budget_bytes, sim.peak_bytes, sim.recompute_s, dict(options))
+        return cls(dict(actions), strategy, budget_bytes, sim.peak_bytes, sim.recompute_s, dict(options), sim.step_s)
 
     @property
     def fits(self) -> bool:
@@ -154,6 +173,7 @@ class Plan:
                 "budget_bytes": self.budget_bytes,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_recompute_s": self.predicted_recompute_s,
+                "predicted_step_s": self.predicted_step_s,
                 "options": self.options,
                 "actions": self.actions,
             },
@@ -168,7 +188,7 @@ class Plan:
         return cls(**plan_fields(text, fqns))
 
     def table(self, costs: CostTable | None = None) -> str:
-        """A per-block table: action, bytes kept after forward and recompute seconds (with ``costs``)."""
+        """A per-block table: action, bytes kept after forward, recompute and overhead seconds (with ``costs``)."""
         lines = [f"plan: {self.strategy}"]
         if self.budget_bytes is not None:
             lines[0] += f"  budget {format_bytes(self.budget_bytes)}"
@@ -176,24 +196,26 @@ class Plan:
             lines[0] += f"  predicted peak {format_bytes(self.predicted_peak_bytes)}"
         if self.predicted_recompute_s is not None:
             lines[0] += f"  recompute {self.predicted_recompute_s * 1e3:.2f} ms"
+        if self.predicted_step_s is not None:
+            lines[0] += f"  step {self.predicted_step_s * 1e3:.2f} ms"
         width = max([len(f) for f in self.actions] + [5])
         header = f"{'block':<{width}}  {'action':<24}"
         if costs is not None:
-            header += f"  {'bytes kept':>12}  {'recompute ms':>12}"
+            header += f"  {'bytes kept':>12}  {'recompute ms':>12}  {'overhead ms':>11}"
         lines.append(header)
-        terms_by_block: dict[int, tuple[int, float]] = {}
+        terms_by_block: dict[int, tuple[int, float, float]] = {}
         if costs is not None:
             for unit in self.units():
                 terms = unit_terms(costs, unit)
                 for i in range(unit.start, unit.end + 1):
                     kept = terms.retained if i == unit.end else 0
                     share = terms.recompute_s / unit.size
-                    terms_by_block[i] = (kept, share)
+                    terms_by_block[i] = (kept, share, terms.overhead_s / unit.size)
         for i, (fqn, action) in enumerate(self.actions.items()):
             line = f"{fqn:<{width}}  {action:<24}"
             if i in terms_by_block:
-                kept, rec = terms_by_block[i]
-                line += f"  {format_bytes(kept):>12}  {rec * 1e3:>12.3f}"
+                kept, rec, over = terms_by_block[i]
+                line += f"  {format_bytes(kept):>12}  {rec * 1e3:>12.3f}  {over * 1e3:>11.3f}"
             lines.append(line)
         return "\n".join(lines)
 
@@ -206,6 +228,7 @@ __all__ = [
     "Plan",
     "Simulation",
     "Unit",
+    "keep_step_s",
     "UnitTerms",
     "no_checkpoint_peak",
     "resolve_budget",

@@ -4,11 +4,13 @@
 dict of keyword arguments. The loss is ``loss_fn(output)``, by default ``output.loss`` when the model returns
 one, else the sum of its (first) output tensor. With an autocast setting the forward and the loss run under it
 (weight-cast cache off, see :mod:`remat.precision`) and the backward outside it, as in a mixed-precision
-training loop.
+training loop. :func:`step_seconds` times such steps.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,29 @@ def run_step(
         loss = loss_fn(output) if loss_fn is not None else default_loss(output)
     loss.backward()
     return loss.detach()
+
+
+def step_seconds(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    steps: int = 2,
+    autocast: Any = None,
+) -> float:
+    """Median seconds of ``steps`` plain steps (gradients set to None before each, as ``zero_grad`` does; the
+    CUDA device synchronised around each). The caller restores gradients and RNG state if it cares."""
+    devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
+    seconds = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        for device in devices:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run_step(model, batch, loss_fn, autocast=autocast)
+        for device in devices:
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def default_loss(output: Any) -> torch.Tensor:

@@ -3,15 +3,21 @@ and a vectorised form over every unit of a chain (the planners'), side by side, 
 
 Per block ``m`` a unit reads: ``saved[a][m]`` (bytes saved under action ``a``; ``keep[m]`` and ``checkpointed[m]``
 under ``keep`` and ``checkpoint``), ``output[m]``, ``fwd_temp[m]``, ``temp[m] = max(fwd_temp[m], bwd_temp[m])``,
-``bwd_extra[a][m]`` and ``recompute[a][m]`` (``rerun[m]`` under ``checkpoint``). Every peak is bytes above what
-the units before retain, and includes ``head_retained`` (what the head leaves alive while the chain's backward
-runs).
+``bwd_extra[a][m]``, ``recompute[a][m]`` (``rerun[m]`` under ``checkpoint``) and ``overhead[a][m]`` (what the
+action adds to the step beyond its recomputation, see :mod:`remat.costs`; ``frame[m]`` under ``checkpoint``).
+Every peak is bytes above what the units before retain, and includes ``head_retained`` (what the head leaves
+alive while the chain's backward runs). A unit's time cost, the seconds it adds to a step that keeps
+everything, is ``recompute + overhead``. A group's blocks run their forward as checkpointed blocks do (storing
+nothing inside the group), so each adds its ``checkpoint`` overhead, once: a memory-poor group opens a frame
+per block, a segment one frame for all, but the profile measures a frame together with the forward it wraps
+and cannot tell the two apart.
 
 A single block under action ``a``::
 
     retained   = saved[a]
     peak       = max(saved[a] + fwd_temp, keep + temp + bwd_extra[a]) + head_retained
     recompute  = recompute[a]
+    overhead   = overhead[a]
     re-runs    = 0 for keep and offload, else 1
 
 A group of blocks ``s..e``, with ``inside[m] = output[m-1]`` for ``m > s`` and ``0`` for ``m = s`` (the
@@ -24,6 +30,7 @@ group's own input belongs to the unit before)::
     peak                  = max(forward peak, backward) + head_retained
     segment recompute     = rerun[s] + ... + rerun[e]
     memory_poor recompute = sum over m of (rerun[s] + ... + rerun[m])   (block m's backward re-runs s..m)
+    group overhead        = frame[s] + ... + frame[e]
     re-runs of block m    = 1 in a segment, e - m + 1 in a memory-poor group
 
 Sums of seconds run left to right in both forms (``itertools.accumulate`` and ``np.cumsum``, which numpy
@@ -50,6 +57,12 @@ class UnitTerms:
     peak: int
     recompute_s: float
     reexecutions: tuple[int, ...]  # block re-executions in backward, per block of the unit
+    overhead_s: float = 0.0
+
+    @property
+    def time_cost_s(self) -> float:
+        """Seconds the unit adds to a step that keeps everything: recomputation plus overhead."""
+        return self.recompute_s + self.overhead_s
 
 
 def temp_bytes(block: BlockCost) -> int:
@@ -83,7 +96,8 @@ def single_terms(block: BlockCost, action: str, head_retained: int) -> UnitTerms
     saved = block.saved(action)
     backward = block.saved(KEEP) + temp_bytes(block) + block.bwd_extra_bytes.get(action, 0)
     peak = max(saved + block.fwd_temp_bytes, backward) + head_retained
-    return UnitTerms(saved, peak, block.recompute_s[action], (reruns(action),))
+    recompute = block.recompute_s[action]
+    return UnitTerms(saved, peak, recompute, (reruns(action),), block.overhead_s.get(action, 0.0))
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,7 @@ class BlockNumbers:
     fwd_temp: int
     temp: int
     rerun: float
+    frame: float = 0.0  # the block's overhead under checkpoint
 
     @classmethod
     def of(cls, block: BlockCost) -> BlockNumbers:
@@ -111,6 +126,7 @@ class BlockNumbers:
             fwd_temp=block.fwd_temp_bytes,
             temp=temp_bytes(block),
             rerun=block.recompute_s[CHECKPOINT],
+            frame=block.overhead_s.get(CHECKPOINT, 0.0),
         )
 
 
@@ -128,8 +144,9 @@ def group_terms(blocks: Sequence[BlockNumbers], kind: str, head_retained: int) -
         backward_peak = max(b.keep + inside[m] + b.temp for m, b in enumerate(blocks))
         recompute = list(accumulate(reruns_to))[-1]
         reexecutions = tuple(len(blocks) - m for m in range(len(blocks)))
+    overhead = list(accumulate(b.frame for b in blocks))[-1]
     peak = max(forward_peak, backward_peak) + head_retained
-    return UnitTerms(blocks[-1].checkpointed, peak, recompute, reexecutions)
+    return UnitTerms(blocks[-1].checkpointed, peak, recompute, reexecutions, overhead)
 
 
 # ---------------------------------------------------------------- vectorised form: every unit of a chain
@@ -145,6 +162,8 @@ class SingleTable:
     peak: np.ndarray
     recompute_s: np.ndarray
     reexecutions: np.ndarray  # (actions,): re-runs per block, the same for every block
+    overhead_s: np.ndarray
+    time_cost_s: np.ndarray  # recompute_s + overhead_s
 
 
 def single_table(costs: CostTable, actions: Sequence[str]) -> SingleTable:
@@ -157,7 +176,9 @@ def single_table(costs: CostTable, actions: Sequence[str]) -> SingleTable:
     bwd_extra = np.array([[b.bwd_extra_bytes.get(a, 0) for b in blocks] for a in actions], dtype=i64).reshape(-1, n)
     peak = np.maximum(saved + fwd_temp, keep + temp + bwd_extra) + int(costs.head_retained_bytes)
     recompute = np.array([[b.recompute_s[a] for b in blocks] for a in actions], dtype=np.float64).reshape(-1, n)
-    return SingleTable(list(actions), keep, saved, peak, recompute, np.array([reruns(a) for a in actions], i64))
+    overhead = np.array([[b.overhead_s.get(a, 0.0) for b in blocks] for a in actions], dtype=np.float64).reshape(-1, n)
+    runs = np.array([reruns(a) for a in actions], i64)
+    return SingleTable(list(actions), keep, saved, peak, recompute, runs, overhead, recompute + overhead)
 
 
 @dataclass(frozen=True)
@@ -170,13 +191,15 @@ class ChainNumbers:
     fwd_temp: np.ndarray
     temp: np.ndarray
     rerun: np.ndarray
+    frame: np.ndarray
 
     @classmethod
     def of(cls, costs: CostTable) -> ChainNumbers:
         rows = [BlockNumbers.of(b) for b in costs.blocks]
         ints = {name: np.array([getattr(r, name) for r in rows], dtype=np.int64)
                 for name in ("keep", "checkpointed", "output", "fwd_temp", "temp")}  # fmt: skip
-        return cls(**ints, rerun=np.array([r.rerun for r in rows], dtype=np.float64))
+        floats = {name: np.array([getattr(r, name) for r in rows], dtype=np.float64) for name in ("rerun", "frame")}
+        return cls(**ints, **floats)
 
 
 @dataclass(frozen=True)
@@ -190,6 +213,8 @@ class GroupTable:
     peak: dict[str, np.ndarray]  # per group kind
     recompute_s: dict[str, np.ndarray]
     reexecutions: dict[str, np.ndarray]  # (longest,): re-runs summed over the group's blocks, per length
+    overhead_s: dict[str, np.ndarray]
+    time_cost_s: dict[str, np.ndarray]  # recompute_s + overhead_s
 
 
 def group_table(
@@ -208,18 +233,23 @@ def group_table(
     forward_peak = np.maximum.accumulate(inside + numbers.checkpointed[block] + numbers.fwd_temp[block], axis=1)
     reruns_to = np.cumsum(numbers.rerun[block], axis=1)
     length = np.arange(1, longest + 1, dtype=np.int64)
-    table = GroupTable(first, numbers.checkpointed[block], {}, {}, {})
+    table = GroupTable(first, numbers.checkpointed[block], {}, {}, {}, {}, {})
+    frames_to = np.cumsum(numbers.frame[block], axis=1)
     if SEGMENT in kinds:
         keeps_to = np.cumsum(numbers.keep[block], axis=1)
         backward = np.maximum.accumulate(keeps_to + numbers.temp[block], axis=1)
         table.peak[SEGMENT] = np.maximum(forward_peak, backward) + head_retained
         table.recompute_s[SEGMENT] = reruns_to
         table.reexecutions[SEGMENT] = length
+        table.overhead_s[SEGMENT] = frames_to
+        table.time_cost_s[SEGMENT] = reruns_to + table.overhead_s[SEGMENT]
     if MEMORY_POOR in kinds:
         backward = np.maximum.accumulate(numbers.keep[block] + inside + numbers.temp[block], axis=1)
         table.peak[MEMORY_POOR] = np.maximum(forward_peak, backward) + head_retained
         table.recompute_s[MEMORY_POOR] = np.cumsum(reruns_to, axis=1)
         table.reexecutions[MEMORY_POOR] = length * (length + 1) // 2
+        table.overhead_s[MEMORY_POOR] = frames_to
+        table.time_cost_s[MEMORY_POOR] = table.recompute_s[MEMORY_POOR] + table.overhead_s[MEMORY_POOR]
     return table
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..costs import KEEP, CostTable
-from ..simulator import Plan
+from ..simulator import Plan, simulate
 from .static_plans import budget_fraction, static_plan
 from .strategies import STATIC, StrategyError, StrategySpec
 
@@ -128,7 +128,7 @@ class PGACController(Controller):
             }
             for r in self.pgac.history
         ]
-        return {"plan": plan_record(self.pgac.plan), "fqns": list(self.pgac.fqns), "history": history}
+        return {"plan": plan_record(self.pgac.plan, self.costs), "fqns": list(self.pgac.fqns), "history": history}
 
     def remove(self) -> None:
         if self.pgac is not None:
@@ -207,12 +207,18 @@ class CompileController(Controller):
         return {"activation_memory_budget": self.fraction}
 
 
-def plan_record(plan: Plan) -> dict[str, Any]:
+def plan_record(plan: Plan, costs: CostTable | None = None) -> dict[str, Any]:
+    """What a run records of its plan; with ``costs`` the predicted step is filled in for plans made without
+    the simulator (PGAC's)."""
+    step = plan.predicted_step_s
+    if step is None and costs is not None and list(plan.actions) == costs.fqns:
+        step = simulate(costs, plan.actions).step_s
     return {
         "strategy": plan.strategy,
         "actions": dict(plan.actions),
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "predicted_recompute_s": plan.predicted_recompute_s,
+        "predicted_step_s": step,
         "budget_bytes": plan.budget_bytes,
         "fits": plan.fits,
         "options": {k: v for k, v in plan.options.items() if isinstance(v, int | float | str | bool | None)},

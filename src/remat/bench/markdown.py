@@ -115,6 +115,14 @@ def measurement_section(res: Results) -> list[str]:
     return lines
 
 
+def predicted_step_cell(row: dict[str, Any]) -> str:
+    """The simulator's forward + backward time and its ratio to the measured one, e.g. ``41.20 (1.03x)``."""
+    if row.get("predicted_step_ms") is None:
+        return "n/a"
+    ratio = row.get("predicted_step_ratio")
+    return cell(row["predicted_step_ms"], "ms") + (f" ({ratio:.2f}x)" if ratio is not None else "")
+
+
 def results_section(res: Results, rows: list[dict[str, Any]]) -> list[str]:
     """One row per strategy, and a note under the table for each strategy measured another way."""
     lines = ["## Results per strategy", ""]
@@ -122,10 +130,10 @@ def results_section(res: Results, rows: list[dict[str, Any]]) -> list[str]:
     metric = "val perplexity" if res.is_text else "val accuracy"
     lines.append(
         f"| strategy | plan fits (predicted peak) | measured peak | within budget | step ms (95% CI) "
-        f"| forward ms | backward ms | recompute ms | recompute / step | {unit}/s | final train loss "
-        f"| val loss | {metric} | energy kWh |"
+        f"| forward ms | backward ms | predicted forward + backward ms (/ measured) | recompute ms "
+        f"| recompute / step | {unit}/s | final train loss | val loss | {metric} | energy kWh |"
     )
-    lines.append("|" + "---|" * 14)
+    lines.append("|" + "---|" * 15)
     for r in rows:
         ci = (
             f" [{r['step_time_ms_ci_low']:.2f}, {r['step_time_ms_ci_high']:.2f}]"
@@ -147,6 +155,7 @@ def results_section(res: Results, rows: list[dict[str, Any]]) -> list[str]:
             cell(r["step_time_ms"], "ms") + ci,
             cell(r["forward_ms"], "ms"),
             cell(r["backward_ms"], "ms"),
+            predicted_step_cell(r),
             cell(r["recompute_ms"], "ms"),
             cell(r["recompute_overhead"], "pct"),
             cell(r["throughput"] and round(r["throughput"])),

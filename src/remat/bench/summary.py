@@ -28,6 +28,8 @@ CSV_FIELDS = [
     "timed_steps",
     "forward_ms",
     "backward_ms",
+    "predicted_step_ms",
+    "predicted_step_ratio",
     "recompute_ms",
     "optimizer_ms",
     "recompute_overhead",
@@ -65,6 +67,9 @@ def strategy_rows(res: Results) -> list[dict[str, Any]]:
         within = [r.get("within_budget") for r in runs if r.get("within_budget") is not None]
         energy = [r.get("energy_kwh") for r in runs if r.get("energy_kwh") is not None]
         predicted = [r["predicted_peak_bytes"] for r in runs if r.get("predicted_peak_bytes") is not None]
+        forward = mean_of(r.get("forward_s") for r in runs)
+        predicted_step = mean_of(r.get("predicted_step_s") for r in runs)
+        measured_step = None if forward is None or backward is None else forward + backward
         rows.append(
             {
                 "strategy": label,
@@ -81,8 +86,13 @@ def strategy_rows(res: Results) -> list[dict[str, Any]]:
                 "step_time_ms_ci_low": None if times.ci_low is None else times.ci_low * 1e3,
                 "step_time_ms_ci_high": None if times.ci_high is None else times.ci_high * 1e3,
                 "timed_steps": times.n,
-                "forward_ms": to_ms(mean_of(r.get("forward_s") for r in runs)),
+                "forward_ms": to_ms(forward),
                 "backward_ms": to_ms(backward),
+                # the simulator's step (forward and backward, no optimizer) against the measured one
+                "predicted_step_ms": to_ms(predicted_step),
+                "predicted_step_ratio": predicted_step / measured_step
+                if predicted_step is not None and measured_step
+                else None,
                 "backward_net_ms": to_ms(None if backward is None else backward - (recompute or 0.0)),
                 "recompute_ms": to_ms(recompute),
                 "optimizer_ms": to_ms(mean_of(r.get("optimizer_s") for r in runs)),

@@ -255,6 +255,7 @@ def summarize_run(
         "budget_fraction": job["budget_fraction"],
         "predicted_peak_bytes": plan.get("predicted_peak_bytes"),
         "predicted_recompute_s": plan.get("predicted_recompute_s"),
+        "predicted_step_s": plan.get("predicted_step_s"),
         "plan_fits": plan.get("fits"),
         "plan": plan.get("actions"),
         "plan_options": plan.get("options"),

@@ -24,7 +24,7 @@ class Units:
     end: np.ndarray  # last block
     retained: np.ndarray
     peak: np.ndarray
-    time: np.ndarray
+    time: np.ndarray  # time cost: recomputation plus overhead
     reexec: np.ndarray  # block re-executions in backward, summed over the unit's blocks
     code: np.ndarray  # a single action index, or len(singles) plus the group kind index
 
@@ -76,7 +76,7 @@ class ChainUnits:
                 for kind in self.group_kinds:
                     picks[kind] = (
                         table.retained[row, lengths], table.peak[kind][row, lengths],
-                        table.recompute_s[kind][row, lengths], table.reexecutions[kind][lengths],
+                        table.time_cost_s[kind][row, lengths], table.reexecutions[kind][lengths],
                     )  # fmt: skip
             starts = np.full(length - 1, start)
             self._starting[key] = self._collect(start, starts, starts + np.arange(1, length), picks)
@@ -103,7 +103,7 @@ class ChainUnits:
             table = self.groups(min(longest, self.n))
             cells = (starts - table.first, end - starts)
             for kind in self.group_kinds:
-                picks[kind] = (table.retained[cells], table.peak[kind][cells], table.recompute_s[kind][cells],
+                picks[kind] = (table.retained[cells], table.peak[kind][cells], table.time_cost_s[kind][cells],
                                table.reexecutions[kind][cells[1]])  # fmt: skip
         return self._collect(end, starts, np.full(len(starts), end), picks)
 
@@ -118,7 +118,7 @@ class ChainUnits:
         n_single = len(singles.actions)
         at = np.full(n_single, block, dtype=i64)
         codes = np.arange(n_single, dtype=i64)
-        column = (singles.retained, singles.peak, singles.recompute_s)
+        column = (singles.retained, singles.peak, singles.time_cost_s)
         parts = [(at, at, *(terms[:, block] for terms in column), singles.reexecutions, codes)]
         for k, kind in enumerate(self.group_kinds if picks else ()):
             parts.append((starts, ends, *picks[kind], np.full(len(starts), n_single + k, dtype=i64)))

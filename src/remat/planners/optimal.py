@@ -1,4 +1,7 @@
-"""The optimal planner: the plan of least predicted recompute time whose predicted peak fits a byte budget.
+"""The optimal planner: the plan of least predicted step time whose predicted peak fits a byte budget.
+
+A plan's predicted step is the step keeping everything plus the time cost of each unit, its recomputation
+plus its overhead (:mod:`remat.simulator`), so the least step is the least sum of time costs.
 
 It searches every plan the simulator in :mod:`remat.simulator` can express: per unit, a single-block action the
 cost table has costs for (``keep``, ``checkpoint``, ``selective:<policy>``, ``offload``), a ``segment``
@@ -7,10 +10,10 @@ group of two or more blocks, or a ``memory_poor`` group of two or more blocks.
 The simulator's structure makes this a prefix-constrained knapsack over a chain
 (:mod:`remat.planners.search`): ``stem + need[0]`` is the minimum peak of any plan (:func:`min_peak_bytes`),
 and the search runs left to right over positions, keeping at each position the Pareto front of partial plans
-by (prefix bytes, recompute seconds) (:mod:`remat.planners.pareto`). The units it chooses among and their
+by (prefix bytes, time-cost seconds) (:mod:`remat.planners.pareto`). The units it chooses among and their
 terms come from :mod:`remat.planners.chain_units`, which reads the vectorised form of :mod:`remat.unit_terms`.
 
-Ties in recompute time go to fewer block re-executions in backward, then to the lower peak.
+Ties in time cost go to fewer block re-executions in backward, then to the lower peak.
 
 Exactness and long chains: the search is exact under the simulator unless a front had to be thinned or
 group lengths were capped (``Plan.options["exact"]`` says which). Thinning rounds the memory axis: partial
@@ -64,7 +67,8 @@ def optimal(
     resolution: int | None = None,
     max_segment: int | None = None,
 ) -> Plan:
-    """The plan of least predicted recompute time whose predicted peak is at most ``budget`` bytes.
+    """The plan of least predicted step time (recomputation plus overheads) whose predicted peak is at most
+    ``budget`` bytes.
 
     ``actions`` restricts the choices: single-block actions from the cost table plus ``"segment"`` and
     ``"memory_poor"`` for groups (default: every action of the table and both group kinds). ``resolution``
@@ -111,9 +115,9 @@ def optimal(
 
 
 def _rank(costs: CostTable, plan: Plan) -> tuple[float, int, int]:
-    """The search's order: least recompute time, then fewest block re-executions, then the lowest peak."""
+    """The search's order: least time cost, then fewest block re-executions, then the lowest peak."""
     sim = simulate(costs, plan.actions)
-    return sim.recompute_s, sum(sim.reexecutions), sim.peak_bytes
+    return sim.time_cost_s, sum(sim.reexecutions), sim.peak_bytes
 
 
 def _search(

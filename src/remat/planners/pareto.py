@@ -1,5 +1,5 @@
 """Fronts of partial plans for the optimal planner's search: partial plans as columns, the exact Pareto front
-by (bytes, recompute time), and thinning a front by bucketing its bytes.
+by (bytes, time cost: recomputation plus overhead), and thinning a front by bucketing its bytes.
 
 A partial plan with more bytes and no less time (then no fewer re-executions, then no lower peak) can never
 lead to a better plan, so dropping it is exact. Thinning merges partial plans whose bytes share a bucket,
@@ -21,7 +21,7 @@ class Partials:
     the group kind index."""
 
     prefix: np.ndarray  # bytes retained by the units so far
-    time: np.ndarray  # recompute seconds so far
+    time: np.ndarray  # time-cost seconds so far
     reexec: np.ndarray  # block re-executions in backward so far
     peak: np.ndarray  # highest prefix + unit peak so far
     parent: np.ndarray

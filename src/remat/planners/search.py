@@ -3,9 +3,10 @@ the left-to-right search over positions that keeps the Pareto front of partial p
 
 With ``P`` the bytes the units before a unit retain, a plan fits when every unit satisfies
 ``P + peak(unit) <= room`` (the budget less the stem) and the chain end satisfies ``P_total + head <= room``;
-recompute time is a sum over units. So ``need[i]``, the least bytes above its prefix that any plan of blocks
-``i..`` needs, obeys ``need[i] = min over units u starting at i of max(peak(u), retained(u) + need[end(u) + 1])``
-with ``need[n] = head``, and a prefix ``P`` at block ``i`` can be completed exactly when ``P + need[i]`` fits:
+time cost (recomputation plus overhead) is a sum over units. So ``need[i]``, the least bytes above its
+prefix that any plan of blocks ``i..`` needs, obeys
+``need[i] = min over units u starting at i of max(peak(u), retained(u) + need[end(u) + 1])`` with
+``need[n] = head``, and a prefix ``P`` at block ``i`` can be completed exactly when ``P + need[i]`` fits:
 partial plans that cannot be completed are never created.
 """
 
@@ -41,7 +42,7 @@ def suffix_need(chain: ChainUnits, max_segment: int) -> np.ndarray:
 
 
 def memory_prices(chain: ChainUnits, room: int, need: np.ndarray, max_segment: int) -> list[float]:
-    """Seconds per byte at which memory trades against recompute time on this chain and budget.
+    """Seconds per byte at which memory trades against time cost on this chain and budget.
 
     Pricing memory at ``price`` turns the search into a shortest path: each unit costs
     ``time + price * retained``. The smallest price on a geometric grid whose cheapest plan fits the budget
@@ -50,10 +51,10 @@ def memory_prices(chain: ChainUnits, room: int, need: np.ndarray, max_segment: i
     """
     n = chain.n
     saving = chain.singles.keep[None, :] - chain.singles.retained
-    useful = (saving > 0) & (chain.singles.recompute_s > 0)
+    useful = (saving > 0) & (chain.singles.time_cost_s > 0)
     if not useful.any():
         return [0.0]
-    ratios = chain.singles.recompute_s[useful] / saving[useful]
+    ratios = chain.singles.time_cost_s[useful] / saving[useful]
     grid = np.concatenate(([0.0], np.geomspace(ratios.min() / 100, ratios.max() * 100, PRICE_GRID)))
     value = np.zeros((n + 1, len(grid)))
     plan_need = np.zeros((n + 1, len(grid)), dtype=np.int64)

@@ -1,0 +1,83 @@
+"""From timed runs of one block under each action to the time terms of its :class:`remat.costs.BlockCost`.
+
+The runs come from :func:`remat.block_timing.time_actions`: round ``r`` ran every action once, so each action's
+run ``r`` is paired with keep's run ``r``. Per round, an action's recomputation is:
+
+* ``checkpoint``: keep's forward (the block runs again as it ran the first time);
+* ``offload``: the whole difference from keep (the copies out in forward and back in backward);
+* a selective policy that offloads: its timed recomputation plus its forward's excess over keep's (the
+  copies to host the forward queued);
+* any other selective policy: its timed recomputation, at most keep's forward.
+
+and its overhead ``fwd_a + bwd_a - recompute_a - (fwd_keep + bwd_keep)`` (see :mod:`remat.costs`). Each term is
+the median over rounds. The overhead may be negative, down to ``-recompute_a``: a checkpointed forward saves
+nothing for backward and runs faster than a kept one, and the recomputation right before the block's backward
+finds its weights in cache. Flooring every block's overhead at 0 would add the positive half of each block's
+timing noise to every plan's prediction; flooring the time cost (``recompute + overhead``) at 0 keeps only
+what matters to a plan, that no action makes a step faster than keeping.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from . import policies as _policies
+from .block_timing import Timing
+from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
+
+
+@dataclass(frozen=True)
+class ActionTimes:
+    """The time terms of one block: keep's medians and, per action, the medians of the other terms."""
+
+    fwd_s: float
+    bwd_s: float
+    recompute_s: dict[str, float]
+    fwd_s_by_action: dict[str, float]
+    bwd_s_by_action: dict[str, float]
+    overhead_s: dict[str, float]
+
+
+def recompute_of(action: str, run: Timing, keep: Timing) -> float:
+    """The recomputation seconds of one run of ``action``, paired with keep's run of the same round."""
+    fwd, bwd, recompute = run
+    keep_fwd, keep_bwd, _ = keep
+    if action == KEEP:
+        return 0.0
+    if action == CHECKPOINT:
+        return keep_fwd
+    if action == OFFLOAD:
+        return max((fwd - keep_fwd) + (bwd - keep_bwd), 0.0)
+    if _policies.get(action[len(SELECTIVE_PREFIX) :]).offload is not None:
+        return recompute + max(fwd - keep_fwd, 0.0)
+    return min(recompute, keep_fwd)
+
+
+def action_times(runs: dict[str, Sequence[Timing]]) -> ActionTimes:
+    """The time terms from ``runs[action]``, one timing per round for every action (keep among them)."""
+    keep_runs = runs[KEEP]
+    recompute: dict[str, float] = {}
+    overhead: dict[str, float] = {}
+    for action, action_runs in runs.items():
+        if len(action_runs) != len(keep_runs):
+            raise ValueError(f"action {action!r} has {len(action_runs)} timed runs and keep {len(keep_runs)}")
+        paired = [recompute_of(action, run, keep) for run, keep in zip(action_runs, keep_runs, strict=True)]
+        excess = [
+            run[0] + run[1] - rec - (keep[0] + keep[1])
+            for run, keep, rec in zip(action_runs, keep_runs, paired, strict=True)
+        ]
+        recompute[action] = statistics.median(paired)
+        overhead[action] = 0.0 if action == KEEP else max(statistics.median(excess), -recompute[action])
+    return ActionTimes(
+        fwd_s=statistics.median(run[0] for run in keep_runs),
+        bwd_s=statistics.median(run[1] for run in keep_runs),
+        recompute_s=recompute,
+        fwd_s_by_action={a: statistics.median(run[0] for run in r) for a, r in runs.items()},
+        bwd_s_by_action={a: statistics.median(run[1] for run in r) for a, r in runs.items()},
+        overhead_s=overhead,
+    )
+
+
+__all__ = ["ActionTimes", "action_times", "recompute_of"]
