@@ -196,9 +196,9 @@ def test_lossy_actions_are_never_planned_unless_asked(gpt2) -> None:
         assert not any(a.startswith("compress:") for a in exact.actions.values())
         assert exact.options["lossy"] is False and exact.options["grad_error"] == 0.0
     lossy = remat.plan(costs, "optimal", 0.5, allow_lossy=True)
-    exact = remat.plan(costs, "optimal", 0.5)
-    assert any(a.startswith("compress:") for a in lossy.actions.values())
-    assert lossy.predicted_recompute_s < exact.predicted_recompute_s
+    # whether compressing beats recomputing depends on the measured times (on CPU they are close); that it is
+    # chosen where it wins is checked on hand-set tables below
+    assert lossy.predicted_peak_bytes <= lossy.budget_bytes
     assert lossy.options["grad_error"] == pytest.approx(
         sum(
             row.grad_error[a]

@@ -4,7 +4,8 @@ The runs come from :func:`remat.block_timing.time_actions`: round ``r`` ran ever
 run ``r`` is paired with keep's run ``r``. Per round, an action's recomputation is:
 
 * ``checkpoint``: keep's forward (the block runs again as it ran the first time);
-* ``offload``: the whole difference from keep (the copies out in forward and back in backward);
+* ``offload`` and ``compress:<format>``: the whole difference from keep (the copies or the compression in
+  forward, the copies back or the decompression in backward);
 * a selective policy that offloads: its timed recomputation plus its forward's excess over keep's (the
   copies to host the forward queued);
 * any other selective policy: its timed recomputation, at most keep's forward.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from . import policies as _policies
 from .block_timing import Timing
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
+from .lossy_actions import is_lossy
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ def recompute_of(action: str, run: Timing, keep: Timing) -> float:
         return 0.0
     if action == CHECKPOINT:
         return keep_fwd
-    if action == OFFLOAD:
+    if action == OFFLOAD or is_lossy(action):
         return max((fwd - keep_fwd) + (bwd - keep_bwd), 0.0)
     if _policies.get(action[len(SELECTIVE_PREFIX) :]).offload is not None:
         return recompute + max(fwd - keep_fwd, 0.0)
