@@ -118,6 +118,12 @@ def _print_costs(costs: Any) -> None:
         row += "".join(f"{format_bytes(b.saved_bytes[a]):>24}" for a in actions)
         print(row)
     print(f"stem {format_bytes(costs.stem_bytes)}, head {format_bytes(costs.head_bytes)}, source {costs.source}")
+    if costs.outside_s is not None:
+        kept = sum(b.fwd_s + b.bwd_s for b in costs.blocks)
+        print(
+            f"step keeping everything {(kept + costs.outside_s) * 1e3:.2f} ms: blocks {kept * 1e3:.2f} ms, "
+            f"outside them {costs.outside_s * 1e3:.2f} ms"
+        )
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
