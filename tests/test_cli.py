@@ -32,6 +32,10 @@ def test_plan_prints_a_table_and_fits_the_budget(tmp_path, capsys):
     assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
     printed = capsys.readouterr().out
     assert "blocks.0" in printed and "predicted peak" in printed
+    # the predicted step: the blocks kept, the rest of the step, and what the plan adds
+    step = plan["predicted_step_s"]
+    kept = sum(b["fwd_s"] + b["bwd_s"] for b in costs["blocks"]) + costs["outside_s"]
+    assert step >= kept and f"step {step * 1e3:.2f} ms" in printed
 
 
 def test_plan_on_the_meta_device_needs_no_memory(capsys):
@@ -65,6 +69,7 @@ def test_profile_and_advise_run_on_a_small_model(tmp_path, capsys):
     info = json.loads(out.read_text())["info"]
     printed = capsys.readouterr().out
     assert f"profiled in {info['profile_s']:.1f} s ({info['blocks_measured']} blocks measured" in printed
+    assert "step keeping everything" in printed
     assert main(["advise", "--model", "mlp", "--batch-size", "8", "--device-memory", "1GiB"]) == 0
     assert "checkpointing is not needed" in capsys.readouterr().out
 

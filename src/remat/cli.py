@@ -125,6 +125,12 @@ def _print_costs(costs: Any) -> None:
     print(f"stem {format_bytes(costs.stem_bytes)}, head {format_bytes(costs.head_bytes)}, source {costs.source}")
     if "profile_s" in costs.info:
         print(f"profiled in {profile_summary(costs)}")
+    if costs.outside_s is not None:
+        kept = sum(b.fwd_s + b.bwd_s for b in costs.blocks)
+        print(
+            f"step keeping everything {(kept + costs.outside_s) * 1e3:.2f} ms: blocks {kept * 1e3:.2f} ms, "
+            f"outside them {costs.outside_s * 1e3:.2f} ms"
+        )
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
