@@ -349,7 +349,8 @@ def profile(
         costs = profiler.cost_table()
         # The step outside the chain's blocks: plain steps (no plan applied) timed after the profiled one.
         rng = torch.random.fork_rng(devices=[] if costs.device == "cpu" else None, device_type=costs.device)
-        with suspend_all(), rng, casts_uncached(), parameters_detached(model):  # no parameter hook fires
+        # no parameter hook fires, buffers (BatchNorm statistics) are left as the profiled step left them
+        with suspend_all(), rng, casts_uncached(), parameters_detached(model), extra_run(model):
             step = step_seconds(model, batch, loss_fn, steps=3, autocast=spec)
     # Not floored at 0: blocks timed alone can run slower than inside a step (small blocks above all), and
     # a negative remainder keeps the predicted step of keeping everything equal to the measured one.
