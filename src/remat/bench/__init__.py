@@ -15,8 +15,9 @@ The modules, in the order a ``remat bench`` run uses them:
   ``models``;
 - training: ``runner`` (the orchestration and the entry points), ``train`` (one run), ``static_plans`` and
   ``controllers`` (each strategy in the loop), ``compile_child`` and ``procmem`` (``compile_budget`` in a child
-  process under the whole-process meter), ``ddp_sweep`` (the torchrun sync ablation), ``childproc``,
+  process under the whole-process meter), ``ddp_sweep`` (the torchrun sync ablation), ``pipeline_sweep`` and
+  ``pipeline_stages`` (the torchrun two-stage pipeline ablation of thresholds), ``childproc``,
   ``records`` (JSON-lines files), ``progress``, ``energy``;
 - report: ``report`` (``python -m remat.bench.report``), ``results``, ``summary``, ``stats``, ``claims``,
-  ``formatting``, ``figures``, ``plots``, ``markdown``.
+  ``formatting``, ``figures``, ``plots``, ``markdown``, ``distributed_sections``, ``pipeline_summary``.
 """

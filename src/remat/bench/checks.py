@@ -10,7 +10,7 @@ import torch
 
 from .budget import parse_budget
 from .config import MIN_LAYERS, BenchConfig, BenchError
-from .strategies import StrategyError, StrategySpec, check_available, make_spec
+from .strategies import DISTRIBUTED_SWEEPS, StrategyError, StrategySpec, check_available, make_spec
 
 
 def resolve_layers(config: BenchConfig) -> int | None:
@@ -66,8 +66,16 @@ def validate(config: BenchConfig) -> dict[str, Any]:
         raise BenchError(str(err)) from None
     if any(s.name == "compile_budget" for s in specs) and config.warmup < 1:
         raise BenchError("compile_budget compiles during its first step: use --warmup 1 or more")
-    if any(k == "sync" for k, _ in config.sweeps) and importlib_missing("torch.distributed.run"):
-        raise BenchError("the sync sweep needs torch.distributed (torchrun); this torch build has none")
+    for key in DISTRIBUTED_SWEEPS:
+        if any(k == key for k, _ in config.sweeps) and importlib_missing("torch.distributed.run"):
+            raise BenchError(f"the {key} sweep needs torch.distributed (torchrun); this torch build has none")
+    if any(k == "stage_sync" for k, _ in config.sweeps):
+        from .pipeline_stages import check_pipeline_model
+
+        try:
+            check_pipeline_model(config.model)
+        except ValueError as err:
+            raise BenchError(str(err)) from None
     try:
         return check_data_available(config.model, tokenizer=config.tokenizer, dataset=config.dataset)
     except DataUnavailableError as err:
@@ -86,11 +94,12 @@ def importlib_missing(module: str) -> bool:
 
 
 def all_specs(config: BenchConfig) -> list[StrategySpec]:
-    """The strategies to run: the listed ones, then the PGAC variants of the sweeps (sync excepted)."""
+    """The strategies to run: the listed ones, then the PGAC variants of the sweeps (the distributed sweeps,
+    which run under torchrun, excepted)."""
     specs = list(config.strategies)
     base = next((s for s in specs if s.name == "pgac"), make_spec("pgac"))
     for key, values in config.sweeps:
-        if key == "sync":
+        if key in DISTRIBUTED_SWEEPS:
             continue
         for value in values:
             variant = base.with_option(key, value)

@@ -98,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=V1,V2",
-        help="PGAC ablation: q=..., alpha=..., gamma=constant,linear,learned or sync=local,global (repeatable)",
+        help="PGAC ablation: q=..., alpha=..., gamma=constant,linear,learned, sync=local,global (two DDP ranks) "
+        "or stage_sync=local,global (a two-stage pipeline; gpt2 and mlp) (repeatable)",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON here")
     parser.add_argument("--batch-size", type=int, default=d.batch_size)

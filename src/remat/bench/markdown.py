@@ -1,7 +1,7 @@
 """``report.md``, one function per section: the header (machine, command, model, budget, baselines), how it was
 measured, the results per strategy, the paired step-time tests, the claims of the PGAC proposal, exactness,
-the PGAC ablations, the distributed sync sweep, the figures and the failed runs. Each section is a list of
-lines ending with a blank one; :func:`render_markdown` joins them."""
+the PGAC ablations, the torchrun sweeps (:mod:`~remat.bench.distributed_sections`), the figures and the failed
+runs. Each section is a list of lines ending with a blank one; :func:`render_markdown` joins them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from ..sizes import format_bytes
 from .claims import Claim, context_notes
+from .distributed_sections import distributed_section, pipeline_section
 from .formatting import cell, fmt_ms, fmt_p, fmt_pct, mean_of
 from .results import Results
 from .summary import sweep_tables
@@ -33,6 +34,7 @@ def render_markdown(
         *exactness_section(exact),
         *ablations_section(res),
         *distributed_section(res),
+        *pipeline_section(res),
         *figures_section(res, figures),
         *failed_runs_section(res),
     ]
@@ -276,33 +278,6 @@ def ablations_section(res: Results) -> list[str]:
                 ]
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
-    return lines
-
-
-def distributed_section(res: Results) -> list[str]:
-    """sync=local against sync=global under torchrun (none without --sweep sync=...)."""
-    lines: list[str] = []
-    summaries = [d for d in res.ddp if d.get("record") == "summary"]
-    if summaries:
-        lines += [
-            "## Distributed thresholds: sync=local against sync=global",
-            "",
-            "Two CPU ranks (torchrun, gloo, DistributedDataParallel), each on its own batches, PGAC planning "
-            "from seed 0's cost table at the same budget.",
-            "",
-            "| sync | status | step ms | recompute ms | masks equal across ranks | mean stored blocks | final loss |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for d in summaries:
-            if d.get("status") != "ok":
-                lines.append(f"| {d['sync']} | failed: {d.get('error', '')[:200]} | | | | | |")
-                continue
-            lines.append(
-                f"| {d['sync']} | ok | {fmt_ms(d['step_time_s'])} | {fmt_ms(d['recompute_time_s'])} | "
-                f"{cell(d['mask_agreement'], 'pct')} of steps | {cell(d['mean_stored_blocks'])} | "
-                f"{cell(d['final_loss'])} |"
-            )
-        lines.append("")
     return lines
 
 

@@ -1,5 +1,6 @@
 """The results folder of ``remat bench``: checked before anything changes in it, then created afresh or reopened
-by ``--resume``, which keeps the finished (strategy, seed) runs and drops everything of unfinished ones."""
+by ``--resume``, which keeps the finished (strategy, seed) runs and the finished modes of the pipeline sweep and
+drops everything of unfinished ones."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import shutil
 
 from .config import BenchConfig, BenchError
+from .pipeline_summary import keep_finished
 from .records import read_jsonl, rewrite_jsonl
 
 # Settings that must match for --resume to continue a results folder.
@@ -65,8 +67,12 @@ def prepare_out(config: BenchConfig, resuming: bool) -> set[tuple[str, int]]:
         rewrite_jsonl(out / "runs.jsonl", runs)
         rewrite_jsonl(out / "steps.jsonl", steps)
         (out / "ddp.jsonl").unlink(missing_ok=True)  # the distributed sweep is short: it runs again
+        pipeline = out / "pipeline.jsonl"
+        if pipeline.exists():  # finished threshold modes are kept, unfinished ones run again
+            rewrite_jsonl(pipeline, keep_finished(read_jsonl(pipeline)))
     else:
-        for name in ("steps.jsonl", "runs.jsonl", "ddp.jsonl", "summary.csv", "report.md", "summary.json"):
+        names = ("steps.jsonl", "runs.jsonl", "ddp.jsonl", "pipeline.jsonl", "summary.csv", "report.md", "summary.json")
+        for name in names:
             (out / name).unlink(missing_ok=True)
         for sub in ("runs", "costs", "plots"):
             shutil.rmtree(out / sub, ignore_errors=True)

@@ -1,7 +1,7 @@
 """From a results folder to ``summary.csv``, ``summary.json``, ``report.md`` and the plots.
 
 The report reads only the files the runner wrote (``config.json``, ``steps.jsonl``, ``runs.jsonl``,
-``costs/``, ``runs/``, ``ddp.jsonl``), so it can be rebuilt at any time with
+``costs/``, ``runs/``, ``ddp.jsonl``, ``pipeline.jsonl``), so it can be rebuilt at any time with
 ``python -m remat.bench.report RESULTS_DIR``. It holds:
 
 * one row per strategy: plan prediction and whether it fits, measured peak activation memory against the
@@ -12,7 +12,8 @@ The report reads only the files the runner wrote (``config.json``, ``steps.jsonl
 * the claims table (:mod:`remat.bench.claims`): each expected outcome of section 3.1 of the PGAC proposal
   with the measured value, the test and a verdict (confirmed / not confirmed / not measurable here);
 * the exactness table: the largest ``|loss - loss_none|`` of every strategy over the same seeds and steps;
-* the ablations (PGAC variants from ``--sweep``, the distributed ``sync`` sweep) and the figures.
+* the ablations (PGAC variants from ``--sweep``, the distributed ``sync`` sweep, the pipeline ``stage_sync``
+  sweep) and the figures.
 
 This module puts them together; :mod:`~remat.bench.results` reads the folder, :mod:`~remat.bench.summary`
 computes the tables, :mod:`~remat.bench.figures` draws the figures and :mod:`~remat.bench.markdown` writes
@@ -30,6 +31,7 @@ from typing import Any
 from .claims import evaluate_claims
 from .figures import make_plots
 from .markdown import render_markdown
+from .pipeline_summary import compare_modes, mode_rows
 from .results import Results
 from .summary import comparisons, loss_differences, strategy_rows, sweep_tables, write_csv
 
@@ -55,6 +57,7 @@ def build_report(out: Path | str) -> dict[str, Any]:
         "exactness": exact,
         "sweeps": [{"key": k, "rows": v} for k, v in sweep_tables(res)],
         "ddp": [d for d in res.ddp if d.get("record") == "summary"],
+        "pipeline": {"rows": mode_rows(res.pipeline), "comparison": compare_modes(res.pipeline)},
         "figures": [p for p, _ in figures],
         "failed_runs": [r for r in res.runs_all if r.get("status") != "ok"],
     }

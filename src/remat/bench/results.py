@@ -1,6 +1,7 @@
 """A results folder as the report reads it: the runner's files (``config.json``, ``runs.jsonl``,
-``steps.jsonl``, ``ddp.jsonl``) loaded once, with the choices every table makes about them (the finished runs,
-the timed steps, the order of the strategies, which label is the static, DTR and PGAC baseline)."""
+``steps.jsonl``, ``ddp.jsonl``, ``pipeline.jsonl``) loaded once, with the choices every table makes about them
+(the finished runs, the timed steps, the order of the strategies, which label is the static, DTR and PGAC
+baseline)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class Results:
         self.env = self.config["environment"]
         self.command = self.config["commands"][-1] if self.config.get("commands") else ""
         self.ddp = read_jsonl(out / "ddp.jsonl")
+        self.pipeline = read_jsonl(out / "pipeline.jsonl")
 
     def first(self, name: str) -> str | None:
         """The first strategy label of ``name`` (unswept options first)."""

@@ -10,7 +10,8 @@ The loop, in order:
 3. per seed, per strategy: build the model from the seed, train ``--steps`` steps with AdamW on the same
    batches and dropout stream, one JSON line per step to ``steps.jsonl`` (flushed as it goes), evaluate on a
    fixed validation set, and append one line to ``runs.jsonl``;
-4. run the distributed ``sync`` ablation if asked (``torchrun`` subprocess, :mod:`remat.bench.ddp_sweep`);
+4. run the distributed ``sync`` ablation and the pipeline ``stage_sync`` ablation if asked (``torchrun``
+   subprocesses, :mod:`remat.bench.ddp_sweep`, :mod:`remat.bench.pipeline_sweep`);
 5. write ``summary.csv``, ``report.md`` and the plots (:mod:`remat.bench.report`).
 
 Memory is measured with the live-tensor tracker (``remat.measure``) on dedicated steps only -- the first step
@@ -18,7 +19,8 @@ after warm-up and the last step (plus every ``--measure-every`` steps) -- becaus
 those steps are left out of every timing figure. ``compile_budget`` runs in a child process and is measured
 by the whole-process high-water mark (:mod:`remat.bench.procmem`, :mod:`remat.bench.compile_child`).
 
-``--resume`` keeps finished (strategy, seed) runs, drops the steps of unfinished ones and runs them again.
+``--resume`` keeps finished (strategy, seed) runs, drops the steps of unfinished ones and runs them again (the
+same for the modes of the pipeline sweep; the DDP sweep runs again whole).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .controllers import make_controller
 from .ddp_sweep import run_sync_sweep
 from .machine import default_threads, environment, loadavg
 from .output_folder import check_out, prepare_out
+from .pipeline_sweep import run_stage_sync_sweep
 from .progress import ProgressLog
 from .records import JsonlWriter, json_default, read_jsonl, safe_name
 from .report import build_report
@@ -196,6 +199,10 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     if sync_sweep:
         log.note("sync ablation: torchrun --nproc_per_node 2 (gloo) ...")
         run_sync_sweep(config, layers, budget, sync_sweep[0], out / "ddp.jsonl", out / "costs" / "seed0.json")
+    stage_sweep = [values for key, values in config.sweeps if key == "stage_sync"]
+    if stage_sweep:
+        log.note("pipeline threshold ablation: torchrun --nproc_per_node 2 (gloo), two stages, 1F1B ...")
+        run_stage_sync_sweep(config, layers, budget, stage_sweep[0], out / "pipeline.jsonl", out / "costs")
 
     record["load_average"]["end"] = loadavg()
     (out / "config.json").write_text(json.dumps(record, indent=2, default=json_default))

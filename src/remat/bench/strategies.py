@@ -37,7 +37,10 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "compile_budget": ("fraction",),
 }
 DEFAULT_STRATEGIES = "none,full,every_k,sqrt,random,optimal,pgac,dtr"
-SWEEPABLE = ("q", "alpha", "gamma", "sync")
+SWEEPABLE = ("q", "alpha", "gamma", "sync", "stage_sync")
+# Sweeps run under torchrun by their own modules, not as PGAC variants of the main loop: sync (DDP,
+# remat.bench.ddp_sweep) and stage_sync (a two-stage pipeline, remat.bench.pipeline_sweep).
+DISTRIBUTED_SWEEPS = ("sync", "stage_sync")
 
 
 class StrategyError(ValueError):
@@ -142,10 +145,10 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
     parsed = [parse_value(v) for v in values.split(",") if v.strip()]
     if len(parsed) < 2:
         raise StrategyError(f"sweep {text!r} needs at least two values to compare")
-    if key == "sync":
+    if key in DISTRIBUTED_SWEEPS:
         bad = [v for v in parsed if v not in ("local", "global")]
         if bad:
-            raise StrategyError(f"sync takes 'local' or 'global', got {bad}")
+            raise StrategyError(f"{key} takes 'local' or 'global', got {bad}")
     return key, parsed
 
 

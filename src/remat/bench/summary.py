@@ -11,6 +11,7 @@ from typing import Any
 from . import stats
 from .formatting import mean_of, to_ms
 from .results import Results
+from .strategies import DISTRIBUTED_SWEEPS
 
 CSV_FIELDS = [
     "strategy",
@@ -175,7 +176,7 @@ def sweep_tables(res: Results) -> list[tuple[str, list[dict[str, Any]]]]:
     """For each swept PGAC option, one row per value."""
     tables = []
     for key, values in res.settings.get("sweeps", []):
-        if key == "sync":
+        if key in DISTRIBUTED_SWEEPS:
             continue
         rows = []
         for value in values:
