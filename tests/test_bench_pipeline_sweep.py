@@ -137,8 +137,9 @@ def test_report_rows_and_comparison_of_the_two_modes() -> None:
     assert cmp["steps_tau_differs"] == 3 and cmp["first_step_tau_differs"] == 0
     text = "\n".join(pipeline_section(SimpleNamespace(pipeline=records)))
     assert "stage_sync=local against stage_sync=global" in text
-    assert "| global | 1 | 2 | 1 | 1000 B | 1.07 KiB | no |" in text
+    assert "| global | 1 | 2 | 1 | 1000 B | 1.07 KiB | no | 700 B |" in text
     assert "same mask on 67% of (step, stage) pairs (stage 0 33%, stage 1 100%)" in text
+    assert "differed on some stage after 3 of them; largest loss difference 0.5, step 0 loss 5 (local)" in text
     assert pipeline_section(SimpleNamespace(pipeline=[])) == []
 
 

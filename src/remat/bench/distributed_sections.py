@@ -53,13 +53,13 @@ def pipeline_section(res: Results) -> list[str]:
         "(one all-reduce per step). Peaks measured by the live-tensor tracker on every step (step times "
         "include it).",
         "",
-        "| thresholds | stage | blocks | in flight | budget | largest measured peak | within | blocks "
-        "recomputed | recompute ms | mask changes | final tau | step ms | final loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| thresholds | stage | blocks | in flight | budget | largest measured peak | within | last step's peak "
+        "| blocks recomputed | recompute ms | mask changes | final tau | step ms | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['stage_sync']} | failed: {str(r.get('error', ''))[:200]} |" + " |" * 11)
+            lines.append(f"| {r['stage_sync']} | failed: {str(r.get('error', ''))[:200]} |" + " |" * 12)
             continue
         cells = [
             r["stage_sync"],
@@ -69,6 +69,7 @@ def pipeline_section(res: Results) -> list[str]:
             format_bytes(r["budget_bytes"]),
             format_bytes(r["max_peak_bytes"]),
             cell(r["within_budget"], "bool"),
+            format_bytes(r["last_peak_bytes"]),
             cell(r["recompute_fraction"], "pct"),
             f"{r['recompute_ms']:.2f}",
             f"{r['mask_changes']} of {r['steps'] - 1}",
@@ -81,13 +82,11 @@ def pipeline_section(res: Results) -> list[str]:
     cmp = compare_modes(res.pipeline)
     if cmp is not None:
         per_stage = ", ".join(f"stage {p} {a:.0%}" for p, a in enumerate(cmp["mask_agreement_per_stage"]))
-        first = cmp["first_step_tau_differs"]
         lines += [
             f"Over the {cmp['steps']} steps both ran: the two modes ran the same mask on "
-            f"{cmp['mask_agreement']:.0%} of (step, stage) pairs ({per_stage}); thresholds differed after "
-            f"{cmp['steps_tau_differs']} steps"
-            + (f" (first after step {first})" if first is not None else "")
-            + f"; largest loss difference {cell(cmp['max_loss_diff'])}"
+            f"{cmp['mask_agreement']:.0%} of (step, stage) pairs ({per_stage}); the thresholds PGAC set after a "
+            f"step differed on some stage after {cmp['steps_tau_differs']} of them; largest loss difference "
+            f"{cell(cmp['max_loss_diff'])}"
             + (
                 f", step 0 loss {cmp['loss_step0'][0]:.6g} (local) and {cmp['loss_step0'][1]:.6g} (global)."
                 if cmp["loss_step0"] and None not in cmp["loss_step0"]

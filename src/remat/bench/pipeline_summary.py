@@ -35,8 +35,8 @@ def mask_changes(steps: list[dict[str, Any]], stage: int) -> int:
 
 
 def mode_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (mode, stage): budget, largest measured peak, blocks recomputed, recompute time, mask
-    changes, final threshold; with the mode's step time (after warm-up) and final loss."""
+    """One row per (mode, stage): budget, largest and last measured peak, blocks recomputed, recompute time,
+    mask changes, final threshold; with the mode's step time (after warm-up) and final loss."""
     rows = []
     summaries = [r for r in records if r.get("record") == "summary"]
     for summary in summaries:
@@ -60,6 +60,7 @@ def mode_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "budget_bytes": budget,
                     "max_peak_bytes": peak,
                     "within_budget": peak <= budget,
+                    "last_peak_bytes": per[-1]["peak_bytes"],
                     "recompute_fraction": _mean([r["recompute_fraction"] for r in per]),
                     "recompute_ms": 1e3 * (_mean([s["stages"][p]["recompute_time_s"] for s in timed]) or 0.0),
                     "mask_changes": mask_changes(steps, p),
