@@ -27,6 +27,14 @@ runs (the logits of an output the training loop still holds, a tied weight's gra
 ``held_args_bytes`` are the blocks' other tensor arguments (an attention mask, position embeddings) that a
 step keeping everything frees before the chain's backward, but that a plan recomputing any block keeps for
 that recomputation.
+
+Several chains (an encoder and a decoder, two towers) share one table: ``blocks`` holds every chain's rows, chain
+after chain in the order the step runs them forward, and ``chain_lengths`` says how many rows each chain has
+(empty for a table of one chain). The step runs the chains' backwards in the reverse order, the last chain's
+first. ``between_bytes[k]`` are the bytes that become alive between the end of chain ``k``'s forward and the
+start of chain ``k + 1``'s (an encoder's output after its final norm, a decoder's embeddings, gradients that
+accumulate across the next chain's backward): they stay alive through the forward and backward of every later
+chain. ``stem_bytes`` is what is alive before the first chain, the head terms are about what follows the last.
 """
 
 from __future__ import annotations
@@ -83,6 +91,39 @@ class CostTable:
     device: str = "cpu"
     source: str = "measured"
     info: dict[str, Any] = field(default_factory=dict)
+    chain_lengths: list[int] = field(default_factory=list)
+    between_bytes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.chain_lengths:
+            if self.between_bytes:
+                raise ValueError("between_bytes needs chain_lengths: give the number of blocks of each chain")
+            return
+        if sum(self.chain_lengths) != len(self.blocks) or min(self.chain_lengths) < 1:
+            raise ValueError(
+                f"chain_lengths {self.chain_lengths} must be positive and sum to the {len(self.blocks)} blocks "
+                "of the table"
+            )
+        if len(self.between_bytes) != len(self.chain_lengths) - 1:
+            raise ValueError(
+                f"between_bytes has {len(self.between_bytes)} entries for {len(self.chain_lengths)} chains; give "
+                "one per pair of consecutive chains"
+            )
+
+    @property
+    def chains(self) -> list[range]:
+        """The row indices of each chain, in the order the step runs them forward (one range for one chain)."""
+        lengths = self.chain_lengths or [len(self.blocks)]
+        starts = [sum(lengths[:k]) for k in range(len(lengths))]
+        return [range(start, start + length) for start, length in zip(starts, lengths, strict=True)]
+
+    def between_after(self) -> dict[int, int]:
+        """Row index of each chain's last block (but the last chain's) -> the bytes that become alive after it."""
+        return {chain[-1]: gap for chain, gap in zip(self.chains, self.between_bytes, strict=False)}
+
+    def chain_index(self) -> list[int]:
+        """The chain each row belongs to."""
+        return [k for k, chain in enumerate(self.chains) for _ in chain]
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -121,6 +162,8 @@ class CostTable:
             device=data.get("device", "cpu"),
             source=data.get("source", "measured"),
             info=data.get("info", {}),
+            chain_lengths=list(data.get("chain_lengths", [])),
+            between_bytes=list(data.get("between_bytes", [])),
         )
 
     def to_json(self) -> str:

@@ -16,6 +16,11 @@ is what the units before it retain. The head (loss) runs with everything retaine
 When any unit is not ``keep``, the blocks' other arguments the runtime holds for recomputation
 (``held_args_bytes``) are counted in every unit's peak and in the head's too (they may be freed before the
 earliest units' backward, and they were alive in the head's forward anyway: the safe side).
+
+A table of several chains (:attr:`remat.costs.CostTable.chain_lengths`) is one ledger: the chains' units in
+the order the step runs them, with each chain's ``between_bytes`` added to the prefix after its last unit (alive
+through every later chain's forward and backward, freed before the earlier chain's backward). A group may not
+span two chains: each chain's blocks are called from their own stack.
 """
 
 from __future__ import annotations
@@ -67,15 +72,30 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
     unit_peaks = []
     units = units_from_actions(actions)
     held = costs.held_args_bytes if any(not (u.kind == SINGLE and u.action == KEEP) for u in units) else 0
+    between = costs.between_after()
+    if between:
+        check_within_chains(costs, units)
     for unit in units:
         terms = unit_terms(costs, unit)
         peak = max(peak, prefix + terms.peak + held)
         unit_peaks.append(terms.peak + held)
-        prefix += terms.retained
+        prefix += terms.retained + between.get(unit.end, 0)
         recompute += terms.recompute_s
         reexec.extend(terms.reexecutions)
     peak = max(peak, prefix + costs.head_bytes + held) + costs.stem_bytes
     return Simulation(int(peak), recompute, int(prefix), tuple(reexec), tuple(unit_peaks))
+
+
+def check_within_chains(costs: CostTable, units: Sequence[Unit]) -> None:
+    """Raise ValueError when a group of ``units`` spans two chains of ``costs``."""
+    chain_of = costs.chain_index()
+    for unit in units:
+        if chain_of[unit.start] != chain_of[unit.end]:
+            first, last = costs.blocks[unit.start].fqn, costs.blocks[unit.end].fqn
+            raise ValueError(
+                f"a group runs from {first!r} to {last!r}, across two chains; a segment or memory-poor group "
+                "must lie within one chain: give the blocks of each chain their own group ids"
+            )
 
 
 def no_checkpoint_peak(costs: CostTable) -> int:
@@ -121,6 +141,8 @@ class Plan:
     ) -> Plan:
         if not isinstance(actions, dict):
             actions = dict(zip(costs.fqns, actions, strict=True))
+        if costs.chain_lengths:
+            options.setdefault("chains", list(costs.chain_lengths))
         sim = simulate(costs, actions)
         return cls(dict(actions), strategy, budget_bytes, sim.peak_bytes, sim.recompute_s, dict(options))
 
