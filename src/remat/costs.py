@@ -34,7 +34,10 @@ after chain in the order the step runs them forward, and ``chain_lengths`` says 
 first. ``between_bytes[k]`` are the bytes that become alive between the end of chain ``k``'s forward and the
 start of chain ``k + 1``'s (an encoder's output after its final norm, a decoder's embeddings, gradients that
 accumulate across the next chain's backward): they stay alive through the forward and backward of every later
-chain. ``stem_bytes`` is what is alive before the first chain, the head terms are about what follows the last.
+chain. ``arg_grad_bytes[k]`` are chain ``k``'s block arguments that need a gradient (the encoder's output a
+decoder attends to, a position bias the first block computes): their gradients add up while the chain runs
+backward, so they count in the peak of each of its units. ``stem_bytes`` is what is alive before the first chain,
+the head terms are about what follows the last.
 """
 
 from __future__ import annotations
@@ -93,12 +96,20 @@ class CostTable:
     info: dict[str, Any] = field(default_factory=dict)
     chain_lengths: list[int] = field(default_factory=list)
     between_bytes: list[int] = field(default_factory=list)
+    arg_grad_bytes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.chain_lengths:
-            if self.between_bytes:
-                raise ValueError("between_bytes needs chain_lengths: give the number of blocks of each chain")
+            if self.between_bytes or self.arg_grad_bytes:
+                raise ValueError(
+                    "between_bytes and arg_grad_bytes need chain_lengths: give the number of blocks of each chain"
+                )
             return
+        if self.arg_grad_bytes and len(self.arg_grad_bytes) != len(self.chain_lengths):
+            raise ValueError(
+                f"arg_grad_bytes has {len(self.arg_grad_bytes)} entries for {len(self.chain_lengths)} chains; give "
+                "one per chain (or none)"
+            )
         if sum(self.chain_lengths) != len(self.blocks) or min(self.chain_lengths) < 1:
             raise ValueError(
                 f"chain_lengths {self.chain_lengths} must be positive and sum to the {len(self.blocks)} blocks "
@@ -124,6 +135,11 @@ class CostTable:
     def chain_index(self) -> list[int]:
         """The chain each row belongs to."""
         return [k for k, chain in enumerate(self.chains) for _ in chain]
+
+    def arg_grads_per_row(self) -> list[int]:
+        """``arg_grad_bytes`` of each row's chain (0 for every row when there are none)."""
+        grads = self.arg_grad_bytes or [0] * len(self.chains)
+        return [grads[k] for k in self.chain_index()]
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -164,6 +180,7 @@ class CostTable:
             info=data.get("info", {}),
             chain_lengths=list(data.get("chain_lengths", [])),
             between_bytes=list(data.get("between_bytes", [])),
+            arg_grad_bytes=list(data.get("arg_grad_bytes", [])),
         )
 
     def to_json(self) -> str:

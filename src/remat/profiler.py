@@ -11,6 +11,9 @@ Under an offload policy (``selective:offload_dots``...) the host copies are not 
 the tracker does not count them; on CPU they are, and it does (see :mod:`remat.host_copies`). Such an
 action's recompute seconds are the recomputation plus the forward's extra time (the copies it queues).
 
+Several chains (``blocks=remat.find_chains(model)``) are profiled in the same step: the table holds their rows
+in the order the step runs them, with ``chain_lengths`` and the bytes between them (``between_bytes``).
+
 It serves both :func:`profile` (one step on a sample batch) and in-training profiling: the dynamic controllers
 wrap the first real training step in a ``BlockProfiler``.
 """
@@ -28,7 +31,15 @@ from . import policies as _policies
 from .block_bytes import ByteTerms, run_tracked, tensor_bytes
 from .block_run import GradsRestored, edge_backward_supported
 from .block_timing import time_action
-from .blocks import BlocksArg, main_input, main_input_slot, replace_slot, resolve_blocks, slot_value, without_caches
+from .blocks import (
+    BlocksArg,
+    main_input,
+    main_input_slot,
+    replace_slot,
+    resolve_chains,
+    slot_value,
+    without_caches,
+)
 from .chain_bounds import ChainBounds
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
 from .hf_guards import profiled_step
@@ -128,7 +139,8 @@ class BlockProfiler:
         repeats: int = 3,
     ) -> None:
         self.model = model
-        self.chain = resolve_blocks(model, blocks)
+        self.chains = resolve_chains(model, blocks)
+        self.chain = [pair for chain in self.chains for pair in chain]
         self.policies = tuple(policies)
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
@@ -140,12 +152,14 @@ class BlockProfiler:
         self._device: torch.device | None = None
 
     def __enter__(self) -> BlockProfiler:
-        for i, (fqn, module) in enumerate(self.chain):
-            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(i, fqn), with_kwargs=True))
-        last = len(self.chain) - 1
-        self._hooks.append(self.chain[last][1].register_forward_hook(self._chain_end_hook))
+        i = 0
+        for k, chain in enumerate(self.chains):
+            for fqn, module in chain:
+                self._hooks.append(module.register_forward_pre_hook(self._pre_hook(i, fqn, k), with_kwargs=True))
+                i += 1
+            self._hooks.append(chain[-1][1].register_forward_hook(self._chain_end_hook(k)))
         self._tracker = LiveTensorTracker()
-        self._bounds = ChainBounds(self._tracker)
+        self._bounds = ChainBounds(self._tracker, len(self.chains))
         self._tracker.__enter__()
         return self
 
@@ -157,14 +171,14 @@ class BlockProfiler:
             self._tracker.exit_anywhere()  # the step may be found to have ended inside a later measure()
             self._tracker.close()
 
-    def _pre_hook(self, i: int, fqn: str) -> Callable[..., None]:
+    def _pre_hook(self, i: int, fqn: str, k: int = 0) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._busy or i in self.rows or not torch.is_grad_enabled():
                 return
             main = main_input(args, kwargs)
             self._device = main.device
             if self._bounds is not None:
-                self._bounds.block_called(args, kwargs)
+                self._bounds.block_called(args, kwargs, k)
             actions = self.actions or default_actions(main.device, self.policies)
             self._busy = True
             try:
@@ -177,9 +191,12 @@ class BlockProfiler:
 
         return hook
 
-    def _chain_end_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._bounds is not None and not self._busy:
-            self._bounds.chain_output(output)
+    def _chain_end_hook(self, k: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._bounds is not None and not self._busy:
+                self._bounds.chain_output(output, k)
+
+        return hook
 
     def cost_table(self) -> CostTable:
         """The measured table; raises if the step did not run every block with grad enabled."""
@@ -190,14 +207,32 @@ class BlockProfiler:
                 "profile a full forward and backward of the model"
             )
         bounds = self._bounds.figures() if self._bounds is not None else {}
+        rows = [self.rows[i] for i in range(len(self.chain))]
+        if len(self.chains) > 1:
+            rows, bounds["chain_lengths"] = self._rows_in_call_order(rows)
         device = self._device or torch.device("cpu")
         return CostTable(
-            blocks=[self.rows[i] for i in range(len(self.chain))],
+            blocks=rows,
             **bounds,
             device=device.type,
             source="measured",
             info={"torch": torch.__version__, "device_name": _device_name(device)},
         )
+
+    def _rows_in_call_order(self, rows: list[BlockCost]) -> tuple[list[BlockCost], list[int]]:
+        """The rows chain by chain in the order the step ran the chains, and the chains' lengths."""
+        assert self._bounds is not None
+        if self._bounds.interleaved():
+            raise RuntimeError(
+                f"the chains {[c[0][0].rsplit('.', 1)[0] for c in self.chains]} ran interleaved (one started before "
+                "the one before it ended): they cannot be planned as a sequence. Profile and apply one chain at a "
+                "time (blocks=chain)"
+            )
+        starts = [sum(len(c) for c in self.chains[:k]) for k in range(len(self.chains))]
+        ordered: list[BlockCost] = []
+        for k in self._bounds.order:
+            ordered += rows[starts[k] : starts[k] + len(self.chains[k])]
+        return ordered, [len(self.chains[k]) for k in self._bounds.order]
 
 
 def _device_name(device: torch.device) -> str:

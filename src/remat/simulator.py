@@ -19,7 +19,8 @@ earliest units' backward, and they were alive in the head's forward anyway: the 
 
 A table of several chains (:attr:`remat.costs.CostTable.chain_lengths`) is one ledger: the chains' units in
 the order the step runs them, with each chain's ``between_bytes`` added to the prefix after its last unit (alive
-through every later chain's forward and backward, freed before the earlier chain's backward). A group may not
+through every later chain's forward and backward, freed before the earlier chain's backward), and each chain's
+``arg_grad_bytes`` added to the peak of its units. A group may not
 span two chains: each chain's blocks are called from their own stack.
 """
 
@@ -75,10 +76,12 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
     between = costs.between_after()
     if between:
         check_within_chains(costs, units)
+    arg_grads = costs.arg_grads_per_row()
     for unit in units:
         terms = unit_terms(costs, unit)
-        peak = max(peak, prefix + terms.peak + held)
-        unit_peaks.append(terms.peak + held)
+        unit_peak = terms.peak + held + arg_grads[unit.start]
+        peak = max(peak, prefix + unit_peak)
+        unit_peaks.append(unit_peak)
         prefix += terms.retained + between.get(unit.end, 0)
         recompute += terms.recompute_s
         reexec.extend(terms.reexecutions)

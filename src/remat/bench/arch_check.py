@@ -112,12 +112,17 @@ def _loss(arch: Architecture, output: Any) -> torch.Tensor:
     return output.loss
 
 
-def _run_step(arch: Architecture, model: nn.Module, batch: dict[str, Any]) -> StepRecord:
+def _step(arch: Architecture, model: nn.Module, batch: dict[str, Any]) -> Any:
+    """One training step (seeded, gradients from zero); returns the model's output."""
     torch.manual_seed(SEED)
     model.zero_grad(set_to_none=True)
     output = model(**batch)
     _loss(arch, output).backward()
-    return record_step(model, output)
+    return output
+
+
+def _run_step(arch: Architecture, model: nn.Module, batch: dict[str, Any]) -> StepRecord:
+    return record_step(model, _step(arch, model, batch))
 
 
 def plain_step(arch: Architecture, model: nn.Module, batch: dict[str, Any]) -> StepRecord:
@@ -242,8 +247,9 @@ def _check(arch: Architecture, budget: float, integration: bool, result: ArchRes
         result.predicted_bytes = plan.predicted_peak_bytes
         handle = remat.apply(model, plan, blocks=chain)
         try:
-            with remat.measure() as measured:
-                got = _run_step(arch, model, batch)
+            with remat.measure() as measured:  # the step only: the copies record_step makes are no activations
+                output = _step(arch, model, batch)
+            got = record_step(model, output)
         finally:
             handle.remove()
         result.peak_bytes = measured.activation_bytes
