@@ -122,13 +122,6 @@ def resolve_chains(model: nn.Module, blocks: Any) -> list[list[tuple[str, nn.Mod
     return chains
 
 
-def in_plan_order(chains: list[list[tuple[str, nn.Module]]], fqns: Sequence[str]) -> list[list[tuple[str, nn.Module]]]:
-    """``chains`` ordered as a plan or cost table lists their blocks (``fqns``): a table of several chains holds
-    them in the order the step runs them, which may differ from module order."""
-    position = {fqn: i for i, fqn in enumerate(fqns)}
-    return sorted(chains, key=lambda chain: position.get(chain[0][0], len(position)))
-
-
 def resolve_blocks(model: nn.Module, blocks: BlocksArg) -> list[tuple[str, nn.Module]]:
     """The chain a ``blocks=`` argument names: ``None`` for the model's one chain (:func:`~remat.chain.only_chain`
     refuses a model with several and says how to choose), a list of FQNs, or ``(fqn, module)`` pairs taken as given.

@@ -98,10 +98,18 @@ class ChainBounds:
                 return True
         return False
 
+    def _backward_start_excess(self, chain: int, head_retained: int) -> int:
+        """What is alive when ``chain``'s backward starts beyond what was alive when its forward ended, less the
+        head's retained bytes (0 for the last chain, whose difference is the head's retained bytes)."""
+        tracker = self.tracker
+        if chain == self.order[-1] or not (tracker.has_mark(f"end{chain}") and tracker.has_mark(f"grad{chain}")):
+            return 0
+        return max(0, tracker.bytes_at(f"grad{chain}") - tracker.bytes_at(f"end{chain}") - head_retained)
+
     def figures(self) -> dict[str, Any]:
         """``stem_bytes``, ``head_bytes``, ``head_retained_bytes`` and ``held_args_bytes`` of the step (0 where
-        the step did not reach a mark), and with several chains ``between_bytes`` in call order; read after the
-        tracker is closed."""
+        the step did not reach a mark), and with several chains ``between_bytes`` and ``backward_bytes`` in call
+        order; read after the tracker is closed."""
         tracker = self.tracker
         stem = tracker.bytes_at("stem") if tracker.has_mark("stem") else 0
         head = head_retained = 0
@@ -117,7 +125,9 @@ class ChainBounds:
             "held_args_bytes": self.held_args_bytes,
         }
         if self.chains > 1:
-            figures["arg_grad_bytes"] = [self.arguments.grad_bytes.get(k, 0) for k in self.order]
+            figures["backward_bytes"] = [
+                self.arguments.grad_bytes.get(k, 0) + self._backward_start_excess(k, head_retained) for k in self.order
+            ]
             figures["between_bytes"] = [
                 max(0, tracker.bytes_at(f"start{after}") - tracker.bytes_at(f"end{before}"))
                 for before, after in zip(self.order, self.order[1:], strict=False)

@@ -34,10 +34,12 @@ after chain in the order the step runs them forward, and ``chain_lengths`` says 
 first. ``between_bytes[k]`` are the bytes that become alive between the end of chain ``k``'s forward and the
 start of chain ``k + 1``'s (an encoder's output after its final norm, a decoder's embeddings, gradients that
 accumulate across the next chain's backward): they stay alive through the forward and backward of every later
-chain. ``arg_grad_bytes[k]`` are chain ``k``'s block arguments that need a gradient (the encoder's output a
-decoder attends to, a position bias the first block computes): their gradients add up while the chain runs
-backward, so they count in the peak of each of its units. ``stem_bytes`` is what is alive before the first chain,
-the head terms are about what follows the last.
+chain. ``backward_bytes[k]`` are alive while chain ``k`` runs backward beside what its blocks and the head hold,
+so they count in the peak of each of its units: the gradients of its block arguments (the encoder's output a
+decoder attends to, a position bias the first block computes), which add up over its backward, and for a chain
+before the last, what is alive when its backward starts beyond what was alive when its forward ended, less the
+head's retained bytes (gradients on their way, a later chain's leftovers). ``stem_bytes`` is what is alive
+before the first chain, the head terms are about what follows the last.
 """
 
 from __future__ import annotations
@@ -96,18 +98,18 @@ class CostTable:
     info: dict[str, Any] = field(default_factory=dict)
     chain_lengths: list[int] = field(default_factory=list)
     between_bytes: list[int] = field(default_factory=list)
-    arg_grad_bytes: list[int] = field(default_factory=list)
+    backward_bytes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.chain_lengths:
-            if self.between_bytes or self.arg_grad_bytes:
+            if self.between_bytes or self.backward_bytes:
                 raise ValueError(
-                    "between_bytes and arg_grad_bytes need chain_lengths: give the number of blocks of each chain"
+                    "between_bytes and backward_bytes need chain_lengths: give the number of blocks of each chain"
                 )
             return
-        if self.arg_grad_bytes and len(self.arg_grad_bytes) != len(self.chain_lengths):
+        if self.backward_bytes and len(self.backward_bytes) != len(self.chain_lengths):
             raise ValueError(
-                f"arg_grad_bytes has {len(self.arg_grad_bytes)} entries for {len(self.chain_lengths)} chains; give "
+                f"backward_bytes has {len(self.backward_bytes)} entries for {len(self.chain_lengths)} chains; give "
                 "one per chain (or none)"
             )
         if sum(self.chain_lengths) != len(self.blocks) or min(self.chain_lengths) < 1:
@@ -136,9 +138,9 @@ class CostTable:
         """The chain each row belongs to."""
         return [k for k, chain in enumerate(self.chains) for _ in chain]
 
-    def arg_grads_per_row(self) -> list[int]:
-        """``arg_grad_bytes`` of each row's chain (0 for every row when there are none)."""
-        grads = self.arg_grad_bytes or [0] * len(self.chains)
+    def backward_bytes_per_row(self) -> list[int]:
+        """``backward_bytes`` of each row's chain (0 for every row when there are none)."""
+        grads = self.backward_bytes or [0] * len(self.chains)
         return [grads[k] for k in self.chain_index()]
 
     def __len__(self) -> int:
@@ -180,7 +182,7 @@ class CostTable:
             info=data.get("info", {}),
             chain_lengths=list(data.get("chain_lengths", [])),
             between_bytes=list(data.get("between_bytes", [])),
-            arg_grad_bytes=list(data.get("arg_grad_bytes", [])),
+            backward_bytes=list(data.get("backward_bytes", [])),
         )
 
     def to_json(self) -> str:

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import noop_context_fn
 
 from . import applied, policies
 from .actions import MEMORY_POOR
-from .blocks import BlocksArg, in_plan_order, main_tensor, resolve_blocks, resolve_chains, several_chains
+from .blocks import BlocksArg, main_tensor, resolve_blocks
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .hf_guards import refuse_hf_checkpointing, training_forward_guards
 from .model_state import extra_run
@@ -129,6 +129,7 @@ class RematHandle:
     # ----- plan -----
     def set_plan(self, plan: Plan) -> None:
         """Switch to ``plan`` from the next forward on; no hooks are added or removed (Note [5])."""
+        plan = plan.in_order(self.fqns)  # a plan of several chains lists them as the step runs them
         if list(plan.actions) != self.fqns:
             unknown = [f for f in plan.actions if f not in self.fqns]
             missing = [f for f in self.fqns if f not in plan.actions]
@@ -378,10 +379,7 @@ def apply(
     """Install ``plan`` on ``model`` and return the handle (``set_plan``, ``remove``, ``stats``); Note [4]."""
     applied.refuse_overlap(model)
     refuse_hf_checkpointing(model)
-    if several_chains(blocks):  # a plan of several chains lists them in the order the step runs them
-        chain = [pair for c in in_plan_order(resolve_chains(model, blocks), list(plan.actions)) for pair in c]
-    else:
-        chain = resolve_blocks(model, blocks)
+    chain = resolve_blocks(model, blocks)
     handle = RematHandle(model, chain, plan, time_recompute=time_recompute)
     handle._hooks += training_forward_guards(model, wrap=applied.CopyRefusingHook)
     applied.register(model, handle)

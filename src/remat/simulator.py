@@ -20,7 +20,7 @@ earliest units' backward, and they were alive in the head's forward anyway: the 
 A table of several chains (:attr:`remat.costs.CostTable.chain_lengths`) is one ledger: the chains' units in
 the order the step runs them, with each chain's ``between_bytes`` added to the prefix after its last unit (alive
 through every later chain's forward and backward, freed before the earlier chain's backward), and each chain's
-``arg_grad_bytes`` added to the peak of its units. A group may not
+``backward_bytes`` added to the peak of its units. A group may not
 span two chains: each chain's blocks are called from their own stack.
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .actions import (
@@ -76,10 +76,10 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
     between = costs.between_after()
     if between:
         check_within_chains(costs, units)
-    arg_grads = costs.arg_grads_per_row()
+    backward_extra = costs.backward_bytes_per_row()
     for unit in units:
         terms = unit_terms(costs, unit)
-        unit_peak = terms.peak + held + arg_grads[unit.start]
+        unit_peak = terms.peak + held + backward_extra[unit.start]
         peak = max(peak, prefix + unit_peak)
         unit_peaks.append(unit_peak)
         prefix += terms.retained + between.get(unit.end, 0)
@@ -148,6 +148,15 @@ class Plan:
             options.setdefault("chains", list(costs.chain_lengths))
         sim = simulate(costs, actions)
         return cls(dict(actions), strategy, budget_bytes, sim.peak_bytes, sim.recompute_s, dict(options))
+
+    def in_order(self, fqns: Sequence[str]) -> Plan:
+        """This plan with its blocks listed in the order ``fqns`` (a model's chains in module order) when it plans
+        several chains (``options["chains"]``) listed in another order (the order the step runs them); else
+        itself. Each chain moves as a whole, so its groups stay whole."""
+        chains = self.options.get("chains")
+        if not chains or list(self.actions) == list(fqns) or set(self.actions) != set(fqns):
+            return self
+        return replace(self, actions={fqn: self.actions[fqn] for fqn in fqns})
 
     @property
     def fits(self) -> bool:

@@ -11,8 +11,8 @@ seed each time:
 
 Each step's gradients must be bitwise equal to the plain step's, its buffers equal, its outputs equal (every
 tensor, and the number of hidden states and router logits), and the measured activation peak of the planned
-step within the budget. A model with several chains is refused by ``profile`` unless one chain is named; the
-matrix then plans its longest chain (the last on a tie: the decoder of an encoder-decoder) and says so.
+step within the budget. A model with several chains is refused by ``profile`` unless its chains are named; the
+matrix then plans all of them together under the one budget (``blocks=remat.find_chains(model)``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch import nn
 
 import remat
 from remat.bench.arch_zoo import Architecture
+from remat.blocks import resolve_blocks
 from remat.hf_guards import cache_configs
 from remat.planners import minimum_peak_bytes
 
@@ -192,11 +193,10 @@ def _state_kept(model: nn.Module) -> Iterator[Callable[[], None]]:
     restore()
 
 
-def chain_to_plan(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The chain the matrix plans: the only one, or of several the longest (the last on a tie)."""
+def chain_to_plan(model: nn.Module) -> Any:
+    """The ``blocks=`` the matrix plans: the only chain, or all of several (planned together)."""
     chains = remat.find_chains(model)
-    longest = max(len(c) for c in chains)
-    return [c for c in chains if len(c) == longest][-1]
+    return chains[0] if len(chains) == 1 else chains
 
 
 def check(arch: Architecture, *, budget: float = 0.5, integration: bool = True) -> ArchResult:
@@ -216,7 +216,7 @@ def _check(arch: Architecture, budget: float, integration: bool, result: ArchRes
     result.chains = [c[0][0].rsplit(".", 1)[0] for c in chains]
     result.blocks = [fqn for fqn, _ in remat.find_blocks(model)]
     chain = chain_to_plan(model)
-    result.planned = [fqn for fqn, _ in chain]
+    result.planned = [fqn for fqn, _ in resolve_blocks(model, chain)]
     loss_fn = lambda out: _loss(arch, out)  # noqa: E731
     with _state_kept(model) as restore:
         reference = plain_step(arch, model, batch)

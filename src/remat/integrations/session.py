@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks import resolve_blocks
+from ..blocks import resolve_blocks, several_chains
 from ..costs import CHECKPOINT, CostTable
 from ..planners import STRATEGIES
 from ..planners import plan as make_plan
@@ -123,6 +123,8 @@ class RematSession:
         self._owners: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._removed = False
         chain = resolve_blocks(model, blocks)
+        # What profiles see: several chains stay several (planned together), else the chain.
+        self._profiled: Any = blocks if several_chains(blocks) else chain
 
         if strategy == "pgac":
             unknown = set(options) - PGAC_OPTIONS
@@ -133,7 +135,7 @@ class RematSession:
             if costs is None:
                 _refuse_compiled(chain)  # PGAC would profile the first step
                 if batch is not None:
-                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain)
+                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=self._profiled)
             import remat
 
             self.pgac = remat.PGAC(
@@ -145,7 +147,7 @@ class RematSession:
             if plan is None:
                 if self.costs is None and batch is not None:
                     _refuse_compiled(chain)
-                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain)
+                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=self._profiled)
                 if self.costs is not None:
                     self.costs = self._shared(self.costs)
                     plan = self._plan_for(self.costs)
@@ -244,7 +246,7 @@ class RematSession:
                     "block's parameters after its forward). Make the plan before sharding: pass batch=<a sample "
                     "batch> or costs= (see remat.integrations.distributed.prepare)"
                 )
-            self._profiler = BlockProfiler(self.model, self.handle.blocks)
+            self._profiler = BlockProfiler(self.model, self._profiled)
             self._profiler.__enter__()
         else:  # a second training forward before any optimizer step: the profiled step has ended
             self._finish_profiling()

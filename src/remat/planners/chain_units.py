@@ -42,7 +42,7 @@ class ChainUnits:
     head_retained: int
     between: np.ndarray  # (blocks,): bytes that become alive after a unit ending at the block (chains' ends)
     chain_of: np.ndarray  # (blocks,): the chain of each block; no group spans two
-    arg_grads: np.ndarray  # (blocks,): added to the peak of a unit starting at the block (its chain's)
+    backward_extra: np.ndarray  # (blocks,): added to the peak of a unit starting at the block (its chain's)
     _groups: dict[int, GroupTable] = field(default_factory=dict)
     _starting: dict[tuple[int, int], Units] = field(default_factory=dict)
     _rows: GroupTable | None = None  # the latest run of rows computed for starting_at
@@ -57,7 +57,7 @@ class ChainUnits:
         return cls(
             single_table(costs, singles), group_kinds, numbers, int(costs.head_bytes), int(costs.stem_bytes),
             int(costs.head_retained_bytes), between, np.array(costs.chain_index(), dtype=np.int64),
-            np.array(costs.arg_grads_per_row(), dtype=np.int64),
+            np.array(costs.backward_bytes_per_row(), dtype=np.int64),
         )  # fmt: skip
 
     @property
@@ -133,7 +133,7 @@ class ChainUnits:
             parts.append(tuple(np.asarray(column)[within] for column in group))
         units = Units(*(np.concatenate(column) for column in zip(*parts, strict=True)))
         units.retained = units.retained + self.between[units.end]  # alive from the next chain's start on
-        units.peak = units.peak + self.arg_grads[units.start]
+        units.peak = units.peak + self.backward_extra[units.start]
         return units
 
     def actions_from_units(self, units: list[tuple[int, int, int]]) -> list[str]:
