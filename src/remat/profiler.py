@@ -5,7 +5,9 @@ takes the block's real inputs and, aside from the step (RNG forked, gradients re
 suspended), runs the block alone under every action (:func:`measure_block`): a live-tensor tracker gives the
 bytes kept after the forward, the forward and backward transients (:mod:`remat.block_bytes`); timed repeats
 give forward, backward and recompute seconds (:mod:`remat.block_timing`). The step itself is tracked too, for
-the memory before the chain (stem) and after it (head) (:mod:`remat.chain_bounds`).
+the memory before the chain (stem) and after it (head) (:mod:`remat.chain_bounds`). Arguments that a block makes
+for the blocks after it (T5's position bias, returned by the first block and passed to the others) are alive from
+then on under every action: they count in the bytes the block before the first one to take them keeps.
 
 Under an offload policy (``selective:offload_dots``...) the host copies are not device memory on CUDA and
 the tracker does not count them; on CPU they are, and it does (see :mod:`remat.host_copies`). Such an
@@ -21,6 +23,7 @@ wrap the first real training step in a ``BlockProfiler``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -145,6 +148,7 @@ class BlockProfiler:
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
         self.rows: dict[int, BlockCost] = {}
+        self._made_before: dict[int, int] = {}  # block -> bytes of arguments an earlier block made for it
         self._hooks: list[Any] = []
         self._tracker: LiveTensorTracker | None = None
         self._bounds: ChainBounds | None = None
@@ -178,7 +182,7 @@ class BlockProfiler:
             main = main_input(args, kwargs)
             self._device = main.device
             if self._bounds is not None:
-                self._bounds.block_called(args, kwargs, k)
+                self._made_before[i] = self._bounds.block_called(args, kwargs, k)
             actions = self.actions or default_actions(main.device, self.policies)
             self._busy = True
             try:
@@ -208,6 +212,10 @@ class BlockProfiler:
             )
         bounds = self._bounds.figures() if self._bounds is not None else {}
         rows = [self.rows[i] for i in range(len(self.chain))]
+        for i, made in self._made_before.items():
+            if made:  # alive from the block before on, under every action: count them in what that one keeps
+                before = rows[i - 1]
+                rows[i - 1] = replace(before, saved_bytes={a: n + made for a, n in before.saved_bytes.items()})
         if len(self.chains) > 1:
             rows, bounds["chain_lengths"] = self._rows_in_call_order(rows)
         device = self._device or torch.device("cpu")
