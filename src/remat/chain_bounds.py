@@ -33,10 +33,9 @@ class BlockArguments:
         self._storages: list[tuple[weakref.ref, int]] = []
         self.grad_bytes: dict[int, int] = {}  # per chain: bytes of the arguments that need a gradient
 
-    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any], chain: int = 0) -> int:
-        """Record the arguments of a block call; returns the bytes of those not seen before."""
+    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any], chain: int = 0) -> None:
+        """Record the arguments of a block call."""
         main = main_input(args, kwargs)
-        new = 0
         for t in tree_flatten((args, kwargs))[0]:
             if not isinstance(t, torch.Tensor) or t is main or isinstance(t, nn.Parameter):
                 continue
@@ -44,10 +43,8 @@ class BlockArguments:
             if any(ref() is storage for ref, _ in self._storages):
                 continue
             self._storages.append((weakref.ref(storage), storage.nbytes()))
-            new += storage.nbytes()
             if t.requires_grad:
                 self.grad_bytes[chain] = self.grad_bytes.get(chain, 0) + storage.nbytes()
-        return new
 
     def freed_bytes(self) -> int:
         return sum(nbytes for ref, nbytes in self._storages if ref() is None)
@@ -65,18 +62,15 @@ class ChainBounds:
         self.order: list[int] = []  # chains in the order their first block was called
         self._freed_at_grad: dict[int, int] = {}
 
-    def block_called(self, args: tuple[Any, ...], kwargs: dict[str, Any], chain: int = 0) -> int:
+    def block_called(self, args: tuple[Any, ...], kwargs: dict[str, Any], chain: int = 0) -> None:
         """A block of chain ``chain`` is called for the first time in the step (with grad enabled). The first
-        such call of any chain ends the stem. Returns the bytes of arguments no earlier block call had: at a
-        chain's later blocks, what an earlier block made for the blocks after it (T5's position bias)."""
-        first = chain not in self.order
-        if first:
+        such call of any chain ends the stem."""
+        if chain not in self.order:
             self.order.append(chain)
             self.tracker.mark(f"start{chain}")
             if not self.tracker.has_mark("stem"):
                 self.tracker.mark("stem")
-        new = self.arguments.add(args, kwargs, chain)
-        return 0 if first else new
+        self.arguments.add(args, kwargs, chain)
 
     def chain_output(self, output: Any, chain: int = 0) -> None:
         """The last block of chain ``chain`` returned ``output``: the chain's forward ends here."""

@@ -5,9 +5,10 @@ takes the block's real inputs and, aside from the step (RNG forked, gradients re
 suspended), runs the block alone under every action (:func:`measure_block`): a live-tensor tracker gives the
 bytes kept after the forward, the forward and backward transients (:mod:`remat.block_bytes`); timed repeats
 give forward, backward and recompute seconds (:mod:`remat.block_timing`). The step itself is tracked too, for
-the memory before the chain (stem) and after it (head) (:mod:`remat.chain_bounds`). Arguments that a block makes
-for the blocks after it (T5's position bias, returned by the first block and passed to the others) are alive from
-then on under every action: they count in the bytes the block before the first one to take them keeps.
+the memory before the chain (stem) and after it (head) (:mod:`remat.chain_bounds`). What the step keeps during a chain's
+forward beyond the blocks' own kept bytes (T5's position biases, returned by the first block and passed to the
+others) is alive from then on under every action, and a plan that recomputes holds it through the backward: it
+counts in the stem (and not again in the held arguments).
 
 Under an offload policy (``selective:offload_dots``...) the host copies are not device memory on CUDA and
 the tracker does not count them; on CPU they are, and it does (see :mod:`remat.host_copies`). Such an
@@ -23,7 +24,6 @@ wrap the first real training step in a ``BlockProfiler``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -148,7 +148,6 @@ class BlockProfiler:
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
         self.rows: dict[int, BlockCost] = {}
-        self._made_before: dict[int, int] = {}  # block -> bytes of arguments an earlier block made for it
         self._hooks: list[Any] = []
         self._tracker: LiveTensorTracker | None = None
         self._bounds: ChainBounds | None = None
@@ -182,7 +181,8 @@ class BlockProfiler:
             main = main_input(args, kwargs)
             self._device = main.device
             if self._bounds is not None:
-                self._made_before[i] = self._bounds.block_called(args, kwargs, k)
+                self._bounds.block_called(args, kwargs, k)
+                self._tracker.mark(f"call{i}")
             actions = self.actions or default_actions(main.device, self.policies)
             self._busy = True
             try:
@@ -212,10 +212,10 @@ class BlockProfiler:
             )
         bounds = self._bounds.figures() if self._bounds is not None else {}
         rows = [self.rows[i] for i in range(len(self.chain))]
-        for i, made in self._made_before.items():
-            if made:  # alive from the block before on, under every action: count them in what that one keeps
-                before = rows[i - 1]
-                rows[i - 1] = replace(before, saved_bytes={a: n + made for a, n in before.saved_bytes.items()})
+        made = self._kept_beside_blocks(rows)
+        if made and bounds:  # alive from early in the forward to the end of the backward, under every plan
+            bounds["stem_bytes"] += made
+            bounds["held_args_bytes"] = max(0, bounds["held_args_bytes"] - made)
         if len(self.chains) > 1:
             rows, bounds["chain_lengths"] = self._rows_in_call_order(rows)
         device = self._device or torch.device("cpu")
@@ -226,6 +226,24 @@ class BlockProfiler:
             source="measured",
             info={"torch": torch.__version__, "device_name": _device_name(device)},
         )
+
+    def _kept_beside_blocks(self, rows: list[BlockCost]) -> int:
+        """What the step kept during each chain's forward beyond what its blocks keep when measured alone: from
+        one block's call to the next's (or the chain's end), the growth less the block's kept bytes, summed where
+        positive (T5's first block returns position biases that the others take)."""
+        tracker = self._tracker
+        if tracker is None:
+            return 0
+        made, start = 0, 0
+        for k, chain in enumerate(self.chains):
+            for j in range(len(chain)):
+                i = start + j
+                after = f"call{i + 1}" if j + 1 < len(chain) else f"end{k}"
+                if tracker.has_mark(f"call{i}") and tracker.has_mark(after):
+                    growth = tracker.bytes_at(after) - tracker.bytes_at(f"call{i}")
+                    made += max(0, growth - rows[i].saved(KEEP))
+            start += len(chain)
+        return made
 
     def _rows_in_call_order(self, rows: list[BlockCost]) -> tuple[list[BlockCost], list[int]]:
         """The rows chain by chain in the order the step ran the chains, and the chains' lengths."""
