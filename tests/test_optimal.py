@@ -51,6 +51,7 @@ def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
         head_bytes=draw(st.integers(0, 30)),
         head_retained_bytes=draw(st.integers(0, 10)),
         held_args_bytes=draw(st.integers(0, 6)),
+        outputs_kept=draw(st.booleans()),
     )
 
 

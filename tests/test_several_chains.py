@@ -106,7 +106,7 @@ def joint_tables(draw: st.DrawFn) -> CostTable:
     blocks = [BlockCost(**{**vars(b), "fqn": f"chain.{i}"}) for i, b in enumerate(table.blocks)]
     between = [draw(st.integers(0, 25)) for _ in lengths[1:]]
     return CostTable(blocks, table.stem_bytes, table.head_bytes, table.head_retained_bytes, table.held_args_bytes,
-                     chain_lengths=lengths, between_bytes=between)  # fmt: skip
+                     chain_lengths=lengths, between_bytes=between, outputs_kept=table.outputs_kept)  # fmt: skip
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -26,7 +26,8 @@ runs forward and backward, and ``head_retained_bytes`` what the head leaves aliv
 runs (the logits of an output the training loop still holds, a tied weight's gradient waiting to be summed).
 ``held_args_bytes`` are the blocks' other tensor arguments (an attention mask, position embeddings) that a
 step keeping everything frees before the chain's backward, but that a plan recomputing any block keeps for
-that recomputation.
+that recomputation. ``outputs_kept`` says the model keeps every block's output to the end of the step
+(Hugging Face's ``output_hidden_states`` collects them), so a group's inner outputs are not freed.
 
 Several chains (an encoder and a decoder, two towers) share one table: ``blocks`` holds every chain's rows, chain
 after chain in the order the step runs them forward, and ``chain_lengths`` says how many rows each chain has
@@ -99,6 +100,7 @@ class CostTable:
     chain_lengths: list[int] = field(default_factory=list)
     between_bytes: list[int] = field(default_factory=list)
     backward_bytes: list[int] = field(default_factory=list)
+    outputs_kept: bool = False
 
     def __post_init__(self) -> None:
         if not self.chain_lengths:
@@ -183,6 +185,7 @@ class CostTable:
             chain_lengths=list(data.get("chain_lengths", [])),
             between_bytes=list(data.get("between_bytes", [])),
             backward_bytes=list(data.get("backward_bytes", [])),
+            outputs_kept=bool(data.get("outputs_kept", False)),
         )
 
     def to_json(self) -> str:

@@ -38,6 +38,7 @@ from .blocks import (
     BlocksArg,
     main_input,
     main_input_slot,
+    main_tensor,
     replace_slot,
     resolve_chains,
     slot_value,
@@ -148,6 +149,8 @@ class BlockProfiler:
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
         self.rows: dict[int, BlockCost] = {}
+        self._block_outputs: set[int] = set()  # storages of the blocks' outputs in the step
+        self.outputs_kept = False  # whether the model's output holds blocks' outputs (output_hidden_states)
         self._hooks: list[Any] = []
         self._tracker: LiveTensorTracker | None = None
         self._bounds: ChainBounds | None = None
@@ -161,6 +164,9 @@ class BlockProfiler:
                 self._hooks.append(module.register_forward_pre_hook(self._pre_hook(i, fqn, k), with_kwargs=True))
                 i += 1
             self._hooks.append(chain[-1][1].register_forward_hook(self._chain_end_hook(k)))
+        for _, module in self.chain:
+            self._hooks.append(module.register_forward_hook(self._output_hook))
+        self._hooks.append(self.model.register_forward_hook(self._model_output_hook))
         self._tracker = LiveTensorTracker()
         self._bounds = ChainBounds(self._tracker, len(self.chains))
         self._tracker.__enter__()
@@ -195,6 +201,18 @@ class BlockProfiler:
 
         return hook
 
+    def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        out = main_tensor(output)
+        if out is not None and not self._busy and torch.is_grad_enabled():
+            self._block_outputs.add(out.untyped_storage().data_ptr())
+
+    def _model_output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The model returned: does its output hold blocks' outputs (Hugging Face's collected hidden states)?"""
+        if self._busy or not self._block_outputs:
+            return
+        held = [t for t in _tensors(output) if t.untyped_storage().data_ptr() in self._block_outputs]
+        self.outputs_kept = len(held) > len(self.chains)  # more than each chain's last output
+
     def _chain_end_hook(self, k: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self._bounds is not None and not self._busy:
@@ -222,6 +240,7 @@ class BlockProfiler:
         return CostTable(
             blocks=rows,
             **bounds,
+            outputs_kept=self.outputs_kept,
             device=device.type,
             source="measured",
             info={"torch": torch.__version__, "device_name": _device_name(device)},
@@ -259,6 +278,19 @@ class BlockProfiler:
         for k in self._bounds.order:
             ordered += rows[starts[k] : starts[k] + len(self.chains[k])]
         return ordered, [len(self.chains[k]) for k in self._bounds.order]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a model output (tensors, tuples, lists, dicts and Hugging Face ModelOutputs)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    elif hasattr(value, "to_tuple"):
+        value = list(value.to_tuple())
+    if isinstance(value, tuple | list):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def _device_name(device: torch.device) -> str:

@@ -43,6 +43,7 @@ class ChainUnits:
     between: np.ndarray  # (blocks,): bytes that become alive after a unit ending at the block (chains' ends)
     chain_of: np.ndarray  # (blocks,): the chain of each block; no group spans two
     backward_extra: np.ndarray  # (blocks,): added to the peak of a unit starting at the block (its chain's)
+    outputs_kept: bool  # the model keeps every block's output (a group's inner outputs are not freed)
     _groups: dict[int, GroupTable] = field(default_factory=dict)
     _starting: dict[tuple[int, int], Units] = field(default_factory=dict)
     _rows: GroupTable | None = None  # the latest run of rows computed for starting_at
@@ -57,7 +58,7 @@ class ChainUnits:
         return cls(
             single_table(costs, singles), group_kinds, numbers, int(costs.head_bytes), int(costs.stem_bytes),
             int(costs.head_retained_bytes), between, np.array(costs.chain_index(), dtype=np.int64),
-            np.array(costs.backward_bytes_per_row(), dtype=np.int64),
+            np.array(costs.backward_bytes_per_row(), dtype=np.int64), costs.outputs_kept,
         )  # fmt: skip
 
     @property
@@ -116,7 +117,7 @@ class ChainUnits:
 
     def _group_table(self, longest: int, first: int = 0, rows: int = -1) -> GroupTable:
         assert self.numbers is not None, "groups are only listed when a group kind is allowed"
-        return group_table(self.numbers, self.head_retained, longest, self.group_kinds, first, rows)
+        return group_table(self.numbers, self.head_retained, longest, self.group_kinds, first, rows, self.outputs_kept)
 
     def _collect(self, block: int, starts: np.ndarray, ends: np.ndarray, picks: dict[str, tuple]) -> Units:
         """The singles of ``block`` followed by the groups ``starts..ends`` of each kind, whose retained bytes,
