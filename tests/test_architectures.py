@@ -37,10 +37,9 @@ from remat.integrations import hf  # noqa: E402
 NAMES = [a.name for a in architectures()]
 # Where the simulator's prediction is below the measured peak at the minimum feasible budget: a CNN whose stages
 # differ in shape.
-# T5 can go over when the planner picks a segment of encoder blocks (its times decide, and they vary from run to
-# run): the batch asks for output_hidden_states, which keeps a group's inner block outputs alive, and the
-# simulator's group terms count them as freed (one block output per inner block too low).
-FLAKY_OVER_BUDGET = {"t5": "a segment's inner outputs are kept by output_hidden_states; the simulator frees them"}
+# T5's prediction is up to 12 KiB (3%) below the measured peak for some plans (the plan varies with the measured
+# times), which puts some runs a few bytes over the budget.
+FLAKY_OVER_BUDGET = {"t5": "for some plans the prediction is up to 12 KiB (3%) below the measured peak"}
 OVER_BUDGET = {
     "resnet": "measured peak 1 KiB above the prediction at the minimum budget (stages of different shapes)",
     "convnext": "measured peak 1 KiB above the prediction at the minimum budget (stages of different shapes)",
