@@ -38,9 +38,7 @@ from remat.integrations import hf  # noqa: E402
 NAMES = [a.name for a in architectures()]
 # Where the simulator's prediction is below the measured peak at the minimum feasible budget: a CNN whose stages
 # differ in shape.
-# T5's prediction is up to 12 KiB (3%) below the measured peak for some plans (the plan varies with the measured
-# times), which puts some runs a few bytes over the budget.
-FLAKY_OVER_BUDGET = {"t5": "for some plans the prediction is up to 12 KiB (3%) below the measured peak"}
+OVER_BUDGET = {"t5": "for some plans the prediction is up to 12 KiB (3%) below the measured peak"}
 OVER_BUDGET = {
     "resnet": "measured peak 1 KiB above the prediction at the minimum budget (stages of different shapes)",
     "convnext": "measured peak 1 KiB above the prediction at the minimum budget (stages of different shapes)",
@@ -93,11 +91,7 @@ def test_exact_like_a_plain_step(name: str) -> None:
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=OVER_BUDGET[n]))
-        if n in OVER_BUDGET
-        else pytest.param(n, marks=pytest.mark.xfail(strict=False, reason=FLAKY_OVER_BUDGET[n]))
-        if n in FLAKY_OVER_BUDGET
-        else n
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=OVER_BUDGET[n])) if n in OVER_BUDGET else n
         for n in NAMES
     ],
 )
@@ -399,3 +393,32 @@ def test_an_encoder_decoder_plan_that_recomputes_both_stacks_is_exact_and_within
     assert {f for f, n in handle.stats.calls.items() if n} & {f for f, _ in chains[1]}
     assert compare(reference, got, "encoder-decoder plan") == []  # bitwise equal
     assert peak <= budget, (peak, plan.predicted_peak_bytes, budget)
+    assert abs(plan.predicted_peak_bytes - peak) <= 0.05 * peak, (peak, plan.predicted_peak_bytes)
+
+
+def test_arguments_a_block_makes_for_the_next_are_counted_where_a_recomputing_plan_holds_them() -> None:
+    # T5's first block of each stack returns position biases the others take. A step keeping everything frees
+    # them in the head; a plan that checkpoints a block holds them through it, so no such plan may be predicted
+    # below its measured peak (it was, by 8 KiB, while they were counted in the stem only).
+    arch = by_name("t5")
+    model = arch.build()
+    batch = arch.batch()
+    chains = remat.find_chains(model)
+    costs = remat.profile(model, batch, blocks=chains, repeats=1)
+    for i in range(len(costs)):
+        actions = ["checkpoint" if j == i else "keep" for j in range(len(costs))]
+        plan = remat.Plan.from_actions(costs, actions)
+        handle = remat.apply(model, plan, blocks=chains)
+        tracker = LiveTensorTracker()
+        try:
+            with tracker:
+                torch.manual_seed(SEED)
+                out = model(**batch)
+                out.loss.backward()
+        finally:
+            handle.remove()
+        del out
+        tracker.close()
+        model.zero_grad(set_to_none=True)
+        peak = tracker.peak(exclude_survivors=True)
+        assert peak <= plan.predicted_peak_bytes <= 1.05 * peak, (costs.fqns[i], peak, plan.predicted_peak_bytes)

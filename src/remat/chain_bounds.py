@@ -170,13 +170,13 @@ class ChainBounds:
 
     def table_fields(self, keep_bytes: Sequence[int], lengths: Sequence[int]) -> dict[str, Any]:
         """:meth:`figures` with what the step keeps beside the blocks (:meth:`kept_beside_blocks`) counted in the
-        stem: alive from early in the forward to the end of the backward under every plan (and so not again in
-        the held arguments); with several chains, their ``chain_lengths`` in call order."""
+        stem: alive from early in the forward to the end of the backward under a plan that recomputes. A step
+        keeping everything frees it in the head (the head's figures are lower by it), so it stays in the held
+        arguments too, which the simulator adds back to the head for such plans. With several chains, their
+        ``chain_lengths`` in call order."""
         figures = self.figures()
         made = self.kept_beside_blocks(keep_bytes, lengths)
-        if made:
-            figures["stem_bytes"] += made
-            figures["held_args_bytes"] = max(0, figures["held_args_bytes"] - made)
+        figures["stem_bytes"] += made
         if len(lengths) > 1:
             figures["chain_lengths"] = [lengths[k] for k in self.order]
         return figures
