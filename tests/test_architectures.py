@@ -422,3 +422,25 @@ def test_arguments_a_block_makes_for_the_next_are_counted_where_a_recomputing_pl
         model.zero_grad(set_to_none=True)
         peak = tracker.peak(exclude_survivors=True)
         assert peak <= plan.predicted_peak_bytes <= 1.05 * peak, (costs.fqns[i], peak, plan.predicted_peak_bytes)
+
+
+def test_segments_on_two_towers_stay_inside_each_tower_and_are_exact() -> None:
+    arch = by_name("clip")
+    model = arch.build()
+    batch = arch.batch()
+    chains = remat.find_chains(model)
+    reference = plain_step(arch, model, batch)
+    model.zero_grad(set_to_none=True)
+    costs = remat.profile(model, batch, blocks=chains, repeats=1, loss_fn=lambda out: out.loss)
+    plan = remat.plan(costs, "every_k", k=2)  # a segment of LAYERS blocks would span the towers if it could
+    groups = {a for a in plan.actions.values() if a.startswith("segment:")}
+    for group in groups:
+        towers = {fqn.rsplit(".", 1)[0] for fqn, a in plan.actions.items() if a == group}
+        assert len(towers) == 1, (group, towers)
+    handle = remat.apply(model, plan, blocks=chains)
+    try:
+        got = plain_step(arch, model, batch)
+    finally:
+        handle.remove()
+    assert handle.stats.total_calls > 0
+    assert compare(reference, got, "segments on two towers") == []
