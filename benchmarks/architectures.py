@@ -5,11 +5,13 @@ profile -> plan("optimal", budget) -> apply and the Hugging Face integration, co
     .venv/bin/python benchmarks/architectures.py                       # every architecture, budget 0.5
     .venv/bin/python benchmarks/architectures.py --only llama,t5 --budget 0.6 --json arch.json
 
-Columns: ``chains`` the stacks ``remat.find_chains`` found, ``blocks`` the blocks of the chain planned,
+Columns: ``chains`` the stacks ``remat.find_chains`` found (several are planned together under the one budget),
+``blocks`` the blocks planned,
 ``exact`` whether gradients, buffers and outputs were bitwise those of a plain step in every step checked,
-``peak / budget`` the activation peak ``remat.measure()`` saw in the planned step against the plan's budget
-(when the budget is below the feasible minimum the plan is refused, naming the minimum, and the plan at that
-minimum is measured), ``status`` what happened.
+``peak / budget`` the activation peak a live-tensor tracker saw in the planned step (its output included)
+against the plan's budget (when the budget is below the feasible minimum the plan is refused, naming the
+minimum, and the plan at that minimum is measured), ``predicted`` the simulator's peak for the plan, ``status``
+what happened.
 """
 
 from __future__ import annotations

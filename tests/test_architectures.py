@@ -25,21 +25,21 @@ from torch import nn
 import remat
 from remat.applied import COPY_MESSAGE
 from remat.chain import chain_name
+from remat.memory import LiveTensorTracker
+from remat.planners import minimum_peak_bytes
 from remat.profiler import BlockProfiler
 
 transformers = pytest.importorskip("transformers")
-from remat.bench.arch_check import ArchResult, check, compare, plain_step, record_step  # noqa: E402
+from remat.bench.arch_check import SEED, ArchResult, check, compare, plain_step, record_step  # noqa: E402
 from remat.bench.arch_zoo import LAYERS, architectures, by_name  # noqa: E402
 from remat.bench.user_models import UserNet  # noqa: E402
 from remat.integrations import hf  # noqa: E402
 
 NAMES = [a.name for a in architectures()]
-# Where the simulator's prediction is below the measured peak at the minimum feasible budget: the chain planned
-# is one of several (the other chain's backward is not modelled), or a CNN whose stages differ in shape.
+# Where the simulator's prediction is below the measured peak at the minimum feasible budget: a CNN whose stages
+# differ in shape.
+OVER_BUDGET = {"t5": "for some plans the prediction is up to 12 KiB (3%) below the measured peak"}
 OVER_BUDGET = {
-    "t5": "several chains: only the decoder is planned; the encoder's backward peaks above the predicted stem",
-    "bart": "several chains: only the decoder is planned; the encoder's backward peaks above the predicted stem",
-    "clip": "several chains: only the vision tower is planned; the text tower's backward is not modelled",
     "resnet": "measured peak 1 KiB above the prediction at the minimum budget (stages of different shapes)",
     "convnext": "measured peak 1 KiB above the prediction at the minimum budget (stages of different shapes)",
 }
@@ -82,7 +82,8 @@ def test_exact_like_a_plain_step(name: str) -> None:
     assert result.planned and set(result.actions) == set(result.planned)
     assert any(action != "keep" for action in result.actions.values()), "the plan must recompute something"
     if len(by_name(name).stacks) > 1:
-        assert "remat.find_chains(model)" in result.profile_refusal and "blocks=chain" in result.profile_refusal
+        assert "blocks=remat.find_chains(model)" in result.profile_refusal
+        assert set(result.planned) == {fqn for chain in remat.find_chains(by_name(name).build()) for fqn, _ in chain}
     if result.plan_refusal:
         assert "minimum feasible peak" in result.plan_refusal
 
@@ -101,6 +102,10 @@ def test_measured_peak_within_budget(name: str) -> None:
     assert 0 < result.peak_bytes <= result.budget_bytes, (
         f"measured {result.peak_bytes} bytes, budget {result.budget_bytes}, predicted {result.predicted_bytes}"
     )
+    if len(by_name(name).stacks) > 1:  # every chain planned together: the prediction is close to the measurement
+        assert abs(result.predicted_bytes - result.peak_bytes) <= 0.05 * result.peak_bytes, (
+            f"measured {result.peak_bytes} bytes, predicted {result.predicted_bytes}"
+        )
 
 
 # ---------------------------------------------------------------- (a) the key/value cache
@@ -328,7 +333,7 @@ def test_an_encoder_decoder_profile_asks_for_a_chain_and_profiles_the_one_given(
     arch = by_name("t5")
     model = arch.build()
     batch = arch.batch()
-    with pytest.raises(ValueError, match=r"2 chains.*remat.find_chains\(model\)\[i\].*blocks=chain"):
+    with pytest.raises(ValueError, match=r"2 chains.*blocks=remat.find_chains\(model\).*\[i\].*blocks=chain"):
         remat.profile(model, batch, repeats=1)
     with pytest.raises(ValueError, match="2 chains"):
         remat.apply(model, remat.Plan({"encoder.block.0": "checkpoint"}))
@@ -337,3 +342,105 @@ def test_an_encoder_decoder_profile_asks_for_a_chain_and_profiles_the_one_given(
         costs = remat.profile(model, batch, blocks=chain, repeats=1)
         assert costs.fqns == [fqn for fqn, _ in chain]
     assert all(p.grad is None for p in model.parameters())  # the profile leaves gradients as they were
+
+
+def test_towers_are_profiled_together_in_the_order_the_step_runs_them() -> None:
+    arch = by_name("clip")
+    model = arch.build()
+    text, vision = remat.find_chains(model)
+    costs = remat.profile(model, arch.batch(), blocks=[text, vision], repeats=1)
+    # CLIPModel runs its vision tower first: the table follows the step, not module order.
+    assert costs.fqns == [f for f, _ in vision] + [f for f, _ in text]
+    assert costs.chain_lengths == [LAYERS, LAYERS] and costs.between_bytes[0] > 0
+    plan = remat.plan(costs, "full")
+    handle = remat.apply(model, plan, blocks=[text, vision])  # applied in module order all the same
+    try:
+        assert handle.fqns == [f for f, _ in text] + [f for f, _ in vision]
+        assert handle.plan.actions == plan.actions
+    finally:
+        handle.remove()
+
+
+def test_an_encoder_decoder_plan_that_recomputes_both_stacks_is_exact_and_within_budget() -> None:
+    arch = by_name("t5")
+    model = arch.build()
+    batch = arch.batch()
+    chains = remat.find_chains(model)
+    reference = plain_step(arch, model, batch)
+    model.zero_grad(set_to_none=True)
+    costs = remat.profile(model, batch, blocks=chains, repeats=1)
+    assert costs.fqns[:LAYERS] == [f for f, _ in chains[0]] and costs.chain_lengths == [LAYERS, LAYERS]
+    budget = (minimum_peak_bytes(costs) + remat.plan(costs, "none").predicted_peak_bytes) // 3
+    plan = remat.plan(costs, "optimal", budget)
+    assert plan.options["exact"] and plan.options["chains"] == [LAYERS, LAYERS]
+    encoder, decoder = list(plan.actions.values())[:LAYERS], list(plan.actions.values())[LAYERS:]
+    assert any(a != "keep" for a in encoder) and any(a != "keep" for a in decoder), plan.actions
+    handle = remat.apply(model, plan, blocks=chains)
+    tracker = LiveTensorTracker()  # the step's output counts, as the simulator counts it: closed once dropped
+    try:
+        with tracker:
+            torch.manual_seed(SEED)
+            out = model(**batch)
+            out.loss.backward()
+    finally:
+        handle.remove()
+    got = record_step(model, out)
+    del out
+    tracker.close()
+    peak = tracker.peak(exclude_survivors=True)
+    assert handle.stats.total_calls > 0  # blocks of both stacks re-ran in backward
+    assert {f for f, n in handle.stats.calls.items() if n} & {f for f, _ in chains[0]}
+    assert {f for f, n in handle.stats.calls.items() if n} & {f for f, _ in chains[1]}
+    assert compare(reference, got, "encoder-decoder plan") == []  # bitwise equal
+    assert peak <= budget, (peak, plan.predicted_peak_bytes, budget)
+    assert abs(plan.predicted_peak_bytes - peak) <= 0.05 * peak, (peak, plan.predicted_peak_bytes)
+
+
+def test_arguments_a_block_makes_for_the_next_are_counted_where_a_recomputing_plan_holds_them() -> None:
+    # T5's first block of each stack returns position biases the others take. A step keeping everything frees
+    # them in the head; a plan that checkpoints a block holds them through it, so no such plan may be predicted
+    # below its measured peak (it was, by 8 KiB, while they were counted in the stem only).
+    arch = by_name("t5")
+    model = arch.build()
+    batch = arch.batch()
+    chains = remat.find_chains(model)
+    costs = remat.profile(model, batch, blocks=chains, repeats=1)
+    for i in range(len(costs)):
+        actions = ["checkpoint" if j == i else "keep" for j in range(len(costs))]
+        plan = remat.Plan.from_actions(costs, actions)
+        handle = remat.apply(model, plan, blocks=chains)
+        tracker = LiveTensorTracker()
+        try:
+            with tracker:
+                torch.manual_seed(SEED)
+                out = model(**batch)
+                out.loss.backward()
+        finally:
+            handle.remove()
+        del out
+        tracker.close()
+        model.zero_grad(set_to_none=True)
+        peak = tracker.peak(exclude_survivors=True)
+        assert peak <= plan.predicted_peak_bytes <= 1.05 * peak, (costs.fqns[i], peak, plan.predicted_peak_bytes)
+
+
+def test_segments_on_two_towers_stay_inside_each_tower_and_are_exact() -> None:
+    arch = by_name("clip")
+    model = arch.build()
+    batch = arch.batch()
+    chains = remat.find_chains(model)
+    reference = plain_step(arch, model, batch)
+    model.zero_grad(set_to_none=True)
+    costs = remat.profile(model, batch, blocks=chains, repeats=1, loss_fn=lambda out: out.loss)
+    plan = remat.plan(costs, "every_k", k=2)  # a segment of LAYERS blocks would span the towers if it could
+    groups = {a for a in plan.actions.values() if a.startswith("segment:")}
+    for group in groups:
+        towers = {fqn.rsplit(".", 1)[0] for fqn, a in plan.actions.items() if a == group}
+        assert len(towers) == 1, (group, towers)
+    handle = remat.apply(model, plan, blocks=chains)
+    try:
+        got = plain_step(arch, model, batch)
+    finally:
+        handle.remove()
+    assert handle.stats.total_calls > 0
+    assert compare(reference, got, "segments on two towers") == []

@@ -59,6 +59,7 @@ def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
         head_retained_bytes=draw(st.integers(0, 10)),
         held_args_bytes=draw(st.integers(0, 6)),
         outside_s=draw(st.none() | st.integers(0, 40).map(lambda t: t * TICK)),
+        outputs_kept=draw(st.booleans()),
     )
 
 

@@ -6,6 +6,7 @@ floating-point seconds included."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -68,6 +69,13 @@ CASES = [
     ),
     ("bwd_extra of selective", chain(3, head_retained=5), [SELECTIVE, SELECTIVE, "offload"]),
     ("held args", chain(4, held_args=23), ["keep", "memory_poor:0", "memory_poor:0", "checkpoint"]),
+    ("segment, outputs kept", replace(chain(4), outputs_kept=True), ["keep", *["segment:0"] * 3]),
+    ("memory-poor group, outputs kept", replace(chain(5), outputs_kept=True), ["memory_poor:0"] * 4 + ["keep"]),
+    (
+        "memory-poor group, forward decides, outputs kept",
+        replace(chain(5, forward_decides=True), outputs_kept=True),
+        ["memory_poor:0"] * 5,
+    ),
     (
         "mixed",
         chain(9, head_retained=3, held_args=6),
@@ -122,7 +130,8 @@ def table_form(costs: CostTable, actions: list[str]) -> list[Terms]:
             rows.append((t.retained[0, unit.start], t.peak[0, unit.start], t.time_cost_s[0, unit.start],
                          t.reexecutions[0]))  # fmt: skip
             continue
-        g = group_table(ChainNumbers.of(searched), searched.head_retained_bytes, n, [SEGMENT, MEMORY_POOR])
+        g = group_table(ChainNumbers.of(searched), searched.head_retained_bytes, n, [SEGMENT, MEMORY_POOR],
+                        outputs_kept=searched.outputs_kept)  # fmt: skip
         s, j = unit.start, unit.size - 1
         rows.append((g.retained[s, j], g.peak[unit.kind][s, j], g.time_cost_s[unit.kind][s, j],
                      g.reexecutions[unit.kind][j]))  # fmt: skip
@@ -184,6 +193,13 @@ def test_the_table_exercises_what_it_names() -> None:
         )
         decided_by_forward = unit_terms(costs, unit).peak == forward_peak
         assert decided_by_forward == ("forward decides" in name), name
+    for name in ("segment, outputs kept", "memory-poor group, outputs kept"):
+        costs, actions = by_name[name]
+        group = [u for u in units_from_actions(actions) if u.kind != SINGLE][0]
+        inner = sum(b.output_bytes for b in costs.blocks[group.start : group.end])
+        freed = replace(costs, outputs_kept=False)
+        assert unit_terms(costs, group).retained == unit_terms(freed, group).retained + inner, name
+        assert unit_terms(costs, group).peak > unit_terms(freed, group).peak, name
     costs, actions = by_name["held args"]
     held = simulate(costs, actions).unit_peaks[0] - unit_terms(costs, units_from_actions(actions)[0]).peak
     assert held == costs.held_args_bytes

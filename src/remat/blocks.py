@@ -36,7 +36,7 @@ from .chain import find_blocks, only_chain
 InputSlot = tuple[str, Any]
 """Where a call's main input sits: ``("arg", position)`` or ``("kw", keyword)``."""
 
-BlocksArg = Sequence[str] | Sequence[tuple[str, nn.Module]] | None
+BlocksArg = Sequence[str] | Sequence[tuple[str, nn.Module]] | Sequence[Sequence[Any]] | None
 
 InputName = str | int | None
 """A main input named by the user: a keyword, a position, or ``None`` to let remat guess."""
@@ -241,11 +241,42 @@ def replace_slot(
     return args, kwargs
 
 
+def several_chains(blocks: Any) -> bool:
+    """Whether a ``blocks=`` argument names several chains (a list of chains, e.g. ``remat.find_chains(model)``)
+    rather than one (a list of FQNs or of ``(fqn, module)`` pairs)."""
+    if blocks is None or isinstance(blocks, str):
+        return False
+    blocks = list(blocks)
+    if not blocks:
+        return False
+    first = blocks[0]
+    return not isinstance(first, str) and not (
+        isinstance(first, tuple) and len(first) == 2 and isinstance(first[0], str)
+    )
+
+
+def resolve_chains(model: nn.Module, blocks: Any) -> list[list[tuple[str, nn.Module]]]:
+    """The chains a ``blocks=`` argument names: several when it is a list of chains (each as
+    :func:`resolve_blocks` reads one), else the one chain :func:`resolve_blocks` reads. A block in two chains
+    is refused."""
+    chains = [resolve_blocks(model, c) for c in blocks] if several_chains(blocks) else [resolve_blocks(model, blocks)]
+    seen: set[str] = set()
+    for chain in chains:
+        twice = [fqn for fqn, _ in chain if fqn in seen]
+        if twice:
+            raise ValueError(f"blocks {twice} are in two of the chains given; give each block in one chain only")
+        seen.update(fqn for fqn, _ in chain)
+    return chains
+
+
 def resolve_blocks(model: nn.Module, blocks: BlocksArg) -> list[tuple[str, nn.Module]]:
     """The chain a ``blocks=`` argument names: ``None`` for the model's one chain (:func:`~remat.chain.only_chain`
-    refuses a model with several and says how to choose), a list of FQNs, or ``(fqn, module)`` pairs taken as given."""
+    refuses a model with several and says how to choose), a list of FQNs, or ``(fqn, module)`` pairs taken as given.
+    Several chains (a list of chains) are joined one after the other, in the order given."""
     if blocks is None:
         return only_chain(model)
+    if several_chains(blocks):
+        return [pair for chain in resolve_chains(model, blocks) for pair in chain]
     blocks = list(blocks)
     if blocks and isinstance(blocks[0], str):
         return find_blocks(model, names=blocks)  # type: ignore[arg-type]

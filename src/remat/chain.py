@@ -9,8 +9,9 @@ block, not a chain of its own.
 A model may have several chains: an encoder and a decoder, the text and vision towers of CLIP.
 :func:`find_chains` returns all of them in module order, each on its own (towers are never merged into one
 chain). :func:`find_blocks` returns one: the longest (on a tie, the first in module order), or the modules
-the user names. remat plans one chain at a time; :func:`only_chain` is what ``profile``, ``apply`` and the
-integrations use when no blocks are given, and it refuses a model with several chains, saying how to choose.
+the user names. Several chains are planned together under one budget when they are named:
+``blocks=find_chains(model)`` in ``profile``, ``apply`` and the integrations. :func:`only_chain` is what those use
+when no blocks are given, and it refuses a model with several chains, saying how to name them.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def find_blocks(model: nn.Module, names: Sequence[str] | None = None) -> Chain:
 
 def only_chain(model: nn.Module) -> Chain:
     """The model's chain when it has exactly one; with several, a ``ValueError`` that names them and says how
-    to choose one (a plan covers one chain, and guessing which would put the budget on the wrong one)."""
+    to name them all or one (guessing would put the budget on the wrong blocks)."""
     chains = find_chains(model)
     if len(chains) == 1:
         return chains[0]
@@ -104,7 +105,8 @@ def several_chains_error(model: nn.Module, chains: Sequence[Chain]) -> ValueErro
     """The error for a model whose chain must be chosen by the user: it names the chains and how to choose."""
     listed = ", ".join(f"{chain_name(c) or '<model>'} ({len(c)} blocks)" for c in chains)
     return ValueError(
-        f"{type(model).__name__} has {len(chains)} chains of repeated blocks: {listed}. remat plans one chain at "
-        "a time: choose one with chain = remat.find_chains(model)[i] and pass blocks=chain to remat.profile, "
-        "remat.apply and the integrations (the rest of the model then counts as the stem and head of that chain)."
+        f"{type(model).__name__} has {len(chains)} chains of repeated blocks: {listed}. Plan them together under "
+        "one budget with blocks=remat.find_chains(model), or choose one with chain = remat.find_chains(model)[i] "
+        "and pass blocks=chain (the rest of the model then counts as the stem and head of that chain), to "
+        "remat.profile, remat.apply and the integrations."
     )

@@ -47,9 +47,24 @@ that recomputation. ``outside_s`` is the seconds of a step spent outside the cha
 head, the loss and their backward): a plain step's time less every block's ``fwd_s + bwd_s``; None when it
 was not measured. Since the blocks are timed alone, it also holds what they cost more or less inside a step
 than alone, and it is negative where that exceeds the stem and head (small blocks timed alone run slower).
+``outputs_kept`` says the model keeps every block's output to the end of the step (Hugging Face's
+``output_hidden_states`` collects them), so a group's inner outputs are not freed.
+
+Several chains (an encoder and a decoder, two towers) share one table: ``blocks`` holds every chain's rows, chain
+after chain in the order the step runs them forward, and ``chain_lengths`` says how many rows each chain has
+(empty for a table of one chain). The step runs the chains' backwards in the reverse order, the last chain's
+first. ``between_bytes[k]`` are the bytes that become alive between the end of chain ``k``'s forward and the
+start of chain ``k + 1``'s (an encoder's output after its final norm, a decoder's embeddings, gradients that
+accumulate across the next chain's backward): they stay alive through the forward and backward of every later
+chain. ``backward_bytes[k]`` are alive while chain ``k`` runs backward beside what its blocks and the head hold,
+so they count in the peak of each of its units: the gradients of its block arguments (the encoder's output a
+decoder attends to, a position bias the first block computes), which add up over its backward, and for a chain
+before the last, what is alive when its backward starts beyond what was alive when its forward ended, less the
+head's retained bytes (gradients on their way, a later chain's leftovers). ``stem_bytes`` is what is alive
+before the first chain, the head terms are about what follows the last.
 
 Tables written before a field existed load with it absent: 0 or empty for the byte and overhead terms, None
-for ``outside_s``.
+for ``outside_s``, False for ``outputs_kept``.
 
 ``info`` holds plain facts about how the table was taken (torch version, device name; for a measured table
 ``profile_s``, the profile's wall time, and ``blocks_measured`` / ``blocks_reused``).
@@ -130,6 +145,53 @@ class CostTable:
     info: dict[str, Any] = field(default_factory=dict)
     autocast: dict[str, Any] | None = None
     outside_s: float | None = None
+    chain_lengths: list[int] = field(default_factory=list)
+    between_bytes: list[int] = field(default_factory=list)
+    backward_bytes: list[int] = field(default_factory=list)
+    outputs_kept: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.chain_lengths:
+            if self.between_bytes or self.backward_bytes:
+                raise ValueError(
+                    "between_bytes and backward_bytes need chain_lengths: give the number of blocks of each chain"
+                )
+            return
+        if self.backward_bytes and len(self.backward_bytes) != len(self.chain_lengths):
+            raise ValueError(
+                f"backward_bytes has {len(self.backward_bytes)} entries for {len(self.chain_lengths)} chains; give "
+                "one per chain (or none)"
+            )
+        if sum(self.chain_lengths) != len(self.blocks) or min(self.chain_lengths) < 1:
+            raise ValueError(
+                f"chain_lengths {self.chain_lengths} must be positive and sum to the {len(self.blocks)} blocks "
+                "of the table"
+            )
+        if len(self.between_bytes) != len(self.chain_lengths) - 1:
+            raise ValueError(
+                f"between_bytes has {len(self.between_bytes)} entries for {len(self.chain_lengths)} chains; give "
+                "one per pair of consecutive chains"
+            )
+
+    @property
+    def chains(self) -> list[range]:
+        """The row indices of each chain, in the order the step runs them forward (one range for one chain)."""
+        lengths = self.chain_lengths or [len(self.blocks)]
+        starts = [sum(lengths[:k]) for k in range(len(lengths))]
+        return [range(start, start + length) for start, length in zip(starts, lengths, strict=True)]
+
+    def between_after(self) -> dict[int, int]:
+        """Row index of each chain's last block (but the last chain's) -> the bytes that become alive after it."""
+        return {chain[-1]: gap for chain, gap in zip(self.chains, self.between_bytes, strict=False)}
+
+    def chain_index(self) -> list[int]:
+        """The chain each row belongs to."""
+        return [k for k, chain in enumerate(self.chains) for _ in chain]
+
+    def backward_bytes_per_row(self) -> list[int]:
+        """``backward_bytes`` of each row's chain (0 for every row when there are none)."""
+        grads = self.backward_bytes or [0] * len(self.chains)
+        return [grads[k] for k in self.chain_index()]
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -170,6 +232,10 @@ class CostTable:
             source=data.get("source", "measured"),
             info=data.get("info", {}),
             autocast=data.get("autocast"),
+            chain_lengths=list(data.get("chain_lengths", [])),
+            between_bytes=list(data.get("between_bytes", [])),
+            backward_bytes=list(data.get("backward_bytes", [])),
+            outputs_kept=bool(data.get("outputs_kept", False)),
         )
 
     def to_json(self) -> str:

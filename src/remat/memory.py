@@ -128,6 +128,10 @@ class LiveTensorTracker(TorchDispatchMode):
         refers to its latest mark."""
         self._marks.append((label, len(self._events)))
 
+    def marks(self) -> list[tuple[str, int]]:
+        """Every mark in the order it was made, with the number of events recorded before it."""
+        return list(self._marks)
+
     def has_mark(self, label: str) -> bool:
         return any(name == label for name, _ in self._marks)
 

@@ -5,8 +5,9 @@ takes the block's real inputs and, aside from the step (RNG forked, gradients re
 suspended), runs the block alone under every action (:func:`measure_block`): a live-tensor tracker gives the
 bytes kept after the forward, the forward and backward transients (:mod:`remat.block_bytes`); timed repeats
 of every action, interleaved, give forward, backward, recompute and overhead seconds
-(:mod:`remat.block_timing`, :mod:`remat.action_times`). The step itself is tracked too, for
-the memory before the chain (stem) and after it (head) (:mod:`remat.chain_bounds`).
+(:mod:`remat.block_timing`, :mod:`remat.action_times`). The step itself is tracked too, for the memory before
+the chain (stem) and after it (head), what the step keeps beside the blocks (T5's position biases, counted in
+the stem) and whether the model's output collects the blocks' outputs (:mod:`remat.chain_bounds`).
 
 Under ``torch.autocast`` the isolated runs keep the step's autocast settings but turn autocast's weight-cast
 cache off (:func:`remat.precision.casts_uncached`), so each block's casts are counted where they are made; the
@@ -25,6 +26,9 @@ were measured and reused.
 
 Lossy actions (``compress:<format>``) are profiled only when asked (``profile(..., lossy=("int8",))``): their
 rows also get the gradient error the action introduces in the block (:mod:`remat.grad_error`).
+
+Several chains (``blocks=remat.find_chains(model)``) are profiled in the same step: the table holds their rows
+in the order the step runs them, with ``chain_lengths`` and the bytes between them (``between_bytes``).
 
 It serves both :func:`profile` (one step on a sample batch) and in-training profiling: the dynamic controllers
 wrap the first real training step in a ``BlockProfiler``.
@@ -53,11 +57,12 @@ from .blocks import (
     OutputName,
     block_ios,
     replace_slot,
-    resolve_blocks,
+    resolve_chains,
     slot_value,
     without_caches,
 )
-from .chain_bounds import ChainBounds
+from .chain import chain_name
+from .chain_bounds import ChainBounds, CollectedOutputs
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
 from .grad_error import block_grad_error
 from .hf_guards import profiled_step
@@ -178,7 +183,8 @@ class BlockProfiler:
         lossy: Iterable[str] = (),
     ) -> None:
         self.model = model
-        self.chain = resolve_blocks(model, blocks)
+        self.chains = resolve_chains(model, blocks)
+        self.chain = [pair for chain in self.chains for pair in chain]
         self.io = list(io) if io is not None else block_ios(self.chain)
         self.policies = tuple(_policies.expand(policies))
         self.lossy = lossy_actions(lossy)
@@ -187,6 +193,7 @@ class BlockProfiler:
         self.rows: dict[int, BlockCost] = {}
         self.reuse_identical = reuse_identical
         self.reused: set[int] = set()
+        self.outputs = CollectedOutputs()  # does the model's output hold blocks' outputs (output_hidden_states)?
         # signature -> (index of the block measured for it, its footprint under keep)
         self._groups: dict[Hashable, tuple[int, Footprint]] = {}
         self._start: float | None = None
@@ -199,12 +206,16 @@ class BlockProfiler:
         self._autocast: AutocastSpec | None = None
 
     def __enter__(self) -> BlockProfiler:
-        for i, (fqn, module) in enumerate(self.chain):
-            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(i, fqn), with_kwargs=True))
-        last = len(self.chain) - 1
-        self._hooks.append(self.chain[last][1].register_forward_hook(self._chain_end_hook, with_kwargs=True))
+        i = 0
+        for k, chain in enumerate(self.chains):
+            for fqn, module in chain:
+                self._hooks.append(module.register_forward_pre_hook(self._pre_hook(i, fqn, k), with_kwargs=True))
+                self._hooks.append(module.register_forward_hook(self._output_hook(i), with_kwargs=True))
+                i += 1
+            self._hooks.append(chain[-1][1].register_forward_hook(self._chain_end_hook(i - 1, k), with_kwargs=True))
+        self._hooks.append(self.model.register_forward_hook(self._model_output_hook))
         self._tracker = LiveTensorTracker()
-        self._bounds = ChainBounds(self._tracker)
+        self._bounds = ChainBounds(self._tracker, len(self.chains))
         self._tracker.__enter__()
         self._start = time.perf_counter()
         self._elapsed = None
@@ -220,7 +231,7 @@ class BlockProfiler:
             self._tracker.exit_anywhere()  # the step may be found to have ended inside a later measure()
             self._tracker.close()
 
-    def _pre_hook(self, i: int, fqn: str) -> Callable[..., None]:
+    def _pre_hook(self, i: int, fqn: str, k: int = 0) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._busy or i in self.rows or not torch.is_grad_enabled():
                 return
@@ -228,7 +239,8 @@ class BlockProfiler:
             self._device = main.device
             self._autocast = AutocastSpec.current(main.device.type)
             if self._bounds is not None:
-                self._bounds.block_called(args, kwargs, main)
+                self._bounds.block_called(args, kwargs, main, k)
+                self._tracker.mark(f"call{i}")
             actions = self.actions or default_actions(main.device, self.policies, self.lossy)
             self._busy = True
             try:
@@ -263,10 +275,27 @@ class BlockProfiler:
         if first is None:
             self._groups[key] = (i, footprint)
 
-    def _chain_end_hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        if self._bounds is not None and not self._busy:
-            io = self.io[-1]
-            self._bounds.chain_output(io.output(output, io.input_tensor(args, kwargs).shape))
+    def _main_output(self, i: int, args: Any, kwargs: dict[str, Any], output: Any) -> torch.Tensor | None:
+        io = self.io[i]
+        return io.output(output, io.input_tensor(args, kwargs).shape)
+
+    def _output_hook(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+            if not self._busy and torch.is_grad_enabled():
+                self.outputs.block_output(self._main_output(i, args, kwargs, output))
+
+        return hook
+
+    def _model_output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._busy:
+            self.outputs.model_output(output, len(self.chains))
+
+    def _chain_end_hook(self, i: int, k: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+            if self._bounds is not None and not self._busy:
+                self._bounds.chain_output(self._main_output(i, args, kwargs, output), k)
+
+        return hook
 
     def cost_table(self) -> CostTable:
         """The measured table; raises if the step did not run every block with grad enabled."""
@@ -276,11 +305,18 @@ class BlockProfiler:
                 f"blocks {missing} did not run during the profiled step (with grad enabled); "
                 "profile a full forward and backward of the model"
             )
-        bounds = self._bounds.figures() if self._bounds is not None else {}
+        rows = [self.rows[i] for i in range(len(self.chain))]
+        bounds: dict[str, Any] = {}
+        if self._bounds is not None:
+            lengths = [len(chain) for chain in self.chains]
+            bounds = self._bounds.table_fields([row.saved(KEEP) for row in rows], lengths)
+            if len(self.chains) > 1:
+                rows = self._bounds.in_call_order(rows, lengths, [chain_name(c) for c in self.chains])
         device = self._device or torch.device("cpu")
         return CostTable(
-            blocks=[self.rows[i] for i in range(len(self.chain))],
+            blocks=rows,
             **bounds,
+            outputs_kept=self.outputs.kept,
             device=device.type,
             source="measured",
             info={
@@ -338,10 +374,10 @@ def profile(
     with autocast's weight-cast cache off (see :mod:`remat.precision`), and the table records the setting.
     After the profiled step, three plain steps are timed for ``outside_s`` (the step less its blocks)."""
     spec = autocast_spec(autocast, model_device(model).type)
-    chain = resolve_blocks(model, blocks)
-    io = block_ios(chain, main_input, main_output)
+    chains = resolve_chains(model, blocks)
+    io = block_ios([pair for chain in chains for pair in chain], main_input, main_output)
     profiler = BlockProfiler(
-        model, chain, policies=policies, repeats=repeats, io=io, reuse_identical=reuse_identical, lossy=lossy
+        model, chains, policies=policies, repeats=repeats, io=io, reuse_identical=reuse_identical, lossy=lossy
     )
     with GradsRestored(model), profiled_step(model):
         with profiler, casts_uncached():

@@ -146,6 +146,7 @@ class RematHandle:
     # ----- plan -----
     def set_plan(self, plan: Plan) -> None:
         """Switch to ``plan`` from the next forward on; no hooks are added or removed (Note [5])."""
+        plan = plan.in_order(self.fqns)  # a plan of several chains lists them as the step runs them
         units = plan.units_for(self.fqns)
         for unit in units:
             if unit.kind == "single" and unit.action.startswith(SELECTIVE_PREFIX):
@@ -386,9 +387,8 @@ def apply(
     main_output: OutputName | Mapping[str, OutputName] = None,
     time_recompute: bool = True,
 ) -> RematHandle:
-    """Install ``plan`` on ``model`` and return the handle (``set_plan``, ``remove``, ``stats``); Note [4].
-    ``main_input``/``main_output`` name the hidden state a block takes and returns where remat's guess is wrong
-    (see :mod:`remat.blocks`)."""
+    """Install ``plan`` on ``model``; return the handle (``set_plan``, ``remove``, ``stats``); Note [4].
+    ``main_input``/``main_output`` name a block's hidden state where remat's guess is wrong (:mod:`remat.blocks`)."""
     applied.refuse_overlap(model)
     refuse_hf_checkpointing(model)
     chain = resolve_blocks(model, blocks)

@@ -17,6 +17,12 @@ When any unit is not ``keep``, the blocks' other arguments the runtime holds for
 (``held_args_bytes``) are counted in every unit's peak and in the head's too (they may be freed before the
 earliest units' backward, and they were alive in the head's forward anyway: the safe side).
 
+A table of several chains (:attr:`remat.costs.CostTable.chain_lengths`) is one ledger: the chains' units in
+the order the step runs them, with each chain's ``between_bytes`` added to the prefix after its last unit (alive
+through every later chain's forward and backward, freed before the earlier chain's backward), and each chain's
+``backward_bytes`` added to the peak of its units. A group may not span two chains: each chain's blocks are
+called from their own stack.
+
 Time is a sum: a step keeping everything takes every block's ``fwd_s + bwd_s`` plus ``outside_s`` (the stem,
 head and loss, when the table knows it), and each unit adds its time cost (recomputation plus overhead, see
 :mod:`remat.unit_terms`)::
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .actions import (
@@ -76,11 +82,16 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
     unit_peaks = []
     units = units_from_actions(actions)
     held = costs.held_args_bytes if any(not (u.kind == SINGLE and u.action == KEEP) for u in units) else 0
+    between = costs.between_after()
+    if between:
+        check_within_chains(costs, units)
+    backward_extra = costs.backward_bytes_per_row()
     for unit in units:
         terms = unit_terms(costs, unit)
-        peak = max(peak, prefix + terms.peak + held)
-        unit_peaks.append(terms.peak + held)
-        prefix += terms.retained
+        unit_peak = terms.peak + held + backward_extra[unit.start]
+        peak = max(peak, prefix + unit_peak)
+        unit_peaks.append(unit_peak)
+        prefix += terms.retained + between.get(unit.end, 0)
         recompute += terms.recompute_s
         overhead += terms.overhead_s
         time_cost += terms.time_cost_s
@@ -94,6 +105,18 @@ def keep_step_s(costs: CostTable) -> float:
     """Predicted seconds of a step keeping everything: every block's forward and backward, plus ``outside_s``
     when the table knows it."""
     return sum(b.fwd_s + b.bwd_s for b in costs.blocks) + (costs.outside_s or 0.0)
+
+
+def check_within_chains(costs: CostTable, units: Sequence[Unit]) -> None:
+    """Raise ValueError when a group of ``units`` spans two chains of ``costs``."""
+    chain_of = costs.chain_index()
+    for unit in units:
+        if chain_of[unit.start] != chain_of[unit.end]:
+            first, last = costs.blocks[unit.start].fqn, costs.blocks[unit.end].fqn
+            raise ValueError(
+                f"a group runs from {first!r} to {last!r}, across two chains; a segment or memory-poor group "
+                "must lie within one chain: give the blocks of each chain their own group ids"
+            )
 
 
 def no_checkpoint_peak(costs: CostTable) -> int:
@@ -140,8 +163,19 @@ class Plan:
     ) -> Plan:
         if not isinstance(actions, dict):
             actions = dict(zip(costs.fqns, actions, strict=True))
+        if costs.chain_lengths:
+            options.setdefault("chains", list(costs.chain_lengths))
         sim = simulate(costs, actions)
         return cls(dict(actions), strategy, budget_bytes, sim.peak_bytes, sim.recompute_s, dict(options), sim.step_s)
+
+    def in_order(self, fqns: Sequence[str]) -> Plan:
+        """This plan with its blocks listed in the order ``fqns`` (a model's chains in module order) when it plans
+        several chains (``options["chains"]``) listed in another order (the order the step runs them); else
+        itself. Each chain moves as a whole, so its groups stay whole."""
+        chains = self.options.get("chains")
+        if not chains or list(self.actions) == list(fqns) or set(self.actions) != set(fqns):
+            return self
+        return replace(self, actions={fqn: self.actions[fqn] for fqn in fqns})
 
     @property
     def fits(self) -> bool:

@@ -33,6 +33,11 @@ group's own input belongs to the unit before)::
     group overhead        = frame[s] + ... + frame[e]
     re-runs of block m    = 1 in a segment, e - m + 1 in a memory-poor group
 
+When the model keeps every block's output to the end of the step (``outputs_kept``: Hugging Face's
+``output_hidden_states`` collects them), a group's inner outputs are not freed: they add up to the sum of the
+outputs of ``s..m-1`` (``kept[m]``): the forward peak reads ``kept[m]`` for ``inside[m]``, the group's backward
+holds ``kept[e]`` beside its own bytes, and the group retains ``checkpointed[e] + kept[e]``.
+
 Sums of seconds run left to right in both forms (``itertools.accumulate`` and ``np.cumsum``, which numpy
 computes sequentially), so the two give the same floating-point numbers, not only close ones.
 """
@@ -88,7 +93,7 @@ def unit_terms(costs: CostTable, unit: Unit) -> UnitTerms:
     if unit.kind == SINGLE:
         return single_terms(costs.blocks[unit.start], unit.action, costs.head_retained_bytes)
     blocks = [BlockNumbers.of(b) for b in costs.blocks[unit.start : unit.end + 1]]
-    return group_terms(blocks, unit.kind, costs.head_retained_bytes)
+    return group_terms(blocks, unit.kind, costs.head_retained_bytes, costs.outputs_kept)
 
 
 def single_terms(block: BlockCost, action: str, head_retained: int) -> UnitTerms:
@@ -130,11 +135,13 @@ class BlockNumbers:
         )
 
 
-def group_terms(blocks: Sequence[BlockNumbers], kind: str, head_retained: int) -> UnitTerms:
-    """The terms of a group (``kind`` SEGMENT or MEMORY_POOR) of the consecutive ``blocks``."""
+def group_terms(blocks: Sequence[BlockNumbers], kind: str, head_retained: int, outputs_kept: bool = False) -> UnitTerms:
+    """The terms of a group (``kind`` SEGMENT or MEMORY_POOR) of the consecutive ``blocks``; with
+    ``outputs_kept`` the model keeps every block's output (``inside`` sums the outputs before block ``m``)."""
     check_group_kind(kind)
     inside = [0] + [b.output for b in blocks[:-1]]
-    forward_peak = max(inside[m] + b.checkpointed + b.fwd_temp for m, b in enumerate(blocks))
+    kept = list(accumulate(inside)) if outputs_kept else [0] * len(blocks)  # outputs s..m-1 the model keeps
+    forward_peak = max(max(inside[m], kept[m]) + b.checkpointed + b.fwd_temp for m, b in enumerate(blocks))
     reruns_to = list(accumulate(b.rerun for b in blocks))  # reruns_to[m] = rerun[s] + ... + rerun[m]
     if kind == SEGMENT:
         keeps_to = list(accumulate(b.keep for b in blocks))
@@ -145,8 +152,9 @@ def group_terms(blocks: Sequence[BlockNumbers], kind: str, head_retained: int) -
         recompute = list(accumulate(reruns_to))[-1]
         reexecutions = tuple(len(blocks) - m for m in range(len(blocks)))
     overhead = list(accumulate(b.frame for b in blocks))[-1]
-    peak = max(forward_peak, backward_peak) + head_retained
-    return UnitTerms(blocks[-1].checkpointed, peak, recompute, reexecutions, overhead)
+    peak = max(forward_peak, backward_peak + kept[-1]) + head_retained
+    retained = blocks[-1].checkpointed + kept[-1]
+    return UnitTerms(retained, peak, recompute, reexecutions, overhead)
 
 
 # ---------------------------------------------------------------- vectorised form: every unit of a chain
@@ -218,7 +226,13 @@ class GroupTable:
 
 
 def group_table(
-    numbers: ChainNumbers, head_retained: int, longest: int, kinds: Sequence[str], first: int = 0, rows: int = -1
+    numbers: ChainNumbers,
+    head_retained: int,
+    longest: int,
+    kinds: Sequence[str],
+    first: int = 0,
+    rows: int = -1,
+    outputs_kept: bool = False,
 ) -> GroupTable:
     """:func:`group_terms` of every group of up to ``longest`` blocks, for each of the group ``kinds``, starting
     at each of the ``rows`` blocks from ``first`` on (``rows=-1``: every block from ``first`` to the end)."""
@@ -230,21 +244,24 @@ def group_table(
     starts = np.arange(first, first + rows)[:, None]
     block = np.minimum(starts + column, n - 1)  # block m of group (s, j); clamped past the end
     inside = np.where(column > 0, numbers.output[block - 1], 0)
-    forward_peak = np.maximum.accumulate(inside + numbers.checkpointed[block] + numbers.fwd_temp[block], axis=1)
+    kept = np.cumsum(inside, axis=1) if outputs_kept else np.zeros_like(inside)  # outputs s..m-1 kept
+    forward_peak = np.maximum.accumulate(
+        np.maximum(inside, kept) + numbers.checkpointed[block] + numbers.fwd_temp[block], axis=1
+    )
     reruns_to = np.cumsum(numbers.rerun[block], axis=1)
     length = np.arange(1, longest + 1, dtype=np.int64)
-    table = GroupTable(first, numbers.checkpointed[block], {}, {}, {}, {}, {})
+    table = GroupTable(first, numbers.checkpointed[block] + kept, {}, {}, {}, {}, {})
     frames_to = np.cumsum(numbers.frame[block], axis=1)
     if SEGMENT in kinds:
         keeps_to = np.cumsum(numbers.keep[block], axis=1)
-        backward = np.maximum.accumulate(keeps_to + numbers.temp[block], axis=1)
+        backward = np.maximum.accumulate(keeps_to + numbers.temp[block], axis=1) + kept
         table.peak[SEGMENT] = np.maximum(forward_peak, backward) + head_retained
         table.recompute_s[SEGMENT] = reruns_to
         table.reexecutions[SEGMENT] = length
         table.overhead_s[SEGMENT] = frames_to
         table.time_cost_s[SEGMENT] = reruns_to + table.overhead_s[SEGMENT]
     if MEMORY_POOR in kinds:
-        backward = np.maximum.accumulate(numbers.keep[block] + inside + numbers.temp[block], axis=1)
+        backward = np.maximum.accumulate(numbers.keep[block] + inside + numbers.temp[block], axis=1) + kept
         table.peak[MEMORY_POOR] = np.maximum(forward_peak, backward) + head_retained
         table.recompute_s[MEMORY_POOR] = np.cumsum(reruns_to, axis=1)
         table.reexecutions[MEMORY_POOR] = length * (length + 1) // 2

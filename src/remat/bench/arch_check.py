@@ -11,8 +11,8 @@ seed each time:
 
 Each step's gradients must be bitwise equal to the plain step's, its buffers equal, its outputs equal (every
 tensor, and the number of hidden states and router logits), and the measured activation peak of the planned
-step within the budget. A model with several chains is refused by ``profile`` unless one chain is named; the
-matrix then plans its longest chain (the last on a tie: the decoder of an encoder-decoder) and says so.
+step within the budget. A model with several chains is refused by ``profile`` unless its chains are named; the
+matrix then plans all of them together under the one budget (``blocks=remat.find_chains(model)``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from torch import nn
 
 import remat
 from remat.bench.arch_zoo import Architecture
+from remat.blocks import resolve_blocks
 from remat.hf_guards import cache_configs
+from remat.memory import LiveTensorTracker
 from remat.planners import minimum_peak_bytes
 
 SEED = 1234
@@ -75,8 +77,8 @@ class ArchResult:
         if self.problems:
             return "differs: " + self.problems[0][:80]
         notes = []
-        if self.profile_refusal:
-            notes.append(f"planned {self.planned[0].rsplit('.', 1)[0]} of {len(self.chains)} chains")
+        if len(self.chains) > 1:
+            notes.append(f"{len(self.chains)} chains planned together")
         if self.plan_refusal:
             notes.append("budget under the minimum: planned at it")
         head = "ok" if self.within_budget else f"over budget by {self.peak_bytes - self.budget_bytes} B"
@@ -112,12 +114,17 @@ def _loss(arch: Architecture, output: Any) -> torch.Tensor:
     return output.loss
 
 
-def _run_step(arch: Architecture, model: nn.Module, batch: dict[str, Any]) -> StepRecord:
+def _step(arch: Architecture, model: nn.Module, batch: dict[str, Any]) -> Any:
+    """One training step (seeded, gradients from zero); returns the model's output."""
     torch.manual_seed(SEED)
     model.zero_grad(set_to_none=True)
     output = model(**batch)
     _loss(arch, output).backward()
-    return record_step(model, output)
+    return output
+
+
+def _run_step(arch: Architecture, model: nn.Module, batch: dict[str, Any]) -> StepRecord:
+    return record_step(model, _step(arch, model, batch))
 
 
 def plain_step(arch: Architecture, model: nn.Module, batch: dict[str, Any]) -> StepRecord:
@@ -187,11 +194,10 @@ def _state_kept(model: nn.Module) -> Iterator[Callable[[], None]]:
     restore()
 
 
-def chain_to_plan(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The chain the matrix plans: the only one, or of several the longest (the last on a tie)."""
+def chain_to_plan(model: nn.Module) -> Any:
+    """The ``blocks=`` the matrix plans: the only chain, or all of several (planned together)."""
     chains = remat.find_chains(model)
-    longest = max(len(c) for c in chains)
-    return [c for c in chains if len(c) == longest][-1]
+    return chains[0] if len(chains) == 1 else chains
 
 
 def check(arch: Architecture, *, budget: float = 0.5, integration: bool = True) -> ArchResult:
@@ -211,7 +217,7 @@ def _check(arch: Architecture, budget: float, integration: bool, result: ArchRes
     result.chains = [c[0][0].rsplit(".", 1)[0] for c in chains]
     result.blocks = [fqn for fqn, _ in remat.find_blocks(model)]
     chain = chain_to_plan(model)
-    result.planned = [fqn for fqn, _ in chain]
+    result.planned = [fqn for fqn, _ in resolve_blocks(model, chain)]
     loss_fn = lambda out: _loss(arch, out)  # noqa: E731
     with _state_kept(model) as restore:
         reference = plain_step(arch, model, batch)
@@ -242,11 +248,17 @@ def _check(arch: Architecture, budget: float, integration: bool, result: ArchRes
         result.predicted_bytes = plan.predicted_peak_bytes
         handle = remat.apply(model, plan, blocks=chain)
         try:
-            with remat.measure() as measured:
-                got = _run_step(arch, model, batch)
+            # The step alone is tracked (not the copies record_step makes), and the tracker is closed once the
+            # output is dropped, so the output counts as the activation it is (as the simulator counts it).
+            tracker = LiveTensorTracker()
+            with tracker:
+                output = _step(arch, model, batch)
+            got = record_step(model, output)
+            del output
+            tracker.close()
         finally:
             handle.remove()
-        result.peak_bytes = measured.activation_bytes
+        result.peak_bytes = tracker.peak(exclude_survivors=True)
         result.problems += compare(reference, got, "apply")
         restore()
         if integration:
@@ -287,12 +299,13 @@ def format_table(results: list[ArchResult]) -> str:
     """The matrix as a text table."""
     from remat.sizes import format_bytes
 
-    header = f"{'arch':<12} {'chains':>6} {'blocks':>6} {'exact':>5} {'peak / budget':>22}  status"
+    header = f"{'arch':<12} {'chains':>6} {'blocks':>6} {'exact':>5} {'peak / budget':>22} {'predicted':>11}  status"
     lines = [header, "-" * len(header)]
     for r in results:
         peak = f"{format_bytes(r.peak_bytes)} / {format_bytes(r.budget_bytes)}" if r.budget_bytes else "-"
+        predicted = format_bytes(r.predicted_bytes) if r.predicted_bytes else "-"
         lines.append(
-            f"{r.name:<12} {len(r.chains):>6} {len(r.planned):>6} {'yes' if r.exact else 'no':>5} {peak:>22}  "
-            f"{r.status}"
+            f"{r.name:<12} {len(r.chains):>6} {len(r.planned):>6} {'yes' if r.exact else 'no':>5} {peak:>22} "
+            f"{predicted:>11}  {r.status}"
         )
     return "\n".join(lines)

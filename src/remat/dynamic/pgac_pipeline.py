@@ -86,7 +86,10 @@ def stage_costs(costs: CostTable, start: int, end: int) -> CostTable:
     stem = costs.stem_bytes if start == 0 else rows[0].input_bytes
     head = costs.head_bytes if last else rows[-1].output_bytes
     retained = costs.head_retained_bytes if last else 0
-    return replace(costs, blocks=list(rows), stem_bytes=stem, head_bytes=head, head_retained_bytes=retained)
+    return replace(
+        costs, blocks=list(rows), stem_bytes=stem, head_bytes=head, head_retained_bytes=retained,
+        chain_lengths=[], between_bytes=[], backward_bytes=[],  # a stage is planned as one chain
+    )  # fmt: skip
 
 
 def simulate_pipeline_masks(

@@ -69,7 +69,8 @@ def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's ``GradientCheckpointingLayer`` modules in module order, as ``(fqn, module)`` (outermost only).
 
     The layers must form one chain (one layer list): an encoder-decoder or a model with several towers raises,
-    naming its chains; pass one of :func:`remat.find_chains` as ``blocks=`` to :func:`enable`.
+    naming its chains; pass ``blocks=remat.find_chains(model)`` to :func:`enable` to plan them together under one
+    budget, or one of them to plan that one.
     """
     layer_class = _layer_class()
     found: list[tuple[str, nn.Module]] = []

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks import resolve_blocks
+from ..blocks import resolve_blocks, several_chains
 from ..costs import CHECKPOINT, CostTable
 from ..memory import model_device
 from ..planners import STRATEGIES
@@ -135,6 +135,8 @@ class RematSession:
         self._removed = False
         chain = resolve_blocks(model, blocks)
         names = {"main_input": main_input, "main_output": main_output}
+        # What profiles see: several chains stay several (planned together), else the chain.
+        self._profiled: Any = blocks if several_chains(blocks) else chain
 
         if strategy == "pgac":
             unknown = set(options) - PGAC_OPTIONS
@@ -145,7 +147,9 @@ class RematSession:
             if costs is None:
                 _refuse_compiled(chain)  # PGAC would profile the first step
                 if batch is not None:
-                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, autocast=autocast, **names)
+                    self.costs = profile(
+                        model, batch, loss_fn=loss_fn, blocks=self._profiled, autocast=autocast, **names
+                    )
             import remat
 
             self.pgac = remat.PGAC(
@@ -164,7 +168,9 @@ class RematSession:
             if plan is None:
                 if self.costs is None and batch is not None:
                     _refuse_compiled(chain)
-                    self.costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, autocast=autocast, **names)
+                    self.costs = profile(
+                        model, batch, loss_fn=loss_fn, blocks=self._profiled, autocast=autocast, **names
+                    )
                 if self.costs is not None:
                     self.costs = self._shared(self.costs)
                     plan = self._plan_for(self.costs)
@@ -265,7 +271,7 @@ class RematSession:
                     "block's parameters after its forward). Make the plan before sharding: pass batch=<a sample "
                     "batch> or costs= (see remat.integrations.distributed.prepare)"
                 )
-            self._profiler = BlockProfiler(self.model, self.handle.blocks, io=self.handle.io)
+            self._profiler = BlockProfiler(self.model, self._profiled, io=self.handle.io)
             self._profiler.__enter__()
         else:  # a second training forward before any optimizer step: the profiled step has ended
             self._finish_profiling()

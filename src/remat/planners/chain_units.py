@@ -40,6 +40,10 @@ class ChainUnits:
     head: int
     stem: int
     head_retained: int
+    between: np.ndarray  # (blocks,): bytes that become alive after a unit ending at the block (chains' ends)
+    chain_of: np.ndarray  # (blocks,): the chain of each block; no group spans two
+    backward_extra: np.ndarray  # (blocks,): added to the peak of a unit starting at the block (its chain's)
+    outputs_kept: bool  # the model keeps every block's output (a group's inner outputs are not freed)
     _groups: dict[int, GroupTable] = field(default_factory=dict)
     _starting: dict[tuple[int, int], Units] = field(default_factory=dict)
     _rows: GroupTable | None = None  # the latest run of rows computed for starting_at
@@ -48,9 +52,13 @@ class ChainUnits:
     def from_costs(cls, costs: CostTable, actions: list[str] | None) -> ChainUnits:
         singles, group_kinds = allowed_actions(costs, actions)
         numbers = ChainNumbers.of(costs) if group_kinds else None
+        between = np.zeros(len(costs), dtype=np.int64)
+        for end, gap in costs.between_after().items():
+            between[end] = gap
         return cls(
             single_table(costs, singles), group_kinds, numbers, int(costs.head_bytes), int(costs.stem_bytes),
-            int(costs.head_retained_bytes),
+            int(costs.head_retained_bytes), between, np.array(costs.chain_index(), dtype=np.int64),
+            np.array(costs.backward_bytes_per_row(), dtype=np.int64), costs.outputs_kept,
         )  # fmt: skip
 
     @property
@@ -109,7 +117,7 @@ class ChainUnits:
 
     def _group_table(self, longest: int, first: int = 0, rows: int = -1) -> GroupTable:
         assert self.numbers is not None, "groups are only listed when a group kind is allowed"
-        return group_table(self.numbers, self.head_retained, longest, self.group_kinds, first, rows)
+        return group_table(self.numbers, self.head_retained, longest, self.group_kinds, first, rows, self.outputs_kept)
 
     def _collect(self, block: int, starts: np.ndarray, ends: np.ndarray, picks: dict[str, tuple]) -> Units:
         """The singles of ``block`` followed by the groups ``starts..ends`` of each kind, whose retained bytes,
@@ -120,9 +128,14 @@ class ChainUnits:
         codes = np.arange(n_single, dtype=i64)
         column = (singles.retained, singles.peak, singles.time_cost_s)
         parts = [(at, at, *(terms[:, block] for terms in column), singles.reexecutions, codes)]
+        within = self.chain_of[starts] == self.chain_of[ends]  # groups stay inside one chain
         for k, kind in enumerate(self.group_kinds if picks else ()):
-            parts.append((starts, ends, *picks[kind], np.full(len(starts), n_single + k, dtype=i64)))
-        return Units(*(np.concatenate(column) for column in zip(*parts, strict=True)))
+            group = (starts, ends, *picks[kind], np.full(len(starts), n_single + k, dtype=i64))
+            parts.append(tuple(np.asarray(column)[within] for column in group))
+        units = Units(*(np.concatenate(column) for column in zip(*parts, strict=True)))
+        units.retained = units.retained + self.between[units.end]  # alive from the next chain's start on
+        units.peak = units.peak + self.backward_extra[units.start]
+        return units
 
     def actions_from_units(self, units: list[tuple[int, int, int]]) -> list[str]:
         """Block actions of the chosen units ``(start, end, code)``."""

@@ -1,10 +1,14 @@
 """Static strategies as pure functions of a CostTable: memory-rich, full, every-k, sqrt(n), memory-poor and
-random selection. No torch state and no I/O."""
+random selection. No torch state and no I/O.
+
+On a table of several chains the grouping strategies (every-k, sqrt, memory-poor) group each chain on its own:
+a group never spans two chains, and group ids are numbered across the whole plan."""
 
 from __future__ import annotations
 
 import math
 import random as _random
+from collections.abc import Callable
 
 from ..actions import MEMORY_POOR_PREFIX, SEGMENT_PREFIX
 from ..costs import CHECKPOINT, KEEP, CostTable
@@ -35,24 +39,40 @@ def segments(n: int, k: int) -> list[str]:
     return actions
 
 
+def per_chain(costs: CostTable, actions_for: Callable[[int], list[str]]) -> list[str]:
+    """``actions_for(n)`` applied to each chain of ``costs`` (``n`` its blocks), group ids renumbered so that no
+    two chains share one."""
+    actions: list[str] = []
+    offset = 0
+    for chain in costs.chains:
+        ids: dict[str, str] = {}
+        for action in actions_for(len(chain)):
+            for prefix in (SEGMENT_PREFIX, MEMORY_POOR_PREFIX):
+                if action.startswith(prefix):
+                    action = ids.setdefault(action, f"{prefix}{offset + len(ids)}")
+            actions.append(action)
+        offset += len(ids)
+    return actions
+
+
 def every_k(costs: CostTable, budget: int | None = None, k: int = 2) -> Plan:
     """Static uniform checkpointing: store one input every ``k`` blocks and recompute each segment of ``k``
     blocks from it."""
-    return Plan.from_actions(costs, segments(len(costs), int(k)), "every_k", budget, k=int(k))
+    return Plan.from_actions(costs, per_chain(costs, lambda n: segments(n, int(k))), "every_k", budget, k=int(k))
 
 
 def sqrt(costs: CostTable, budget: int | None = None) -> Plan:
-    """Segments of about sqrt(L) blocks: O(sqrt L) memory for one extra forward (Chen et al. 2016)."""
-    k = max(1, round(math.sqrt(len(costs))))
-    return Plan.from_actions(costs, segments(len(costs), k), "sqrt", budget, k=k)
+    """Segments of about sqrt(L) blocks: O(sqrt L) memory for one extra forward (Chen et al. 2016); L is the
+    longest chain's length."""
+    k = max(1, round(math.sqrt(max(len(chain) for chain in costs.chains))))
+    return Plan.from_actions(costs, per_chain(costs, lambda n: segments(n, k)), "sqrt", budget, k=k)
 
 
 def memory_poor(costs: CostTable, budget: int | None = None) -> Plan:
     """Store nothing inside the chain: every block's activations are recomputed from the chain's input
     (O(1) memory, L(L-1)/2 block re-executions). The last block is kept: its backward follows its forward
     immediately, so storing it costs nothing at the peak."""
-    n = len(costs)
-    actions = [f"{MEMORY_POOR_PREFIX}0"] * (n - 1) + [KEEP] if n else []
+    actions = per_chain(costs, lambda n: ([f"{MEMORY_POOR_PREFIX}0"] * (n - 1) + [KEEP]) if n else [])
     return Plan.from_actions(costs, actions, "memory_poor", budget)
 
 
