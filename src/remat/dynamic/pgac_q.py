@@ -4,9 +4,10 @@ Everything of :class:`remat.PGAC` carries over (scores, EMA, quantile threshold,
 budget, pipeline thresholds, state_dict); what changes is the mask. Blocks are ranked by their impact on the
 update, ``rank="score"`` (the EMA of ``||dL/da * a||``, PGAC's score) or ``rank="error"`` (the gradient
 error the profile measured for the block under the compress action); ``tau = gamma * Quantile_q(ranking)``.
-Blocks ranked at or above ``tau`` are kept, the others stored compressed; the budget then compresses the
-kept blocks of lowest impact and, if that is not enough, recomputes the compressed blocks of highest impact
-(:mod:`.pgac_q_mask`).
+Blocks ranked at or above ``tau`` are kept, the others (the lowest-impact ones, which PGAC recomputes) are
+stored compressed; the budget then recomputes the kept blocks of lowest impact and, if that is not enough, the
+compressed blocks of highest impact, and below what exact plans reach the optimal planner places compressed
+blocks (:mod:`.pgac_q_mask`).
 
 Lossy: compressed blocks change the gradients (:mod:`remat.compression`, ``docs/lossy.md``). With
 ``compress=None`` nothing is compressed and PGAC-Q is PGAC, decision for decision.

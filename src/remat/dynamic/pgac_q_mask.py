@@ -4,18 +4,23 @@
 Fitting, with the ranking (the EMA of ``||dL/da * a||``, or the profiled gradient error) and the score mask
 (``ranking_l >= tau``):
 
-1. blocks the score mask stores are kept; the others are stored compressed (where PGAC recomputes them);
-2. while the predicted peak exceeds the budget, the kept block of lowest impact is compressed instead (ties:
-   the block that frees the most bytes per second of compression cost goes first);
-3. when every block is compressed and the plan still does not fit, the compressed block of highest impact is
-   recomputed instead (exact again), then the next highest, and so on;
-4. when no such plan fits either, the optimal planner is run over keep, checkpoint, the compress action,
-   segments and memory-poor groups, and its plan is used. A budget below the least that planner reaches
-   raises :class:`BudgetError` naming that minimum.
+1. blocks the score mask stores are kept; the others, the lowest-impact ones, are stored compressed where
+   PGAC recomputes them;
+2. while the predicted peak exceeds the budget, the kept block of lowest impact is recomputed instead, as in
+   PGAC (ties: the block that frees the most bytes per second of recompute goes first). High-impact blocks
+   are never compressed by the budget: recomputing keeps their gradients exact;
+3. when no block is kept and the plan still does not fit, the compressed block of highest impact is
+   recomputed too, then the next highest, and so on;
+4. when no such plan fits either (the budget is below what checkpointing every block reaches), the optimal
+   planner is run over keep, checkpoint, the compress action, segments and memory-poor groups, and its plan
+   is used: below the least exact peak that is where compression lets training go. A budget below the least
+   that planner reaches raises :class:`BudgetError` naming that minimum.
 
-The peak is not monotone in steps 2-3 (a recomputed block's backward may peak above a compressed one's), so
-the steps are taken one at a time and the first plan that fits is used: the fewest changes from the score
-mask. Results are cached by the score mask and the ranking's order.
+So one mask holds all three states at once: the highest-impact blocks kept, the lowest compressed, and those
+between recomputed as far as the budget demands. The peak is not monotone in steps 2-3 (a recomputed
+block's backward may peak above a compressed one's), so the steps are taken one at a time and the first plan
+that fits is used: the fewest changes from the score mask. Results are cached by the score mask and the
+ranking's order.
 """
 
 from __future__ import annotations
@@ -58,14 +63,14 @@ class QuantizedMaskFitter:
         self.costs, self.budget, self.action = costs, budget_bytes, action
         self.allowed = [KEEP, CHECKPOINT, action, SEGMENT, MEMORY_POOR]
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[tuple[bool, ...], tuple[int, ...]], FittedMask] = OrderedDict()
+        self._cache: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], FittedMask] = OrderedDict()
         self._planned: FittedMask | None = None
         self.simulations = 0
-        # Bytes freed per second of compression cost when a block goes from keep to compressed (the tie-break).
+        # Bytes freed per second of recompute when a block goes from keep to checkpoint (the tie-break).
         self._efficiency = []
         for row in costs.blocks:
-            freed = row.saved(KEEP) - row.saved(action)
-            self._efficiency.append(freed / max(row.time_cost(action), 1e-12))
+            freed = row.saved(KEEP) - row.saved(CHECKPOINT)
+            self._efficiency.append(freed / max(row.recompute_s.get(CHECKPOINT, 0.0), 1e-12))
         if budget_bytes is not None:
             self._check_feasible()
 
@@ -73,7 +78,7 @@ class QuantizedMaskFitter:
         """Raise BudgetError now when even the last fitting step and the planner cannot meet the budget."""
         n = len(self.costs)
         assert self.budget is not None
-        if min(self._sim([self.action] * n)[0], self._sim([CHECKPOINT] * n)[0]) > self.budget:
+        if self._sim([CHECKPOINT] * n)[0] > self.budget:
             self._plan_fallback(tuple(range(n)))
 
     def _sim(self, actions: list[str]) -> tuple[int, float]:
@@ -82,22 +87,22 @@ class QuantizedMaskFitter:
         return sim.peak_bytes, sim.recompute_s
 
     def orders(self, stored: Sequence[bool], ranking: Sequence[float]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The kept blocks in the order they are compressed (lowest impact first) and every block in the order
-        compressed blocks are recomputed (highest impact first)."""
+        """The kept blocks in the order they are recomputed (lowest impact first), then the compressed blocks in
+        the order they are recomputed (highest impact first)."""
         up = sorted((i for i, s in enumerate(stored) if s), key=lambda i: (ranking[i], -self._efficiency[i], i))
-        down = sorted(range(len(ranking)), key=lambda i: (-ranking[i], i))
+        down = sorted((i for i, s in enumerate(stored) if not s), key=lambda i: (-ranking[i], i))
         return tuple(up), tuple(down)
 
     def fit(self, stored: Sequence[bool], ranking: Sequence[float]) -> FittedMask:
         if len(stored) != len(self.costs) or len(ranking) != len(self.costs):
             raise ValueError(f"mask and ranking must have one entry per block ({len(self.costs)})")
         up, down = self.orders(stored, ranking)
-        key = (tuple(bool(s) for s in stored), down)
+        key = (up, down)
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
-        fitted = self._fit(key[0], up, down)
+        fitted = self._fit(tuple(bool(s) for s in stored), up, down)
         self._cache[key] = fitted
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
@@ -107,11 +112,11 @@ class QuantizedMaskFitter:
         actions = [KEEP if s else self.action for s in stored]
         changed: list[int] = []
         how = "mask"
-        steps = [(i, self.action, "compressed") for i in up] + [(i, CHECKPOINT, "recomputed") for i in down]
+        steps = [(i, "kept recomputed") for i in up] + [(i, "compressed recomputed") for i in down]
         for k in range(len(steps) + 1):
             if k > 0:
-                i, action, how = steps[k - 1]
-                actions[i] = action
+                i, how = steps[k - 1]
+                actions[i] = CHECKPOINT
                 changed.append(i)
             peak, recompute = self._sim(actions)
             if self.budget is None or peak <= self.budget:
