@@ -156,6 +156,10 @@ def test_budgets_below_every_exact_plan_train_with_compressed_blocks():
     budget = 900
     with pytest.raises(BudgetError):
         remat.plan(costs, "optimal", budget)
+    exact_min = remat.planners.minimum_peak_bytes(costs, ["keep", "checkpoint", "segment", "memory_poor"])
+    assert budget < exact_min
+    with pytest.raises(BudgetError, match=f"\\({exact_min} bytes\\)"):
+        remat.PGAC(model, budget, costs=costs)  # PGAC plans exact actions only, whatever the table holds
     pgacq = remat.PGACQ(model, budget, costs=costs)
     assert pgacq.plan.options["how"] == "planner" and pgacq.plan.predicted_peak_bytes <= budget < exact_floor
     assert "compress" in pgacq.states.values()
