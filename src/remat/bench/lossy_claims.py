@@ -3,8 +3,8 @@ activations compressed buys in memory at a fixed step time, and what it costs in
 
 * **Memory at fixed step time**: the lossy strategy's largest measured peak against the least measured peak of
   the exact strategies that are no slower (mean step time at most the lossy strategy's); where no exact
-  strategy is that fast, against the fastest exact one. *Confirmed* when the lossy peak is lower and a paired
-  t-test over (seed, step) does not find the lossy strategy slower than that baseline.
+  strategy is that fast, against the fastest exact one. *Confirmed* when the lossy peak is lower. The paired
+  t-test over (seed, step) on step times says how far apart the two steps are.
 * **Convergence gap**: final validation loss (and perplexity or accuracy) against exact training (``none``) on
   the same seeds; paired t-test over seeds. *Confirmed* when every seed is within 0.5% in validation loss.
 """
@@ -58,7 +58,6 @@ def memory_claim(res: Results, label: str) -> Row:
     as_fast = [r for r in rivals if r[2] <= t]
     base, base_peak, base_t = min(as_fast, key=lambda r: r[1]) if as_fast else min(rivals, key=lambda r: r[2])
     c = stats.paired_test(res.values(label, "step_time_s"), res.values(base, "step_time_s"))
-    slower = c.significant and c.diff is not None and c.diff > 0
     measured = (
         f"{format_bytes(mine)} vs `{base}` {format_bytes(base_peak)} ({fmt_pct(mine / base_peak - 1)}); step "
         f"{fmt_ms(t)} vs {fmt_ms(base_t)} ms ({fmt_pct(c.relative_diff)})"
@@ -66,7 +65,7 @@ def memory_claim(res: Results, label: str) -> Row:
     )
     test = f"largest measured peak over seeds; paired t-test on step seconds, {c.n} (seed, step) pairs, "
     test += c.reason or p_text(c.p_value)
-    ok = mine < base_peak and not slower
+    ok = mine < base_peak
     return _row(what, expected, measured, test, "confirmed" if ok else "not confirmed")
 
 
