@@ -7,11 +7,15 @@ validation loss.
 The model is profiled once with ``lossy=formats``. Budgets: 25% and 50% of the no-checkpoint activation
 memory (predicted), and 90% of the least peak any exact plan reaches. At each budget: the best exact plan
 (``remat.plan(costs, "optimal", budget)``), every block under ``compress:<format>`` (whatever the budget), and
-the optimal lossy plan (``allow_lossy=True``). For each plan: the measured peak activation bytes of one step
+the optimal lossy plan (``allow_lossy=True``), and PGAC-Q (``remat.PGACQ``, compressing with the first format,
+re-planning every step from its gradient scores). For each plan: the measured peak activation bytes of one step
 (``remat.measure().activation_bytes``), the median CPU time of a step (one thread) over ``--time-steps``
 steps relative to a step with no checkpointing, and the validation loss after ``--steps`` AdamW steps (same
-initial weights, same batches, dropout 0.1) relative to exact training. Exact plans give bit-identical gradients to no
-checkpointing, so their loss is the exact one and is not trained again.
+initial weights, same batches, dropout 0.1) relative to exact training, averaged over ``--seeds`` dropout seeds
+(paired: exact training runs with the same seeds). Exact plans give bit-identical gradients to no checkpointing,
+so their loss is the exact one and is not trained again. PGAC-Q's peak and time are measured after 5 steps of
+re-planning (its mask changes with training; the column ``K/Q/R`` counts kept, compressed and recomputed blocks
+over its training steps).
 """
 
 from __future__ import annotations
@@ -62,20 +66,54 @@ def run_plan(model: nn.Module, actions: list[str] | None, costs: Any, step: Any,
     return measured.activation_bytes, statistics.median(seconds)
 
 
-def train_loss(model0: nn.Module, actions: list[str] | None, costs: Any, train: Any, val: Any, args: Any) -> float:
-    """Validation loss after ``args.steps`` AdamW steps from ``model0``'s weights under ``actions``."""
+def run_pgacq(model: nn.Module, costs: Any, budget: int, fmt: str, step: Any, timed: int) -> tuple[int, float]:
+    """Measured peak activation bytes and median step seconds of PGAC-Q after 5 steps of re-planning."""
+    pgacq = remat.PGACQ(model, budget, compress=fmt, costs=costs, measure=0)
+    try:
+        for _ in range(5):
+            step()
+            pgacq.step()
+        with remat.measure() as measured:
+            step()
+        pgacq.step()
+        seconds = []
+        for _ in range(timed):
+            start = time.process_time()
+            step()
+            pgacq.step()
+            seconds.append(time.process_time() - start)
+    finally:
+        pgacq.remove()
+    return measured.activation_bytes, statistics.median(seconds)
+
+
+def train_loss(
+    model0: nn.Module, actions: list[str] | None, costs: Any, train: Any, val: Any, args: Any, seed: int = 0,
+    pgacq: dict[str, Any] | None = None,
+) -> float:  # fmt: skip
+    """Validation loss after ``args.steps`` AdamW steps from ``model0``'s weights under ``actions`` (or under
+    PGAC-Q with ``pgacq``'s arguments; its states per step are counted into ``pgacq["states"]``)."""
     model = copy.deepcopy(model0)
     handle = remat.apply(model, remat.Plan.from_actions(costs, actions)) if actions else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    torch.manual_seed(1)
+    controller = None
+    if pgacq is not None:
+        controller = remat.PGACQ(model, pgacq["budget"], compress=pgacq["fmt"], costs=costs, measure=0)
+        controller.attach(optimizer)
+    torch.manual_seed(1 + seed)
     batches = train.train_batches()
     for _ in range(args.steps):
         loss = model(**train.batch_kwargs(next(batches))).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if controller is not None:
+            for state in controller.states.values():
+                pgacq["states"][state] = pgacq["states"].get(state, 0) + 1
     if handle is not None:
         handle.remove()
+    if controller is not None:
+        controller.remove()
     model.eval()
     with torch.no_grad():
         losses = [model(**val.batch_kwargs(b)).loss.item() for b in val.val_batches(args.val_batches)]
@@ -93,6 +131,7 @@ def main() -> None:
     parser.add_argument("--val-batches", type=int, default=16)
     parser.add_argument("--time-steps", type=int, default=9)
     parser.add_argument("--formats", default="int8,fp8")
+    parser.add_argument("--seeds", type=int, default=1, help="dropout seeds per trained plan (paired with exact)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one thread and CPU time: other load on the machine blurs wall time
     formats = [f for f in args.formats.split(",") if f]
@@ -113,7 +152,8 @@ def main() -> None:
         exact_min = error.floor
     print(
         f"GPT-2 {args.layers} layers x {args.embd}, batch {args.batch} x {args.seq} byte tokens, Shakespeare; "
-        f"{args.steps} AdamW steps (lr {args.lr}) per trained plan, validation on {args.val_batches} batches"
+        f"{args.steps} AdamW steps (lr {args.lr}) per trained plan and seed, {args.seeds} seed(s), validation on "
+        f"{args.val_batches} batches"
     )
     for row in costs.blocks:
         print(f"  {row.fqn}: " + ", ".join(
@@ -122,7 +162,9 @@ def main() -> None:
     print(f"no checkpointing: predicted {remat.format_bytes(none_peak)}; least exact plan "
           f"{remat.format_bytes(exact_min)} ({exact_min / none_peak:.0%})")  # fmt: skip
     base_peak, base_s = run_plan(model, None, costs, step, args.time_steps)
-    exact_loss = train_loss(model, None, costs, train, val, args)
+    seeds = range(args.seeds)
+    exact_losses = [train_loss(model, None, costs, train, val, args, s) for s in seeds]
+    exact_loss = statistics.fmean(exact_losses)
     print(f"none: measured {remat.format_bytes(base_peak)}, {base_s * 1e3:.1f} ms CPU/step, val loss {exact_loss:.4f}")
     print(f"{'budget':>16}  {'plan':<14} {'measured':>10} {'fits':>4} {'time/none':>9} {'val loss/exact':>14}  "
           f"{'grad err':>8}  actions")  # fmt: skip
@@ -141,7 +183,25 @@ def main() -> None:
             )
         except remat.BudgetError as error:
             rows.append(("optimal lossy", None, f"no plan: floor {remat.format_bytes(error.floor)}"))
+        if formats:
+            rows.append(("PGAC-Q " + formats[0], ["pgacq"], ""))
         for name, actions, note in rows:
+            if actions == ["pgacq"]:
+                try:
+                    peak, seconds = run_pgacq(model, costs, budget, formats[0], step, args.time_steps)
+                except remat.BudgetError as error:
+                    print(f"{label + ' ' + remat.format_bytes(budget):>16}  {name:<14} no plan: floor "
+                          f"{remat.format_bytes(error.floor)}")  # fmt: skip
+                    continue
+                states: dict[str, int] = {}
+                spec = {"budget": budget, "fmt": formats[0], "states": states}
+                ratio = _ratio([train_loss(model, None, costs, train, val, args, s, spec) for s in seeds], exact_losses)
+                total = max(1, sum(states.values()))
+                mix = "/".join(f"{states.get(k, 0) / total:.0%}" for k in ("keep", "compress", "recompute"))
+                print(f"{label + ' ' + remat.format_bytes(budget):>16}  {name:<14} {remat.format_bytes(peak):>10} "
+                      f"{'yes' if peak <= budget else 'NO':>4} {seconds / base_s:>9.2f} {ratio:>14.4f}  "
+                      f"{'':>8}  K/Q/R {mix} of block-steps")  # fmt: skip
+                continue
             if actions is None:
                 print(f"{label + ' ' + remat.format_bytes(budget):>16}  {name:<14} {note}")
                 continue
@@ -149,11 +209,20 @@ def main() -> None:
             lossy = any(a.startswith("compress:") for a in actions)
             key = tuple(actions)
             if key not in losses:
-                losses[key] = train_loss(model, actions, costs, train, val, args) if lossy else exact_loss
+                losses[key] = (
+                    _ratio([train_loss(model, actions, costs, train, val, args, s) for s in seeds], exact_losses)
+                    if lossy
+                    else 1.0
+                )
             plan = remat.Plan.from_actions(costs, actions)
             print(f"{label + ' ' + remat.format_bytes(budget):>16}  {name:<14} {remat.format_bytes(peak):>10} "
-                  f"{'yes' if peak <= budget else 'NO':>4} {seconds / base_s:>9.2f} {losses[key] / exact_loss:>14.4f}  "
+                  f"{'yes' if peak <= budget else 'NO':>4} {seconds / base_s:>9.2f} {losses[key]:>14.4f}  "
                   f"{plan_error(costs, plan):>8.4f}  {' '.join(_short(a) for a in actions)}")  # fmt: skip
+
+
+def _ratio(losses: list[float], exact: list[float]) -> float:
+    """Mean over seeds of the validation loss relative to exact training with the same seed."""
+    return statistics.fmean(a / b for a, b in zip(losses, exact, strict=True))
 
 
 def _short(action: str) -> str:

@@ -23,7 +23,7 @@ from .sizes import format_bytes, parse_budget, parse_bytes
 
 __version__ = "0.1.0"
 
-_LAZY = {"PGAC": "remat.dynamic.pgac", "DTR": "remat.dynamic.dtr"}
+_LAZY = {"PGAC": "remat.dynamic.pgac", "PGACQ": "remat.dynamic.pgac_q", "DTR": "remat.dynamic.dtr"}
 _LAZY_MODULES = {"estimate", "integrations", "bench", "dynamic", "knapsack"}
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "DTR",
     "MemoryReport",
     "PGAC",
+    "PGACQ",
     "Plan",
     "RematHandle",
     "STRATEGIES",

@@ -4,7 +4,8 @@ For every claim: the expected effect, the measured value, the test behind it and
 the effect reaches the low end of the expected range and the paired t-test is significant at p < 0.05
 (memory: every measured step within the budget; fidelity: every seed within 0.5%), *not confirmed* otherwise,
 *not measurable here* when this run lacks what the claim needs (a baseline, an energy counter, other models).
-PGAC is compared with static uniform checkpointing (``every_k``, else ``full``) and with DTR.
+PGAC is compared with static uniform checkpointing (``every_k``, else ``full``) and with DTR. The lossy
+strategies add two rows each (:mod:`remat.bench.lossy_claims`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..sizes import format_bytes
 from . import stats
 from .formatting import fmt_ms, fmt_pct, mean_of, p_text
+from .lossy_claims import lossy_claims
 
 if TYPE_CHECKING:
     from .results import Results
@@ -52,7 +54,7 @@ def evaluate_claims(res: Results) -> list[Claim]:
             "not measurable here",
         ),
     ]
-    return out
+    return out + [Claim(**row) for row in lossy_claims(res)]
 
 
 def _missing(what: str, needs: str) -> Claim:
@@ -218,7 +220,7 @@ def identical_plans(res: Results) -> list[tuple[str, str]]:
     plans: dict[str, tuple[Any, ...]] = {}
     for label in res.labels:
         runs = sorted(res.runs_of(label), key=lambda r: r["seed"])
-        if runs and all(r.get("plan") for r in runs) and res.name_of[label] != "pgac":
+        if runs and all(r.get("plan") for r in runs) and res.name_of[label] not in ("pgac", "pgac_q"):
             plans[label] = tuple((r["seed"], tuple(sorted(r["plan"].items()))) for r in runs)
     labels = list(plans)
     return [(a, b) for i, a in enumerate(labels) for b in labels[i + 1 :] if plans[a] == plans[b]]

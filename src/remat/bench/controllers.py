@@ -3,7 +3,8 @@ the forward, wrap the step, hand over the recompute seconds of each step and rem
 
 Static strategies are one plan applied with ``remat.apply`` (:class:`StaticController`); ``pgac`` is
 :class:`remat.PGAC` attached to the optimizer, ``dtr`` is :class:`remat.DTR` around each step, and
-``compile_budget`` is ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``.
+``compile_budget`` is ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``. The lossy
+``compress`` and ``optimal_lossy`` are static plans; ``pgac_q`` is :class:`remat.PGACQ`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from ..costs import KEEP, CostTable
 from ..simulator import Plan, simulate
 from .static_plans import budget_fraction, static_plan
 from .strategies import STATIC, StrategyError, StrategySpec
+
+LOSSY_STATIC = ("compress", "optimal_lossy")
 
 
 class Controller:
@@ -96,7 +99,10 @@ class PGACController(Controller):
         # One process has no other ranks to agree with: "local" and "global" give the same mask here (the
         # distributed comparison is the sync sweep, remat.bench.ddp_sweep).
         opts.pop("sync", None)
-        self.pgac = remat.PGAC(
+        if self.spec.name == "pgac_q":
+            opts["compress"] = opts.pop("format", self.spec.compress_format)
+        cls = remat.PGACQ if self.spec.name == "pgac_q" else remat.PGAC
+        self.pgac = cls(
             model, self.budget_bytes, costs=self.costs, total_steps=self.total_steps, measure=0, **opts
         ).attach(optimizer)
         self._ran = dict(self.pgac.plan.actions)
@@ -108,6 +114,7 @@ class PGACController(Controller):
             "recompute_time_s": stats.total_seconds,
             "recompute_calls": stats.total_calls,
             "stored_blocks": sum(a == KEEP for a in ran),
+            "compressed_blocks": sum(a.startswith("compress:") for a in ran),
             "tau": self.pgac.tau,
             "gamma": self.pgac.gamma,
         }
@@ -227,9 +234,9 @@ def plan_record(plan: Plan, costs: CostTable | None = None) -> dict[str, Any]:
 
 def make_controller(spec: StrategySpec, costs: CostTable, budget_bytes: int, seed: int, total_steps: int) -> Controller:
     """The controller of ``spec`` for one run."""
-    if spec.name in STATIC:
+    if spec.name in STATIC or spec.name in LOSSY_STATIC:
         return StaticController(spec, static_plan(spec, costs, budget_bytes, seed))
-    if spec.name == "pgac":
+    if spec.name in ("pgac", "pgac_q"):
         return PGACController(spec, costs, budget_bytes, total_steps)
     if spec.name == "dtr":
         return DTRController(spec, budget_bytes)

@@ -13,6 +13,7 @@ from .claims import Claim, context_notes
 from .distributed_sections import distributed_section, pipeline_section
 from .formatting import cell, fmt_ms, fmt_p, fmt_pct, mean_of
 from .results import Results
+from .strategies import LOSSY
 from .summary import sweep_tables
 
 
@@ -150,7 +151,7 @@ def results_section(res: Results, rows: list[dict[str, Any]]) -> list[str]:
         )
         val = r["val_perplexity"] if res.is_text else r["val_accuracy"]
         cells = [
-            r["strategy"],
+            r["strategy"] + (" (lossy)" if r["strategy_name"] in LOSSY else ""),
             pred,
             cell(r["peak_activation_bytes"], "bytes") + mark,
             cell(r["within_budget"], "bool"),
@@ -242,8 +243,10 @@ def exactness_section(exact: dict[str, dict[str, Any]]) -> list[str]:
             lines.append(f"| {label} | {e['max_abs_diff']:.3g} | {e['pairs']} | {e['seeds']} | {e['verdict']} |")
         lines.append("")
         lines.append(
-            "Every strategy but `compile_budget` runs the model's own kernels and only changes what is "
-            "stored, so its losses must equal the no-checkpoint run's for the same seed."
+            "Every strategy but `compile_budget` and the lossy ones runs the model's own kernels and only "
+            "changes what is stored, so its losses must equal the no-checkpoint run's for the same seed. Lossy "
+            "strategies (`compress`, `optimal_lossy`, `pgac_q`) store activations compressed: their losses "
+            "differ by design, and the claims table gives their convergence gap."
         )
     else:
         lines.append("No `none` run to compare against.")

@@ -47,7 +47,7 @@ from .pipeline_sweep import run_stage_sync_sweep
 from .progress import ProgressLog
 from .records import JsonlWriter, json_default, read_jsonl, safe_name
 from .report import build_report
-from .strategies import StrategySpec
+from .strategies import StrategySpec, lossy_formats
 from .train import execute_run, profile_costs
 
 # The `remat` command builds `remat bench` from these two: add_arguments, then run_from_args.
@@ -133,14 +133,18 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     costs_by_seed: dict[int, CostTable] = {}
     facts: dict[str, Any] = {}
     probe = job_for(config, specs[0], 0, layers, {"bytes": 0, "fraction": 0.0})
+    lossy = lossy_formats(specs)
     for seed in range(config.seeds):
         path = out / "costs" / f"seed{seed}.json"
         if resuming and path.exists():
-            costs_by_seed[seed] = CostTable.from_json(path.read_text())
-            continue
+            saved = CostTable.from_json(path.read_text())
+            if all(f"compress:{f}" in saved.common_actions() for f in lossy):
+                costs_by_seed[seed] = saved
+                continue
+            log.note(f"the saved profile of seed {seed} lacks the compression formats {lossy}: profiling again")
         log.note(f"profiling {config.model}-{config.preset} seed {seed} ...")
         started = time.perf_counter()
-        costs, found = profile_costs({**probe, "seed": seed}, config.profile_repeats)
+        costs, found = profile_costs({**probe, "seed": seed}, config.profile_repeats, lossy)
         costs.info["profile_job_s"] = time.perf_counter() - started  # model and data built, then profiled
         log.note(f"profiled in {profile_summary(costs)}")
         costs_by_seed[seed] = costs

@@ -1,6 +1,8 @@
 """The plan a static strategy gets at the bench's budget, from the run's CostTable: ``remat.plan(...,
 strict=False)`` (a plan that does not fit is kept and recorded as not fitting), and static uniform
-checkpointing as the fastest ``every_k`` that fits. Also the budget as a fraction of the no-checkpoint peak."""
+checkpointing as the fastest ``every_k`` that fits, and the plans of the lossy static strategies (every block
+compressed; the optimal plan with lossy actions allowed). Also the budget as a fraction of the no-checkpoint
+peak."""
 
 from __future__ import annotations
 
@@ -14,12 +16,34 @@ def static_plan(spec: StrategySpec, costs: CostTable, budget_bytes: int, seed: i
     import remat
 
     opts = spec.opts
+    if spec.name in ("compress", "optimal_lossy"):
+        return lossy_plan(spec, costs, budget_bytes)
     if spec.name == "every_k" and "k" not in opts:
         return uniform_plan(costs, budget_bytes)
     if spec.name == "random":
         opts.setdefault("fraction", 0.5)
         opts.setdefault("seed", seed)
     return remat.plan(costs, spec.name, budget_bytes, strict=False, **opts)
+
+
+def lossy_plan(spec: StrategySpec, costs: CostTable, budget_bytes: int) -> Plan:
+    """``compress``: every block under the spec's compress action (whatever the budget); ``optimal_lossy``: the
+    optimal plan with lossy actions allowed (the least-peak plan, recorded as not fitting, when none fits)."""
+    import remat
+
+    from ..lossy_actions import COMPRESS_PREFIX
+
+    action = COMPRESS_PREFIX + str(spec.compress_format)
+    if spec.name == "compress":
+        return Plan.from_actions(costs, [action] * len(costs), "compress", budget_bytes)
+    allowed = [a for a in costs.common_actions() if a == action or not a.startswith(COMPRESS_PREFIX)]
+    allowed += ["segment", "memory_poor"]
+    options = {"max_grad_error": spec.opts["max_grad_error"]} if "max_grad_error" in spec.opts else {}
+    try:
+        return remat.plan(costs, "optimal", budget_bytes, allow_lossy=True, actions=allowed, **options)
+    except remat.BudgetError:
+        return remat.plan(costs, "optimal", remat.planners.minimum_peak_bytes(costs, allowed), allow_lossy=True,
+                          actions=allowed, **options)  # fmt: skip
 
 
 def uniform_plan(costs: CostTable, budget_bytes: int) -> Plan:

@@ -7,6 +7,9 @@ fits the budget are recorded. ``pgac`` is :class:`remat.PGAC` attached to the op
 :class:`remat.DTR` around each step, and ``compile_budget`` is ``torch.compile`` with
 ``torch._functorch.config.activation_memory_budget`` set to the budget's fraction of the no-checkpoint
 activation memory (the outside reference; it runs in a child process, see :mod:`remat.bench.compile_child`).
+Lossy strategies (their gradients are not exact; the report labels them so): ``compress`` stores every block
+compressed (``format=int8`` by default), ``optimal_lossy`` is the optimal plan with ``allow_lossy=True`` (or
+``max_grad_error=``), and ``pgac_q`` is :class:`remat.PGACQ`. Their formats are profiled with the run.
 :mod:`remat.bench.static_plans` makes the static plans and :mod:`remat.bench.controllers` runs every strategy
 in a training loop.
 """
@@ -19,7 +22,9 @@ from typing import Any
 STATIC = ("none", "full", "every_k", "sqrt", "memory_poor", "random", "optimal")
 DYNAMIC = ("pgac", "dtr")
 COMPILED = ("compile_budget",)
-KNOWN = STATIC + DYNAMIC + COMPILED
+LOSSY = ("compress", "optimal_lossy", "pgac_q")
+KNOWN = STATIC + DYNAMIC + COMPILED + LOSSY
+DEFAULT_FORMAT = "int8"
 # Everything except the compiled reference runs the model's own eager kernels, so its losses must equal the
 # no-checkpoint run's exactly; compiled kernels may differ by floating-point rounding.
 EXACT = STATIC + DYNAMIC
@@ -35,6 +40,9 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "pgac": ("alpha", "q", "gamma", "sync", "every"),
     "dtr": ("heuristic",),
     "compile_budget": ("fraction",),
+    "compress": ("format",),
+    "optimal_lossy": ("format", "max_grad_error"),
+    "pgac_q": ("format", "rank", "alpha", "q", "gamma", "every"),
 }
 DEFAULT_STRATEGIES = "none,full,every_k,sqrt,random,optimal,pgac,dtr"
 SWEEPABLE = ("q", "alpha", "gamma", "sync", "stage_sync")
@@ -82,6 +90,15 @@ class StrategySpec:
     @property
     def exact(self) -> bool:
         return self.name in EXACT
+
+    @property
+    def lossy(self) -> bool:
+        return self.name in LOSSY
+
+    @property
+    def compress_format(self) -> str | None:
+        """The compression format of a lossy strategy (None for the others)."""
+        return str(self.opts.get("format", DEFAULT_FORMAT)) if self.lossy else None
 
     def with_option(self, key: str, value: Any) -> StrategySpec:
         opts = self.opts
@@ -165,15 +182,24 @@ def check_available(specs: list[StrategySpec]) -> None:
             except ImportError as err:
                 raise StrategyError(f"strategy {name!r} needs {module}, which cannot be imported: {err}") from err
     for spec in specs:
-        if spec.name == "pgac":
+        if spec.lossy:
+            from ..lossy_actions import COMPRESS_PREFIX, parse_compress
+
+            try:
+                parse_compress(COMPRESS_PREFIX + str(spec.compress_format))
+            except ValueError as err:
+                raise StrategyError(f"{spec.name}:format: {err}") from err
+            if spec.name == "pgac_q" and spec.opts.get("rank", "score") not in ("score", "error"):
+                raise StrategyError(f"pgac_q:rank must be 'score' or 'error', got {spec.opts['rank']!r}")
+        if spec.name in ("pgac", "pgac_q"):
             opts = spec.opts
             alpha, q, every = opts.get("alpha", 0.9), opts.get("q", 0.5), opts.get("every", 1)
             if not (isinstance(alpha, int | float) and 0.0 <= alpha < 1.0):
-                raise StrategyError(f"pgac:alpha is the EMA decay and must be in [0, 1), got {alpha!r}")
+                raise StrategyError(f"{spec.name}:alpha is the EMA decay and must be in [0, 1), got {alpha!r}")
             if not (isinstance(q, int | float) and 0.0 <= q <= 1.0):
-                raise StrategyError(f"pgac:q is the quantile of the scores and must be in [0, 1], got {q!r}")
+                raise StrategyError(f"{spec.name}:q is the quantile of the scores and must be in [0, 1], got {q!r}")
             if not (isinstance(every, int) and every >= 1):
-                raise StrategyError(f"pgac:every (score every that many steps) must be an int >= 1, got {every!r}")
+                raise StrategyError(f"{spec.name}:every (score every that many steps) must be an int >= 1: {every!r}")
             if opts.get("sync", "local") not in ("local", "global"):
                 raise StrategyError(f"pgac:sync must be 'local' or 'global', got {opts['sync']!r}")
             if "gamma" in opts:
@@ -191,3 +217,8 @@ def check_available(specs: list[StrategySpec]) -> None:
             f = spec.opts["fraction"]
             if not isinstance(f, int | float) or not 0.0 <= f <= 1.0:
                 raise StrategyError(f"compile_budget:fraction must be in [0, 1], got {f!r}")
+
+
+def lossy_formats(specs: list[StrategySpec]) -> list[str]:
+    """The compression formats the lossy strategies among ``specs`` need profiled, in order of appearance."""
+    return list(dict.fromkeys(str(s.compress_format) for s in specs if s.lossy))

@@ -11,7 +11,7 @@ from typing import Any
 from . import stats
 from .formatting import mean_of, to_ms
 from .results import Results
-from .strategies import DISTRIBUTED_SWEEPS
+from .strategies import DISTRIBUTED_SWEEPS, LOSSY
 
 CSV_FIELDS = [
     "strategy",
@@ -155,11 +155,14 @@ def loss_differences(res: Results) -> dict[str, dict[str, Any]]:
         diffs = [abs(mine[k] - reference[k]) for k in keys]
         worst = max(diffs)
         scale = max(abs(reference[k]) for k in keys)
-        exact = res.name_of[label] != "compile_budget"
+        name = res.name_of[label]
+        exact = name not in ("compile_budget", *LOSSY)
         if worst == 0.0:
             verdict = "identical (bitwise)"
         elif worst <= 1e-5 * scale:
             verdict = "equal within floating-point noise"
+        elif name in LOSSY:
+            verdict = "differs (lossy: compressed activations)"
         else:
             verdict = "differs" + ("" if exact else " (compiled kernels round differently)")
         out[label] = {

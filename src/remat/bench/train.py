@@ -49,15 +49,18 @@ def build(job: dict[str, Any], data: Any) -> Any:
     return spec
 
 
-def profile_costs(job: dict[str, Any], repeats: int) -> tuple[CostTable, dict[str, Any]]:
-    """``remat.profile`` of the seed's model on its first training batch; also returns data/model facts."""
+def profile_costs(
+    job: dict[str, Any], repeats: int, lossy: list[str] | None = None
+) -> tuple[CostTable, dict[str, Any]]:
+    """``remat.profile`` of the seed's model on its first training batch (with the compression formats
+    ``lossy``, for the lossy strategies); also returns data/model facts."""
     import remat
 
     torch.set_num_threads(job["threads"])
     data = load_data(job)
     spec = build(job, data)
     batch = data.batch_kwargs(next(data.train_batches()), job["device"])
-    costs = remat.profile(spec.module, batch, loss_fn=spec.loss_fn, repeats=repeats)
+    costs = remat.profile(spec.module, batch, loss_fn=spec.loss_fn, repeats=repeats, lossy=tuple(lossy or ()))
     facts = {
         "data": data.describe(),
         "model": spec.config,

@@ -12,12 +12,12 @@ Per optimizer step ``t`` (sections 2.2-2.5 of the PGAC proposal):
 6. the new plan is switched in on the live model (``handle.set_plan``) and takes effect at the next step.
 
 Costs come from ``costs=`` or are measured (``costs=None``) by :class:`remat.profiler.BlockProfiler` in the
-first training step, run with every block checkpointed; plans start from the second step. Distributed data
-parallel: ``sync="global"`` averages the EMA scores across ranks with one all-reduce per
-update (together with the learned schedule's reward), and with ``costs=None`` rank 0's measured cost table
-is broadcast once, so every rank computes the same tau and mask. ``sync="local"`` keeps a mask per rank.
-Pipelines: :mod:`remat.integrations.pipeline` runs a PGAC per stage (``threshold_scores``: the whole chain's
-scores for global thresholds); :mod:`.pgac_pipeline` simulates a protocol without collectives.
+first training step, run with every block checkpointed; plans start from the second step. DDP: ``sync="global"``
+averages the EMA scores across ranks with one all-reduce per update (with the learned schedule's reward), and
+with ``costs=None`` rank 0's cost table is broadcast once: every rank gets the same tau and mask.
+``sync="local"`` keeps a mask per rank. Pipelines: :mod:`remat.integrations.pipeline` runs a PGAC per stage
+(``threshold_scores``: the whole chain's scores); :mod:`.pgac_pipeline` simulates a protocol without collectives.
+PGAC-Q (:mod:`.pgac_q`) adds compressed storage as a third state.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from ..runtime import RematHandle, apply
 from ..simulator import Plan, resolve_budget
 from ..sizes import normalize_budget
 from .pgac_mask import FittedMask, MaskFitter, quantile, score_mask
-from .pgac_options import check_options
+from .pgac_options import check_length, check_options
 from .pgac_record import StepRecord, step_reward
 from .pgac_scores import GradientScorer, ema_update
 from .pgac_state import STATE_VERSION, check_state, plain, restored_plan
 from .pgac_sync import all_reduce_mean, broadcast_costs, require_distributed
-from .schedules import NEEDS_LENGTH, Schedule, make_schedule
+from .schedules import Schedule, make_schedule
 
 
 class PGAC:
@@ -65,6 +65,8 @@ class PGAC:
     over (default: those scores; a pipeline stage passes the whole chain's, see
     :mod:`remat.integrations.pipeline`).
     """
+
+    profiled_actions: tuple[str, ...] = (KEEP, CHECKPOINT)  # what the first step profiles (with segments)
 
     def __init__(
         self,
@@ -91,10 +93,7 @@ class PGAC:
         self.model = model
         self.alpha, self.q, self.every, self.sync = float(alpha), float(q), int(every), sync
         self.schedule = make_schedule(gamma)
-        if isinstance(self.schedule, NEEDS_LENGTH) and total_steps is None:
-            raise ValueError(
-                f"gamma={self.schedule!r} runs over the training length: pass total_steps= (optimizer steps)"
-            )
+        check_length(self.schedule, total_steps)
         self.total_steps = total_steps
         self.overshoot_penalty = float(overshoot_penalty)
         self.process_group = process_group
@@ -104,7 +103,7 @@ class PGAC:
         self._budget_spec = normalize_budget(budget)  # a malformed budget fails here, not after the first step
         self.budget_bytes: int | None = None
         self.costs: CostTable | None = None
-        self._fitter: MaskFitter | None = None
+        self._fitter: Any = None  # a MaskFitter (PGAC-Q: a QuantizedMaskFitter)
 
         chain = resolve_blocks(model, blocks)
         initial = Plan({fqn: CHECKPOINT for fqn, _ in chain}, strategy="pgac")
@@ -211,11 +210,9 @@ class PGAC:
         self._removed = True
 
     def state_dict(self) -> dict[str, Any]:
-        """Scores, step, schedule, costs, budget and plan, for training checkpoints (history excluded).
-
-        Plain Python values only (:mod:`.pgac_state`): a checkpoint holding it loads with ``torch.load`` under
-        ``weights_only=True``. Loading it into a PGAC of the same model and options resumes the same decisions.
-        """
+        """Scores, step, schedule, costs, budget and plan, for training checkpoints (history excluded): plain
+        values (:mod:`.pgac_state`), loadable with ``torch.load(..., weights_only=True)``; loading it into a PGAC of the
+        same model and options resumes the same decisions."""
         return plain(
             {
                 "version": STATE_VERSION,
@@ -257,9 +254,9 @@ class PGAC:
         if self._profiling and self._profiler is None:
             from ..profiler import BlockProfiler
 
-            # PGAC's plans use keep, checkpoint and segments only: profile those two actions.
+            # Profile the single actions the plans use (PGAC: keep and checkpoint, with segments).
             self._profiler = BlockProfiler(
-                self.model, self.handle.blocks, actions=[KEEP, CHECKPOINT], io=self.handle.io
+                self.model, self.handle.blocks, actions=list(self.profiled_actions), io=self.handle.io
             )
             self._profiler.__enter__()
             self._profiler_open = True
@@ -307,7 +304,10 @@ class PGAC:
         if collected is not None:
             step_scores, counts = collected
             self._ema = ema_update(self._ema, step_scores, counts, self.alpha)
-        reward = self._reward(ran, step_time, measured)
+        # log throughput, minus a hinge penalty when the step's activation peak exceeded the budget
+        peak = measured if measured is not None else ran.predicted_peak_bytes
+        learns = self.schedule.learns and step_time is not None and step_time > 0
+        reward = step_reward(step_time, peak, self.budget_bytes, self.overshoot_penalty) if learns else None
         if self.sync == "global":
             reward = self._all_reduce(reward)
         if reward is not None:
@@ -315,9 +315,10 @@ class PGAC:
 
         fraction = min(1.0, self.step_count / self.total_steps) if self.total_steps else 0.0
         self._gamma = self.schedule(fraction)
-        pool = list(self.threshold_scores(list(self._ema))) if self.threshold_scores is not None else self._ema
+        ranking = self._ranking()
+        pool = list(self.threshold_scores(list(ranking))) if self.threshold_scores is not None else ranking
         self._tau = self._gamma * quantile(pool, self.q)
-        stored = score_mask(self._ema, self._tau)
+        stored = score_mask(ranking, self._tau)
         fitted = self._fit(stored) if self._fitter is not None else None
         if fitted is not None:
             self._apply(fitted)
@@ -345,16 +346,16 @@ class PGAC:
         self._region_open = False
         self._last_update = start
 
-    def _reward(self, ran: Plan, step_time: float | None, measured: int | None) -> float | None:
-        """log throughput, minus a hinge penalty when the step's activation peak exceeded the budget."""
-        if not self.schedule.learns or step_time is None or step_time <= 0:
-            return None
-        peak = measured if measured is not None else ran.predicted_peak_bytes
-        return step_reward(step_time, peak, self.budget_bytes, self.overshoot_penalty)
-
     def _fit(self, stored: list[bool]) -> FittedMask:
         assert self._fitter is not None
-        return self._fitter.fit(stored, self._ema)
+        return self._fitter.fit(stored, self._ranking())
+
+    # Overridden by PGAC-Q (:mod:`.pgac_q`), with ``profiled_actions``: the ranking and the mask fitter.
+    def _ranking(self) -> list[float]:
+        return self._ema
+
+    def _make_fitter(self, costs: CostTable) -> Any:
+        return MaskFitter(costs, self.budget_bytes)  # raises BudgetError below the feasible minimum
 
     def _apply(self, fitted: FittedMask) -> None:
         plan = Plan(
@@ -375,7 +376,7 @@ class PGAC:
             )
         self.costs, self._fitter = costs, None
         self.budget_bytes = resolve_budget(self._budget_spec, costs)
-        self._fitter = MaskFitter(costs, self.budget_bytes)  # raises BudgetError below the feasible minimum
+        self._fitter = self._make_fitter(costs)
 
     def _costs_from_profiler(self) -> CostTable:
         costs = self._profiler.cost_table()
@@ -393,8 +394,7 @@ class PGAC:
             raise RuntimeError("this PGAC was removed; create a new one")
 
     def __repr__(self) -> str:
-        stored = sum(self.mask.values())
         return (
-            f"PGAC({len(self.fqns)} blocks, {stored} stored, step {self.step_count}, alpha={self.alpha}, q={self.q}, "
-            f"gamma={self.schedule!r}, sync={self.sync!r})"
+            f"{type(self).__name__}({len(self.fqns)} blocks, {sum(self.mask.values())} stored, step {self.step_count}, "
+            f"alpha={self.alpha}, q={self.q}, gamma={self.schedule!r}, sync={self.sync!r})"
         )

@@ -15,6 +15,9 @@ Fitting follows PGAC section 2.1's constraint ``M_act(c) <= M_budget``:
    tried and the fitting one of least recompute is used. A budget below :func:`minimum_peak_bytes` raises
    :class:`BudgetError` naming the minimum.
 
+PGAC's plans are exact: a cost table that also holds lossy ``compress:`` costs is planned with its exact
+actions only (floor and planner included); :mod:`.pgac_q_mask` is the fitter that compresses.
+
 Results are cached by the stored set and its drop order, so a mask that repeats costs a dict lookup.
 """
 
@@ -26,7 +29,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..actions import MEMORY_POOR, SEGMENT
 from ..costs import CHECKPOINT, KEEP, CostTable
+from ..lossy_actions import is_lossy
 from ..planners import BudgetError, minimum_peak_bytes
 from ..planners import static as static_plans
 from ..simulator import simulate
@@ -69,8 +74,14 @@ class FittedMask:
         return tuple(a == KEEP for a in self.actions)
 
 
+def exact_actions(costs: CostTable) -> list[str]:
+    """The exact single actions every block of ``costs`` has, and the group kinds when checkpoint is one."""
+    singles = [a for a in costs.common_actions() if not is_lossy(a)]
+    return singles + ([SEGMENT, MEMORY_POOR] if CHECKPOINT in singles else [])
+
+
 def budget_error(costs: CostTable, budget_bytes: int) -> BudgetError:
-    floor = minimum_peak_bytes(costs)
+    floor = minimum_peak_bytes(costs, exact_actions(costs))
     return BudgetError(
         f"the activation budget of {format_bytes(budget_bytes)} is below the minimum any plan reaches on this "
         f"model and batch, {format_bytes(floor)} ({floor} bytes). Raise the budget to at least that, or lower "
@@ -90,7 +101,7 @@ class MaskFitter:
         self._cache: OrderedDict[tuple[int, ...], FittedMask] = OrderedDict()
         self._all_recomputed: FittedMask | None = None
         self.simulations = 0
-        if budget_bytes is not None and budget_bytes < minimum_peak_bytes(costs):
+        if budget_bytes is not None and budget_bytes < minimum_peak_bytes(costs, exact_actions(costs)):
             raise budget_error(costs, budget_bytes)
         # Bytes freed per second of recompute when a block goes from keep to checkpoint (the tie-break).
         self._efficiency = []
@@ -169,7 +180,7 @@ class MaskFitter:
             with contextlib.suppress(ImportError, BudgetError):
                 from ..planners.optimal import optimal
 
-                candidates.append(optimal(self.costs, self.budget))
+                candidates.append(optimal(self.costs, self.budget, actions=exact_actions(self.costs)))
             for plan in candidates:
                 peak, rec = plan.predicted_peak_bytes, plan.predicted_recompute_s
                 if peak <= self.budget and (best is None or (rec, peak) < (best[1], best[0])):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from .schedules import NEEDS_LENGTH
+
 SYNC_MODES = (None, "local", "global")
 
 
@@ -31,6 +35,12 @@ def check_options(
         raise ValueError(
             f"history_limit is the number of step records kept and must be an int >= 0 (0: none), got {history_limit!r}"
         )
+
+
+def check_length(schedule: Any, total_steps: int | None) -> None:
+    """Raise ValueError when ``schedule`` runs over the training length and ``total_steps`` is not given."""
+    if isinstance(schedule, NEEDS_LENGTH) and total_steps is None:
+        raise ValueError(f"gamma={schedule!r} runs over the training length: pass total_steps= (optimizer steps)")
 
 
 def _is_int(value: object) -> bool:

@@ -26,9 +26,10 @@ STRATEGIES: dict[str, Callable[..., Plan]] = {
 }
 
 
-def minimum_peak_bytes(costs: CostTable) -> int:
-    """The least predicted peak activation memory any plan reaches on ``costs``."""
-    return optimal.min_peak_bytes(costs)
+def minimum_peak_bytes(costs: CostTable, actions: list[str] | None = None) -> int:
+    """The least predicted peak activation memory any plan reaches on ``costs`` (with ``actions`` only: single
+    actions and the group kinds ``"segment"``/``"memory_poor"``; default every profiled action and both kinds)."""
+    return optimal.min_peak_bytes(costs, actions)
 
 
 def plan(

@@ -39,11 +39,12 @@ from .errors import BudgetError
 from .search import Search, default_max_segment, front_limit, suffix_need
 
 
-def min_peak_bytes(costs: CostTable) -> int:
-    """The least predicted peak activation bytes of any plan on ``costs`` (exact under the simulator)."""
+def min_peak_bytes(costs: CostTable, actions: list[str] | None = None) -> int:
+    """The least predicted peak activation bytes of any plan on ``costs`` using ``actions`` (default: all),
+    exact under the simulator."""
     if len(costs) == 0:
         return int(costs.stem_bytes + costs.head_bytes)
-    chain = ChainUnits.from_costs(holding_arguments(costs), None)
+    chain = ChainUnits.from_costs(holding_arguments(costs), actions)
     least = chain.stem + int(suffix_need(chain, chain.n)[0])
     if costs.held_args_bytes:
         least = min(least, simulate(costs, [KEEP] * len(costs)).peak_bytes)
