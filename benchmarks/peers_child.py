@@ -74,6 +74,16 @@ class Bench:
         self.meter_problem = process_meter_problem() if self.device == "cpu" else None
         self.memory: dict[str, dict[str, Any]] = {}
         self.reference_grads: dict[str, list[torch.Tensor]] = {}
+        self.costs: remat.CostTable | None = None  # the profile every remat plan is predicted from
+        self.ran: remat.Plan | None = None  # the remat plan of the last step, where it had one
+
+    def predicted(self, plan: remat.Plan | None) -> dict[str, Any]:
+        """remat's predictions for a step under ``plan`` (the simulator on the profile): peak activation
+        bytes and step seconds; empty without a plan."""
+        if plan is None or self.costs is None:
+            return {}
+        sim = remat.simulate(self.costs, plan.actions)
+        return {"predicted_peak_bytes": sim.peak_bytes, "predicted_step_s": sim.step_s}
 
     def emit(self, record: str, **fields: Any) -> None:
         emit({"record": record, **self.base, **fields})
@@ -88,6 +98,7 @@ class Bench:
             if p.grad is not None:
                 p.grad.zero_()
         c.select()
+        self.ran = c.plan()
         torch.manual_seed(seed)
         pd.synchronize(self.device)
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -121,13 +132,14 @@ class Bench:
         else:
             self.step(c, seed)
         grads = self.grads(c)
+        predicted = self.predicted(self.ran)  # the plan of the peak meter's step
         tracker = None
         if c.tracker:
             with remat.measure(self.device) as mem:
                 self.step(c, seed)
             tracker = mem.activation_bytes
         result = {"key": c.key, "process_bytes": process, "allocator_bytes": allocator, "tracker_bytes": tracker,
-                  **self._compare(c, grads),
+                  **predicted, **self._compare(c, grads),
                   "info": c.info(), "setup_s": time.perf_counter() - started}
         self.memory[c.key] = result
         self.emit("memory", **result)
@@ -178,7 +190,8 @@ class Bench:
             for key in order:
                 wall, cpu = self.step(contenders[key], self.job["seed"] + 1000 + r)
                 cpu_field = {"cpu_seconds": cpu} if self.device == "cpu" else {}  # on CUDA: wall-clock only
-                self.emit("timing", key=key, round=r, seconds=wall, **cpu_field)
+                step = self.predicted(self.ran).get("predicted_step_s")  # of the plan this step ran
+                self.emit("timing", key=key, round=r, seconds=wall, **cpu_field, predicted_step_s=step)
 
 
 def run(job: dict[str, Any]) -> None:
@@ -190,10 +203,13 @@ def run(job: dict[str, Any]) -> None:
     base = pm.build_model(setting, seed=job["seed"]).to(bench.device)
     with pd.precision_context(setting.dtype, bench.device):
         costs = remat.profile(base, bench.batch)
+    bench.costs = costs
     bench.emit("unit_start", setting=setting.describe(), blocks=len(costs), budgets=budgets,
                device=bench.device, device_name=pd.device_name(bench.device),
                backend=job["backend"], threads=torch.get_num_threads(), torch=torch.__version__,
-               predicted_none_bytes=no_checkpoint_peak(costs), meter_problem=bench.meter_problem)
+               predicted_none_bytes=no_checkpoint_peak(costs), meter_problem=bench.meter_problem,
+               profile_s=costs.info.get("profile_s"), outside_s=costs.outside_s,
+               blocks_s=sum(b.fwd_s + b.bwd_s for b in costs.blocks))
     cs = pc.ContenderSet(base, pm.block_list, costs, job["backend"])
     cs.references()
     for key in list(cs.contenders):
