@@ -5,7 +5,9 @@
 settings (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``: freed tensors go back to the system);
 on CUDA the model, its copies and the batch live on the GPU and glibc is left alone. Then:
 
-1. ``remat.profile`` of the model (eager, before anything is compiled), then every contender is built.
+1. ``remat.profile`` of the model (eager, before anything is compiled; on the CPU under the timing settings
+   of glibc's malloc of step 4, as the steps it predicts are timed, then back to the meter's), then every
+   contender is built.
 2. Memory: per contender, warm-up steps (compilation included), then one step under the peak meter, on the
    CPU the whole-process one (:class:`remat.bench.procmem.ProcessPeakMeter`: growth of the resident
    high-water mark), on CUDA the allocator's (:class:`peers_device.AllocatorPeak`: ``max_memory_allocated``
@@ -47,19 +49,34 @@ from remat.simulator import no_checkpoint_peak
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 TIMING_ALLOCATOR = {_M_MMAP_THRESHOLD: 33554432, _M_TRIM_THRESHOLD: 17179869184, _M_TOP_PAD: 268435456}
+# What the parent's MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 set, with glibc's default top pad.
+METER_ALLOCATOR = {_M_MMAP_THRESHOLD: 65536, _M_TRIM_THRESHOLD: 0, _M_TOP_PAD: 131072}
 
 
-def use_timing_allocator() -> bool:
-    """Switch glibc's malloc to the timing settings; False where there is no glibc."""
+def _set_allocator(settings: dict[int, int]) -> bool:
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = True
-    for param, value in TIMING_ALLOCATOR.items():
+    for param, value in settings.items():
         ok = bool(libc.mallopt(param, min(value, 2**31 - 1))) and ok
+    if settings is METER_ALLOCATOR:
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim(0)  # what the timing settings kept goes back to the system: the meter starts clean
     return ok
+
+
+def use_timing_allocator() -> bool:
+    """Switch glibc's malloc to the timing settings; False where there is no glibc."""
+    return _set_allocator(TIMING_ALLOCATOR)
+
+
+def use_meter_allocator() -> bool:
+    """Switch glibc's malloc back to the whole-process meter's settings and return freed memory to the
+    system; False where there is no glibc."""
+    return _set_allocator(METER_ALLOCATOR)
 
 
 class Bench:
@@ -201,8 +218,13 @@ def run(job: dict[str, Any]) -> None:
     setting = bench.setting
     budgets = [float(b) for b in job["budgets"]]
     base = pm.build_model(setting, seed=job["seed"]).to(bench.device)
+    # Profiled under the timing allocator, as the steps are timed: under the meter's settings every tensor
+    # over 64 KiB is a fresh mapping, and page faults would double the step times the profile measures.
+    timing_profile = bench.device == "cpu" and use_timing_allocator()
     with pd.precision_context(setting.dtype, bench.device):
         costs = remat.profile(base, bench.batch)
+    if timing_profile and bench.meter_problem is None:
+        use_meter_allocator()
     bench.costs = costs
     bench.emit("unit_start", setting=setting.describe(), blocks=len(costs), budgets=budgets,
                device=bench.device, device_name=pd.device_name(bench.device),

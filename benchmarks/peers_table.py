@@ -21,6 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from peers_targets import targets_table
+
 REFERENCE = {"eager": "none", "compiled": "compiled"}
 EAGER_PEERS = ("torch checkpoint, first k blocks", "torch selective (matmuls saved), first k")
 COMPILED_PEER = "torch.compile + activation_memory_budget"
@@ -261,11 +263,14 @@ def noise_floor(units: list[Unit], device: str = "cpu") -> str:
 def render(records: list[dict[str, Any]], device: str = "cpu") -> str:
     """The whole report body: the device, the table, the standing of remat's optimal plan, the noise floor."""
     units = group_units(records)
-    lines = [x for unit in units for x in unit_lines(unit)]
-    standing = [s for unit in units for s in standings(unit, unit_lines(unit))]
+    lines_of = {(u.model, u.dtype): unit_lines(u) for u in units}
+    standings_of = {(u.model, u.dtype): standings(u, lines_of[(u.model, u.dtype)]) for u in units}
+    lines = [x for unit in units for x in lines_of[(unit.model, unit.dtype)]]
+    standing = [s for unit in units for s in standings_of[(unit.model, unit.dtype)]]
     names = sorted({u.start["device_name"] for u in units if u.start.get("device_name")})
     where = f"Device: {device}" + (f" ({', '.join(names)})" if names else "")
-    parts = [where, "", markdown_table(lines, device), "", standings_table(standing), "", noise_floor(units, device)]
+    parts = [where, "", markdown_table(lines, device), "", standings_table(standing), "", noise_floor(units, device),
+             "", "Targets:", "", targets_table(units, lines_of, standings_of)]
     failed = [f"{u.model}/{u.dtype}: {u.failed}" for u in units if u.failed]
     unfinished = [f"{u.model}/{u.dtype}" for u in units if not u.done and not u.failed]
     if failed:
