@@ -5,9 +5,9 @@
 settings (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``: freed tensors go back to the system);
 on CUDA the model, its copies and the batch live on the GPU and glibc is left alone. Then:
 
-1. ``remat.profile`` of the model (eager, before anything is compiled; on the CPU under the timing settings
-   of glibc's malloc of step 4, as the steps it predicts are timed, then back to the meter's), then every
-   contender is built.
+1. ``remat.profile`` of the model (eager, before anything is compiled; on the CPU in a process of its own
+   started with the timing settings of glibc's malloc of step 4, and in CPU seconds with one intra-op
+   thread: as the steps it predicts are timed), then every contender is built.
 2. Memory: per contender, warm-up steps (compilation included), then one step under the peak meter, on the
    CPU the whole-process one (:class:`remat.bench.procmem.ProcessPeakMeter`: growth of the resident
    high-water mark), on CUDA the allocator's (:class:`peers_device.AllocatorPeak`: ``max_memory_allocated``
@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import subprocess
 import sys
 import time
 from typing import Any
@@ -42,41 +43,56 @@ import torch
 import torch._dynamo
 
 import remat
-from remat.bench.childproc import emit
+from remat.bench.childproc import child_env, emit, parse
 from remat.bench.procmem import ProcessPeakMeter, process_meter_problem
 from remat.simulator import no_checkpoint_peak
 
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 TIMING_ALLOCATOR = {_M_MMAP_THRESHOLD: 33554432, _M_TRIM_THRESHOLD: 17179869184, _M_TOP_PAD: 268435456}
-# What the parent's MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 set, with glibc's default top pad.
-METER_ALLOCATOR = {_M_MMAP_THRESHOLD: 65536, _M_TRIM_THRESHOLD: 0, _M_TOP_PAD: 131072}
+# The same, as the environment of a process started with them (the profile's).
+TIMING_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179869184",
+              "MALLOC_TOP_PAD_": "268435456"}
 
 
-def _set_allocator(settings: dict[int, int]) -> bool:
+def use_timing_allocator() -> bool:
+    """Switch glibc's malloc to the timing settings; False where there is no glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = True
-    for param, value in settings.items():
+    for param, value in TIMING_ALLOCATOR.items():
         ok = bool(libc.mallopt(param, min(value, 2**31 - 1))) and ok
-    if settings is METER_ALLOCATOR:
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        libc.malloc_trim(0)  # what the timing settings kept goes back to the system: the meter starts clean
     return ok
 
 
-def use_timing_allocator() -> bool:
-    """Switch glibc's malloc to the timing settings; False where there is no glibc."""
-    return _set_allocator(TIMING_ALLOCATOR)
+def profile(job: dict[str, Any]) -> remat.CostTable:
+    """``remat.profile`` of the job's model (eager, in its precision) on its batch."""
+    setting = pm.ModelSetting(job["model"], job["dtype"], job["size"])
+    device = pd.check_device(job.get("device", "cpu"))
+    model = pm.build_model(setting, seed=job["seed"]).to(device)
+    # Times in the clock the steps are timed in: CPU seconds with one intra-op thread on the CPU, however busy
+    # the machine; wall-clock otherwise.
+    clock = time.process_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    with pd.precision_context(setting.dtype, device):
+        return remat.profile(model, pm.make_batch(setting, seed=job["seed"], device=device), clock=clock)
 
 
-def use_meter_allocator() -> bool:
-    """Switch glibc's malloc back to the whole-process meter's settings and return freed memory to the
-    system; False where there is no glibc."""
-    return _set_allocator(METER_ALLOCATOR)
+def profile_under_timing_allocator(job: dict[str, Any]) -> remat.CostTable:
+    """The profile taken in a process of its own started with the timing settings of glibc's malloc, as the
+    steps it predicts are timed: under the meter's settings every tensor over 64 KiB is a fresh mapping, and
+    page faults would double the times it measures, while switching this process to the timing settings and
+    back leaves memory behind that the whole-process meter then misses."""
+    proc = subprocess.run([sys.executable, __file__, "--profile", json.dumps(job)], capture_output=True, text=True,
+                          env=child_env(**TIMING_ENV), timeout=job.get("profile_timeout", 1200))
+    for line in proc.stdout.splitlines():
+        record = parse(line)
+        if record is not None and record.get("record") == "costs":
+            return remat.CostTable.from_dict(record["table"])
+    tail = " | ".join(proc.stderr.strip().splitlines()[-8:])
+    raise RuntimeError(f"the profile's process exited with code {proc.returncode} and no cost table: {tail}")
 
 
 class Bench:
@@ -218,13 +234,7 @@ def run(job: dict[str, Any]) -> None:
     setting = bench.setting
     budgets = [float(b) for b in job["budgets"]]
     base = pm.build_model(setting, seed=job["seed"]).to(bench.device)
-    # Profiled under the timing allocator, as the steps are timed: under the meter's settings every tensor
-    # over 64 KiB is a fresh mapping, and page faults would double the step times the profile measures.
-    timing_profile = bench.device == "cpu" and use_timing_allocator()
-    with pd.precision_context(setting.dtype, bench.device):
-        costs = remat.profile(base, bench.batch)
-    if timing_profile and bench.meter_problem is None:
-        use_meter_allocator()
+    costs = profile_under_timing_allocator(job) if bench.device == "cpu" else profile(job)
     bench.costs = costs
     bench.emit("unit_start", setting=setting.describe(), blocks=len(costs), budgets=budgets,
                device=bench.device, device_name=pd.device_name(bench.device),
@@ -261,6 +271,11 @@ def run(job: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "--profile":  # the profile's own process
+        job = json.loads(args[1])
+        torch.set_num_threads(job["threads"])
+        emit({"record": "costs", "table": profile(job).to_dict()})
+        return 0
     if len(args) != 1:
         print("usage: python benchmarks/peers_child.py JOB_JSON (started by benchmarks/peers.py)", file=sys.stderr)
         return 2

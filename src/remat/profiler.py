@@ -45,7 +45,7 @@ from .action_times import action_times
 from .block_bytes import ByteTerms, run_tracked, tensor_bytes
 from .block_run import GradsRestored, edge_backward_supported, parameters_detached
 from .block_signature import Footprint, block_signature, keep_footprint, renamed
-from .block_timing import time_actions
+from .block_timing import Clock, time_actions
 from .blocks import (
     BlockIO,
     BlocksArg,
@@ -103,9 +103,10 @@ def measure_block(
     *,
     repeats: int = 3,
     io: BlockIO | None = None,
+    clock: Clock = time.perf_counter,
 ) -> BlockCost:
-    """Costs of one block on these inputs, under each of ``actions`` (``"keep"`` must be among them); ``io``
-    says which argument and output are its hidden state (guessed by default)."""
+    """Costs of one block on these inputs, under each of ``actions`` (``"keep"`` must be among them), times
+    read from ``clock``; ``io`` says which argument and output are its hidden state (guessed by default)."""
     io = io or BlockIO.of(fqn, module)
     slot = io.input_slot(args, kwargs)
     source = slot_value(args, kwargs, slot)
@@ -132,7 +133,8 @@ def measure_block(
         for action in actions:
             trackers[action] = LiveTensorTracker(device)
             output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main, pick=pick)
-        times = action_times(time_actions(module, actions, args, kwargs, main, device, repeats, pick=pick))
+        runs = time_actions(module, actions, args, kwargs, main, device, repeats, pick=pick, clock=clock)
+        times = action_times(runs)
         errors = {a: block_grad_error(module, a, args, kwargs, main) for a in actions if is_lossy(a)}
     terms = ByteTerms.from_trackers(trackers)
     return BlockCost(
@@ -176,8 +178,10 @@ class BlockProfiler:
         io: Sequence[BlockIO] | None = None,
         reuse_identical: bool = True,
         lossy: Iterable[str] = (),
+        clock: Clock = time.perf_counter,
     ) -> None:
         self.model = model
+        self.clock = clock
         self.chain = resolve_blocks(model, blocks)
         self.io = list(io) if io is not None else block_ios(self.chain)
         self.policies = tuple(_policies.expand(policies))
@@ -249,7 +253,9 @@ class BlockProfiler:
         self, i: int, fqn: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], actions: list[str]
     ) -> None:
         if not self.reuse_identical:
-            self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i])
+            self.rows[i] = measure_block(
+                fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i], clock=self.clock
+            )
             return
         io = self.io[i]
         key = (block_signature(module, args, kwargs, io.input_slot(args, kwargs)), tuple(actions))
@@ -259,7 +265,9 @@ class BlockProfiler:
             self.rows[i] = renamed(self.rows[first[0]], fqn)
             self.reused.add(i)
             return
-        self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i])
+        self.rows[i] = measure_block(
+            fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i], clock=self.clock
+        )
         if first is None:
             self._groups[key] = (i, footprint)
 
@@ -321,6 +329,7 @@ def profile(
     reuse_identical: bool = True,
     autocast: AutocastArg = None,
     lossy: Iterable[str] = (),
+    clock: Clock = time.perf_counter,
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
@@ -336,12 +345,23 @@ def profile(
     "device_type": ...}``, a :class:`remat.precision.AutocastSpec`, or ``False`` for none): the forward and the
     loss then run under that autocast, the backward outside it, as in a training step. Either way the step runs
     with autocast's weight-cast cache off (see :mod:`remat.precision`), and the table records the setting.
-    After the profiled step, three plain steps are timed for ``outside_s`` (the step less its blocks)."""
+    After the profiled step, three plain steps are timed for ``outside_s`` (the step less its blocks).
+
+    ``clock`` is what every time is read from: wall-clock ``time.perf_counter`` by default; on a shared CPU
+    with one intra-op thread, ``time.process_time`` gives the seconds the step would take on a machine of its
+    own, however busy this one is (it counts every thread's CPU time, so not with several)."""
     spec = autocast_spec(autocast, model_device(model).type)
     chain = resolve_blocks(model, blocks)
     io = block_ios(chain, main_input, main_output)
     profiler = BlockProfiler(
-        model, chain, policies=policies, repeats=repeats, io=io, reuse_identical=reuse_identical, lossy=lossy
+        model,
+        chain,
+        policies=policies,
+        repeats=repeats,
+        io=io,
+        reuse_identical=reuse_identical,
+        lossy=lossy,
+        clock=clock,
     )
     with GradsRestored(model), profiled_step(model):
         with profiler, casts_uncached():
@@ -351,7 +371,7 @@ def profile(
         rng = torch.random.fork_rng(devices=[] if costs.device == "cpu" else None, device_type=costs.device)
         # no parameter hook fires, buffers (BatchNorm statistics) are left as the profiled step left them
         with suspend_all(), rng, casts_uncached(), parameters_detached(model), extra_run(model):
-            step = step_seconds(model, batch, loss_fn, steps=3, autocast=spec)
+            step = step_seconds(model, batch, loss_fn, steps=3, autocast=spec, clock=clock)
     # Not floored at 0: blocks timed alone can run slower than inside a step (small blocks above all), and
     # a negative remainder keeps the predicted step of keeping everything equal to the measured one.
     costs.outside_s = step - sum(b.fwd_s + b.bwd_s for b in costs.blocks)
