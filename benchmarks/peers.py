@@ -223,6 +223,7 @@ def write_markdown(path: Path, header: dict[str, Any], body: str, wall_s: float)
         f"({pm.SIZES[o['size']]}).  ",
         f"Wall time of this invocation: {wall_s / 60:.1f} min.",
         "",
+        "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(intro) + body + "\n")
