@@ -260,7 +260,7 @@ class ContenderSet:
         self.add(Contender(
             f"compiled-budget-{budget:g}", "torch.compile + activation_memory_budget", COMPILED, model, compiled,
             grad_reference="compiled", tracker=False, exact=False, detail=f"budget={budget:g}",
-            note="the partitioner's recomputation changes the compiled kernels, so rounding may differ"), budget)
+            note="the partitioner's recomputation changes the kernels (rounding) and redraws dropout masks"), budget)
 
     def remat_compiled(self, budget: float, budget_bytes: int | None) -> None:
         """remat's optimal plan on the compiled blocks, planned from the eager CostTable at ``budget_bytes``
