@@ -8,7 +8,7 @@ with torch's selective checkpointing and a matmul-saving policy, ``torch.compile
 compiled blocks, and the PyPI planner ``ckptplan`` where it installs and runs. What each measures and how:
 ``peers_child.py`` (one process per model and precision) and ``peers_table.py`` (the table).
 
-    python benchmarks/peers.py                      # the full table (about 10 minutes on a 2-core CPU)
+    python benchmarks/peers.py                      # the full table (about 16 minutes on a shared 2-core CPU)
     python benchmarks/peers.py --quick              # one model, fp32, 50%: a check in 1-2 minutes
     python benchmarks/peers.py --out peers.jsonl --resume   # go on with an interrupted run
     python benchmarks/peers.py --markdown docs/results/peers-cpu.md
@@ -222,6 +222,7 @@ def write_markdown(path: Path, header: dict[str, Any], body: str, wall_s: float)
         where + f"compile backend `{o['backend']}`, {o['rounds']} timing rounds, models of size `{o['size']}` "
         f"({pm.SIZES[o['size']]}).  ",
         f"Wall time of this invocation: {wall_s / 60:.1f} min.",
+        "",
         "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,9 @@
 settings (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``: freed tensors go back to the system);
 on CUDA the model, its copies and the batch live on the GPU and glibc is left alone. Then:
 
-1. ``remat.profile`` of the model (eager, before anything is compiled), then every contender is built.
+1. ``remat.profile`` of the model (eager, before anything is compiled; on the CPU in a process of its own
+   started with the timing settings of glibc's malloc of step 4, and in CPU seconds with one intra-op
+   thread: as the steps it predicts are timed), then every contender is built.
 2. Memory: per contender, warm-up steps (compilation included), then one step under the peak meter, on the
    CPU the whole-process one (:class:`remat.bench.procmem.ProcessPeakMeter`: growth of the resident
    high-water mark), on CUDA the allocator's (:class:`peers_device.AllocatorPeak`: ``max_memory_allocated``
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import subprocess
 import sys
 import time
 from typing import Any
@@ -40,13 +43,16 @@ import torch
 import torch._dynamo
 
 import remat
-from remat.bench.childproc import emit
+from remat.bench.childproc import child_env, emit, parse
 from remat.bench.procmem import ProcessPeakMeter, process_meter_problem
 from remat.simulator import no_checkpoint_peak
 
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 TIMING_ALLOCATOR = {_M_MMAP_THRESHOLD: 33554432, _M_TRIM_THRESHOLD: 17179869184, _M_TOP_PAD: 268435456}
+# The same, as the environment of a process started with them (the profile's).
+TIMING_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179869184",
+              "MALLOC_TOP_PAD_": "268435456"}
 
 
 def use_timing_allocator() -> bool:
@@ -62,6 +68,33 @@ def use_timing_allocator() -> bool:
     return ok
 
 
+def profile(job: dict[str, Any]) -> remat.CostTable:
+    """``remat.profile`` of the job's model (eager, in its precision) on its batch."""
+    setting = pm.ModelSetting(job["model"], job["dtype"], job["size"])
+    device = pd.check_device(job.get("device", "cpu"))
+    model = pm.build_model(setting, seed=job["seed"]).to(device)
+    # Times in the clock the steps are timed in: CPU seconds with one intra-op thread on the CPU, however busy
+    # the machine; wall-clock otherwise.
+    clock = time.process_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    with pd.precision_context(setting.dtype, device):
+        return remat.profile(model, pm.make_batch(setting, seed=job["seed"], device=device), clock=clock)
+
+
+def profile_under_timing_allocator(job: dict[str, Any]) -> remat.CostTable:
+    """The profile taken in a process of its own started with the timing settings of glibc's malloc, as the
+    steps it predicts are timed: under the meter's settings every tensor over 64 KiB is a fresh mapping, and
+    page faults would double the times it measures, while switching this process to the timing settings and
+    back leaves memory behind that the whole-process meter then misses."""
+    proc = subprocess.run([sys.executable, __file__, "--profile", json.dumps(job)], capture_output=True, text=True,
+                          env=child_env(**TIMING_ENV), timeout=job.get("profile_timeout", 1200))
+    for line in proc.stdout.splitlines():
+        record = parse(line)
+        if record is not None and record.get("record") == "costs":
+            return remat.CostTable.from_dict(record["table"])
+    tail = " | ".join(proc.stderr.strip().splitlines()[-8:])
+    raise RuntimeError(f"the profile's process exited with code {proc.returncode} and no cost table: {tail}")
+
+
 class Bench:
     """The measurements of one (model, precision), emitted as records as they are made."""
 
@@ -74,6 +107,16 @@ class Bench:
         self.meter_problem = process_meter_problem() if self.device == "cpu" else None
         self.memory: dict[str, dict[str, Any]] = {}
         self.reference_grads: dict[str, list[torch.Tensor]] = {}
+        self.costs: remat.CostTable | None = None  # the profile every remat plan is predicted from
+        self.ran: remat.Plan | None = None  # the remat plan of the last step, where it had one
+
+    def predicted(self, plan: remat.Plan | None) -> dict[str, Any]:
+        """remat's predictions for a step under ``plan`` (the simulator on the profile): peak activation
+        bytes and step seconds; empty without a plan."""
+        if plan is None or self.costs is None:
+            return {}
+        sim = remat.simulate(self.costs, plan.actions)
+        return {"predicted_peak_bytes": sim.peak_bytes, "predicted_step_s": sim.step_s}
 
     def emit(self, record: str, **fields: Any) -> None:
         emit({"record": record, **self.base, **fields})
@@ -88,6 +131,7 @@ class Bench:
             if p.grad is not None:
                 p.grad.zero_()
         c.select()
+        self.ran = c.plan()
         torch.manual_seed(seed)
         pd.synchronize(self.device)
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -121,13 +165,14 @@ class Bench:
         else:
             self.step(c, seed)
         grads = self.grads(c)
+        predicted = self.predicted(self.ran)  # the plan of the peak meter's step
         tracker = None
         if c.tracker:
             with remat.measure(self.device) as mem:
                 self.step(c, seed)
             tracker = mem.activation_bytes
         result = {"key": c.key, "process_bytes": process, "allocator_bytes": allocator, "tracker_bytes": tracker,
-                  **self._compare(c, grads),
+                  **predicted, **self._compare(c, grads),
                   "info": c.info(), "setup_s": time.perf_counter() - started}
         self.memory[c.key] = result
         self.emit("memory", **result)
@@ -178,7 +223,8 @@ class Bench:
             for key in order:
                 wall, cpu = self.step(contenders[key], self.job["seed"] + 1000 + r)
                 cpu_field = {"cpu_seconds": cpu} if self.device == "cpu" else {}  # on CUDA: wall-clock only
-                self.emit("timing", key=key, round=r, seconds=wall, **cpu_field)
+                step = self.predicted(self.ran).get("predicted_step_s")  # of the plan this step ran
+                self.emit("timing", key=key, round=r, seconds=wall, **cpu_field, predicted_step_s=step)
 
 
 def run(job: dict[str, Any]) -> None:
@@ -188,12 +234,14 @@ def run(job: dict[str, Any]) -> None:
     setting = bench.setting
     budgets = [float(b) for b in job["budgets"]]
     base = pm.build_model(setting, seed=job["seed"]).to(bench.device)
-    with pd.precision_context(setting.dtype, bench.device):
-        costs = remat.profile(base, bench.batch)
+    costs = profile_under_timing_allocator(job) if bench.device == "cpu" else profile(job)
+    bench.costs = costs
     bench.emit("unit_start", setting=setting.describe(), blocks=len(costs), budgets=budgets,
                device=bench.device, device_name=pd.device_name(bench.device),
                backend=job["backend"], threads=torch.get_num_threads(), torch=torch.__version__,
-               predicted_none_bytes=no_checkpoint_peak(costs), meter_problem=bench.meter_problem)
+               predicted_none_bytes=no_checkpoint_peak(costs), meter_problem=bench.meter_problem,
+               profile_s=costs.info.get("profile_s"), outside_s=costs.outside_s,
+               blocks_s=sum(b.fwd_s + b.bwd_s for b in costs.blocks))
     cs = pc.ContenderSet(base, pm.block_list, costs, job["backend"])
     cs.references()
     for key in list(cs.contenders):
@@ -223,6 +271,11 @@ def run(job: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "--profile":  # the profile's own process
+        job = json.loads(args[1])
+        torch.set_num_threads(job["threads"])
+        emit({"record": "costs", "table": profile(job).to_dict()})
+        return 0
     if len(args) != 1:
         print("usage: python benchmarks/peers_child.py JOB_JSON (started by benchmarks/peers.py)", file=sys.stderr)
         return 2

@@ -97,6 +97,7 @@ class Contender:
     step_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     after_backward: Callable[[], None] = lambda: None
     info: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    plan: Callable[[], remat.Plan | None] = lambda: None  # remat's plan the next step runs, where one exists
 
 
 @dataclass(frozen=True)
@@ -158,13 +159,13 @@ def hand_contender(hand: HandCheckpointed, mode: str, k: int) -> Contender:
 
 
 def _short_actions(plan: remat.Plan) -> str:
-    """``keep,checkpoint,segment:0,...`` as ``KCG..``: K keep, C checkpoint, S selective, G segment, N nested,
-    O offload."""
+    """``keep,checkpoint,segment:0,...`` as ``KCG..``: K keep, C checkpoint, S selective, G segment, M
+    memory-poor group, N nested, O offload."""
     codes = {"keep": "K", "checkpoint": "C", "offload": "O"}
+    prefixes = {"selective": "S", "segment": "G", "memory_poor": "M", "nested": "N"}
     out = []
     for action in plan.actions.values():
-        prefix = action.split(":", 1)[0]
-        out.append(codes.get(action) or {"selective": "S", "segment": "G", "nested": "N"}.get(prefix, "?"))
+        out.append(codes.get(action) or prefixes.get(action.split(":", 1)[0], "?"))
     return "".join(out)
 
 
@@ -192,9 +193,10 @@ class ContenderSet:
 
     # ----- references
     def references(self) -> None:
+        keep_all = remat.plan(self.costs, "none")  # remat's prediction of the plain step: every block kept
         for key, name in (("none", "no checkpointing"), ("none-aa", "no checkpointing (A/A)")):
             model = self.copy()
-            self.add(Contender(key, name, EAGER, model, model, grad_reference="none"), None)
+            self.add(Contender(key, name, EAGER, model, model, grad_reference="none", plan=lambda: keep_all), None)
         model = self.copy()
         compiled = torch.compile(model, backend=self.backend)
         self.add(Contender("compiled", "torch.compile", COMPILED, model, compiled, grad_reference="compiled",
@@ -218,7 +220,7 @@ class ContenderSet:
         handle = self._remat_eager
         self.add(Contender(f"remat-{_short_actions(plan)}", name, EAGER, handle.model, handle.model,
                            grad_reference="none", detail=_short_actions(plan),
-                           select=lambda: handle.set_plan(plan)), budget)
+                           select=lambda: handle.set_plan(plan), plan=lambda: plan), budget)
 
     def remat_static(self, budget: float) -> None:
         budget_bytes = int(budget * no_checkpoint_peak(self.costs))
@@ -240,7 +242,8 @@ class ContenderSet:
             self.refused.append(Refused(budget, "remat PGAC", EAGER, str(err)))
             return
         self.add(Contender(f"pgac-{budget:g}", "remat PGAC", EAGER, model, model, grad_reference="none",
-                           after_backward=pgac.step, info=lambda: {"plan": _short_actions(pgac.plan)}), budget)
+                           after_backward=pgac.step, info=lambda: {"plan": _short_actions(pgac.plan)},
+                           plan=lambda: pgac.plan), budget)
 
     def remat_dtr(self, budget: float) -> None:
         if self._dtr_model is None:
@@ -257,7 +260,7 @@ class ContenderSet:
         self.add(Contender(
             f"compiled-budget-{budget:g}", "torch.compile + activation_memory_budget", COMPILED, model, compiled,
             grad_reference="compiled", tracker=False, exact=False, detail=f"budget={budget:g}",
-            note="the partitioner's recomputation changes the compiled kernels, so rounding may differ"), budget)
+            note="the partitioner's recomputation changes the kernels (rounding) and redraws dropout masks"), budget)
 
     def remat_compiled(self, budget: float, budget_bytes: int | None) -> None:
         """remat's optimal plan on the compiled blocks, planned from the eager CostTable at ``budget_bytes``

@@ -6,6 +6,12 @@ eager no checkpointing for eager contenders and the whole model under ``torch.co
 compiled ones. A contender fits a budget when its peak-meter ratio is at most the budget. Step time: in
 every round, the contender's step over its reference's step of the same round (CPU seconds on the CPU,
 wall-clock seconds on CUDA); the table gives the median over rounds and their range.
+
+Predictions, for the contenders that run a remat plan (no checkpointing as remat's plan keeping every block,
+the static strategies, ``optimal``, PGAC; not DTR, and not compiled blocks, whose profile is the eager one):
+``pred/meas step`` is the simulator's step time for the plans the timed steps ran (median over rounds) over
+the measured step (median, absolute seconds of the same clock as ``step ms``); ``pred/meas peak`` is the
+predicted peak activation bytes of the plan of the measured step over the live-tensor tracker's figure.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+from peers_targets import targets_table
 
 REFERENCE = {"eager": "none", "compiled": "compiled"}
 EAGER_PEERS = ("torch checkpoint, first k blocks", "torch selective (matmuls saved), first k")
@@ -30,6 +38,7 @@ class Unit:
     memory: dict[str, dict[str, Any]] = field(default_factory=dict)
     times: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))  # CPU s (CUDA: wall)
     wall: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
+    predicted: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))  # remat's, s
     rows: dict[str, Any] = field(default_factory=dict)
     ckptplan: dict[str, Any] = field(default_factory=dict)
     done: bool = False
@@ -50,6 +59,8 @@ def group_units(records: list[dict[str, Any]]) -> list[Unit]:
         elif kind == "timing":
             unit.times[r["key"]][r["round"]] = r.get("cpu_seconds", r["seconds"])
             unit.wall[r["key"]][r["round"]] = r["seconds"]
+            if r.get("predicted_step_s") is not None:
+                unit.predicted[r["key"]][r["round"]] = r["predicted_step_s"]
         elif kind == "rows":
             unit.rows = r
         elif kind == "ckptplan":
@@ -99,6 +110,9 @@ class Line:
     step_high: float | None = None
     step_ms: float | None = None
     wall_median: float | None = None
+    predicted_step_ms: float | None = None  # remat's prediction for the plans the timed steps ran (median)
+    pred_step_ratio: float | None = None  # that prediction over the measured step (absolute seconds)
+    pred_peak_ratio: float | None = None  # remat's predicted peak over the live-tensor tracker's
     grads: str = ""
     note: str = ""
 
@@ -124,6 +138,8 @@ def unit_lines(unit: Unit) -> list[Line]:
         wall = paired_ratios(unit, key, ref_key, wall=True)
         process_ratio = _ratio(peak_bytes(mem), peak_bytes(ref))
         own = unit.times.get(key, {})
+        predicted = unit.predicted.get(key, {})
+        pred_s = statistics.median(predicted.values()) if predicted else None
         detail = info.get("detail", "")
         extra = mem.get("info") or {}
         if "plan" in extra:
@@ -140,6 +156,9 @@ def unit_lines(unit: Unit) -> list[Line]:
             step_low=min(ratios) if ratios else None, step_high=max(ratios) if ratios else None,
             step_ms=statistics.median(own.values()) * 1e3 if own else None,
             wall_median=statistics.median(wall) if wall else None,
+            predicted_step_ms=pred_s * 1e3 if pred_s is not None else None,
+            pred_step_ratio=pred_s / statistics.median(own.values()) if pred_s is not None and own else None,
+            pred_peak_ratio=_ratio(mem.get("predicted_peak_bytes"), mem.get("tracker_bytes")),
             grads=_grads_text(mem, info.get("exact", True)) if mem else "", note=info.get("note", ""),
         ))
     for refused in unit.rows.get("refused", []):
@@ -169,15 +188,16 @@ def markdown_table(lines: list[Line], device: str = "cpu") -> str:
     meter, clock = ("allocator", "wall") if cuda else ("process", "CPU")
     head = (f"| model | dtype | budget | contender | detail | peak/ref ({meter}) | peak/ref (tracker) | fits | "
             f"step/ref {clock} median [range] | step ms {clock} |" + ("" if cuda else " step/ref wall |")
-            + " gradients |")
-    out = [head, "|" + "---|" * (11 if cuda else 12)]
+            + " pred/meas peak (tracker) | pred/meas step | gradients |")
+    out = [head, "|" + "---|" * (13 if cuda else 14)]
     for x in lines:
         budget = f"{x.budget:.0%}" if x.budget is not None else "ref"
         fits = {True: "yes", False: "no", None: "—"}[x.fits]
         grads = x.grads or x.note
         wall = "" if cuda else f" {_num(x.wall_median)} |"
         out.append(f"| {x.model} | {x.dtype} | {budget} | {x.name} | {x.detail} | {_num(x.process_ratio)} | "
-                   f"{_num(x.tracker_ratio)} | {fits} | {_step(x)} | {_num(x.step_ms, '{:.1f}')} |{wall} {grads} |")
+                   f"{_num(x.tracker_ratio)} | {fits} | {_step(x)} | {_num(x.step_ms, '{:.1f}')} |{wall} "
+                   f"{_num(x.pred_peak_ratio)} | {_num(x.pred_step_ratio)} | {grads} |")
     return "\n".join(out)
 
 
@@ -243,11 +263,14 @@ def noise_floor(units: list[Unit], device: str = "cpu") -> str:
 def render(records: list[dict[str, Any]], device: str = "cpu") -> str:
     """The whole report body: the device, the table, the standing of remat's optimal plan, the noise floor."""
     units = group_units(records)
-    lines = [x for unit in units for x in unit_lines(unit)]
-    standing = [s for unit in units for s in standings(unit, unit_lines(unit))]
+    lines_of = {(u.model, u.dtype): unit_lines(u) for u in units}
+    standings_of = {(u.model, u.dtype): standings(u, lines_of[(u.model, u.dtype)]) for u in units}
+    lines = [x for unit in units for x in lines_of[(unit.model, unit.dtype)]]
+    standing = [s for unit in units for s in standings_of[(unit.model, unit.dtype)]]
     names = sorted({u.start["device_name"] for u in units if u.start.get("device_name")})
     where = f"Device: {device}" + (f" ({', '.join(names)})" if names else "")
-    parts = [where, "", markdown_table(lines, device), "", standings_table(standing), "", noise_floor(units, device)]
+    parts = [where, "", markdown_table(lines, device), "", standings_table(standing), "", noise_floor(units, device),
+             "", "Targets:", "", targets_table(units, lines_of, standings_of)]
     failed = [f"{u.model}/{u.dtype}: {u.failed}" for u in units if u.failed]
     unfinished = [f"{u.model}/{u.dtype}" for u in units if not u.done and not u.failed]
     if failed:

@@ -69,7 +69,9 @@ def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsy
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert any(r.get("record") == "unit_done" for r in records), [r for r in records if "error" in r]
 
-    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| gpt2 | fp32 |")]
+    main_table = table.split("\n\n")[1]  # after the device line; the standings and targets follow
+    rows = [line.split(" | ") for line in main_table.splitlines() if line.startswith("| gpt2 | fp32 |")]
+    head = [c.strip() for c in main_table.splitlines()[0].strip("|").split("|")]
     names = {cells[3] for cells in rows}
     assert set(CONTENDERS) <= names, set(CONTENDERS) - names
     for cells in rows:
@@ -79,6 +81,11 @@ def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsy
         assert cells[8] != "—", f"{cells[3]} has no step-time ratio"  # timed against its reference
         if cells[3] not in ("torch.compile", "remat: compiled blocks, keep all") and "compile" not in cells[3]:
             assert cells[6] != "—", f"{cells[3]} has no tracker figure"
+        predicted = cells[head.index("pred/meas step")], cells[head.index("pred/meas peak (tracker)")]
+        if cells[3].startswith("remat ") and cells[3] not in ("remat DTR", "remat optimal on compiled blocks"):
+            assert "—" not in predicted, f"{cells[3]} runs a remat plan but has no prediction"
+        elif cells[3] != "no checkpointing" and cells[3] != "no checkpointing (A/A)":
+            assert predicted == ("—", "—"), f"{cells[3]} runs no remat plan but has a prediction"
 
     contenders = next(r for r in records if r.get("record") == "rows")["contenders"]
     memory = [r for r in records if r.get("record") == "memory"]

@@ -110,6 +110,31 @@ def test_profiles_the_first_step_then_keeps_measured_memory_within_the_budget():
     pgac.remove()
 
 
+def test_plans_carry_the_simulators_predicted_step_time():
+    model = gpt2(n_layer=4)
+    costs = uniform_costs(model, keep=150)
+    costs.outside_s = 0.004
+    budget = remat.simulate(costs, ["checkpoint"] * 2 + ["keep"] * 2).peak_bytes
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    pgac = remat.PGAC(model, budget, costs=costs).attach(opt)
+    plans = [pgac.plan]
+    for t in range(3):
+        x = batch(t)
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        plans.append(pgac.plan)
+    assert any(a == "checkpoint" for p in plans for a in p.actions.values())  # the budget binds
+    for plan in plans:
+        sim = remat.simulate(costs, plan.actions)
+        assert plan.predicted_step_s == pytest.approx(sim.step_s)
+        assert plan.predicted_peak_bytes == sim.peak_bytes <= budget
+        keep_step = 4 * 3e-3 + 0.004  # each block's forward and backward, plus the step outside them
+        n_checkpointed = sum(a == "checkpoint" for a in plan.actions.values())
+        assert plan.predicted_step_s == pytest.approx(keep_step + n_checkpointed * 1e-3)
+    pgac.remove()
+
+
 def test_budget_below_the_minimum_raises_and_names_it():
     model = gpt2(n_layer=3)
     costs = uniform_costs(model)

@@ -117,6 +117,25 @@ def test_outside_s_is_the_time_of_the_step_outside_the_blocks() -> None:
     assert prof.cost_table().outside_s is None
 
 
+def test_every_time_is_read_from_the_given_clock() -> None:
+    """A clock that never moves: every time of the table, blocks and the step outside them, is 0; one that
+    ticks one second per reading: every time is a whole number of seconds, and a block's forward takes some."""
+    torch.manual_seed(0)
+    model = MLPChain([16, 16, 16, 16])
+    batch = torch.randn(4, 8)
+    frozen = remat.profile(model, batch, repeats=1, clock=lambda: 0.0)
+    for b in frozen.blocks:
+        assert (b.fwd_s, b.bwd_s) == (0.0, 0.0)
+        assert set(b.recompute_s.values()) == {0.0} and set((b.overhead_s or {0: 0.0}).values()) == {0.0}
+    assert frozen.outside_s == 0.0
+
+    readings = iter(range(10**6))
+    ticking = remat.profile(model, batch, repeats=1, clock=lambda: float(next(readings)))
+    times = [t for b in ticking.blocks for t in (b.fwd_s, b.bwd_s, *b.recompute_s.values())]
+    assert all(t == int(t) for t in [*times, ticking.outside_s]), times
+    assert all(b.fwd_s >= 1 for b in ticking.blocks)
+
+
 def test_cost_table_json_round_trip(gpt2) -> None:
     costs = gpt2[2]
     back = CostTable.from_json(costs.to_json())

@@ -19,6 +19,8 @@ from torch import nn
 from .block_run import clear_grads, run_action
 from .blocks import main_tensor
 
+Clock = Callable[[], float]  # seconds: time.perf_counter (wall-clock, the default) or time.process_time
+
 
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA); nothing on other devices."""
@@ -31,18 +33,19 @@ class TimedCalls:
     and the second the recomputation in backward (cut short, like in training, once it has rebuilt what
     backward needs)."""
 
-    def __init__(self, module: nn.Module, device: torch.device) -> None:
+    def __init__(self, module: nn.Module, device: torch.device, clock: Clock = time.perf_counter) -> None:
         self.module = module
         self.device = device
+        self.clock = clock
         self.seconds: list[float] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = self.clock()
         try:
             return self.module(*args, **kwargs)
         finally:
             sync(self.device)
-            self.seconds.append(time.perf_counter() - start)
+            self.seconds.append(self.clock() - start)
 
 
 Timing = tuple[float, float, float]  # forward, backward, recomputation seconds of one run
@@ -56,18 +59,19 @@ def time_once(
     main: torch.Tensor,
     device: torch.device,
     pick: Callable[[Any], torch.Tensor | None] = main_tensor,
+    clock: Clock = time.perf_counter,
 ) -> Timing:
-    """Forward, backward and recomputation seconds of one run of the block under ``action``; the backward
-    starts from the main output, which ``pick`` takes from what the block returns."""
-    timed = TimedCalls(module, device)
+    """Forward, backward and recomputation seconds of one run of the block under ``action``, read from
+    ``clock``; the backward starts from the main output, which ``pick`` takes from what the block returns."""
+    timed = TimedCalls(module, device, clock)
     sync(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     out = pick(run_action(timed, action, args, kwargs))
     sync(device)
-    t1 = time.perf_counter()
+    t1 = clock()
     torch.autograd.backward(out, torch.ones_like(out))
     sync(device)
-    t2 = time.perf_counter()
+    t2 = clock()
     del out
     main.grad = None
     clear_grads(module)
@@ -83,6 +87,7 @@ def time_actions(
     device: torch.device,
     repeats: int,
     pick: Callable[[Any], torch.Tensor | None] = main_tensor,
+    clock: Clock = time.perf_counter,
 ) -> dict[str, list[Timing]]:
     """``repeats`` timed runs of the block under each of ``actions``, after one warm-up round. The actions
     run interleaved (every round runs each once), so drift on a busy machine touches them alike and the
@@ -90,7 +95,7 @@ def time_actions(
     runs: dict[str, list[Timing]] = {action: [] for action in actions}
     for round_ in range(repeats + 1):
         for action in actions:
-            timing = time_once(module, action, args, kwargs, main, device, pick)
+            timing = time_once(module, action, args, kwargs, main, device, pick, clock)
             if round_:
                 runs[action].append(timing)
     return runs

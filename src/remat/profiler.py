@@ -49,7 +49,7 @@ from .action_times import action_times
 from .block_bytes import ByteTerms, run_tracked, tensor_bytes
 from .block_run import GradsRestored, edge_backward_supported, parameters_detached
 from .block_signature import Footprint, block_signature, keep_footprint, renamed
-from .block_timing import time_actions
+from .block_timing import Clock, time_actions
 from .blocks import (
     BlockIO,
     BlocksArg,
@@ -63,40 +63,19 @@ from .blocks import (
 )
 from .chain import chain_name
 from .chain_bounds import ChainBounds, CollectedOutputs
-from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
+from .costs import KEEP, BlockCost, CostTable
 from .grad_error import block_grad_error
 from .hf_guards import profiled_step
-from .lossy_actions import COMPRESS_PREFIX, is_lossy, parse_compress
+from .lossy_actions import is_lossy
 from .memory import LiveTensorTracker, model_device
 from .model_state import detached_from_step, extra_run
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
+from .profiled_actions import compress_actions, default_actions
 from .regions import in_place_error
 from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step, step_seconds
 
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
-
-
-def default_actions(
-    device: torch.device, policies: str | Iterable[str] = ("dots_saveable",), lossy: Iterable[str] = ()
-) -> list[str]:
-    """The actions a block is profiled under: keep, checkpoint, ``selective:<policy>`` for each of ``policies``
-    (``"menu"`` for :data:`remat.policies.MENU`), offload on CUDA, and ``compress:<format>`` for each of
-    ``lossy`` (formats or compress actions)."""
-    actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + name for name in _policies.expand(policies)]
-    if device.type == "cuda":
-        actions.append(OFFLOAD)
-    return actions + lossy_actions(lossy)
-
-
-def lossy_actions(lossy: Iterable[str]) -> list[str]:
-    """``compress:`` actions from formats (``"int8"``) or actions (``"compress:int8:matmul"``), checked."""
-    if isinstance(lossy, str):
-        lossy = (lossy,)
-    actions = [f if is_lossy(f) else COMPRESS_PREFIX + f for f in lossy]
-    for action in actions:
-        parse_compress(action)
-    return actions
 
 
 def measure_block(
@@ -108,9 +87,10 @@ def measure_block(
     *,
     repeats: int = 3,
     io: BlockIO | None = None,
+    clock: Clock = time.perf_counter,
 ) -> BlockCost:
-    """Costs of one block on these inputs, under each of ``actions`` (``"keep"`` must be among them); ``io``
-    says which argument and output are its hidden state (guessed by default)."""
+    """Costs of one block on these inputs, under each of ``actions`` (``"keep"`` must be among them), times
+    read from ``clock``; ``io`` says which argument and output are its hidden state (guessed by default)."""
     io = io or BlockIO.of(fqn, module)
     slot = io.input_slot(args, kwargs)
     source = slot_value(args, kwargs, slot)
@@ -137,7 +117,8 @@ def measure_block(
         for action in actions:
             trackers[action] = LiveTensorTracker(device)
             output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main, pick=pick)
-        times = action_times(time_actions(module, actions, args, kwargs, main, device, repeats, pick=pick))
+        runs = time_actions(module, actions, args, kwargs, main, device, repeats, pick=pick, clock=clock)
+        times = action_times(runs)
         errors = {a: block_grad_error(module, a, args, kwargs, main) for a in actions if is_lossy(a)}
     terms = ByteTerms.from_trackers(trackers)
     return BlockCost(
@@ -181,13 +162,15 @@ class BlockProfiler:
         io: Sequence[BlockIO] | None = None,
         reuse_identical: bool = True,
         lossy: Iterable[str] = (),
+        clock: Clock = time.perf_counter,
     ) -> None:
         self.model = model
+        self.clock = clock
         self.chains = resolve_chains(model, blocks)
         self.chain = [pair for chain in self.chains for pair in chain]
         self.io = list(io) if io is not None else block_ios(self.chain)
         self.policies = tuple(_policies.expand(policies))
-        self.lossy = lossy_actions(lossy)
+        self.lossy = compress_actions(lossy)
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
         self.rows: dict[int, BlockCost] = {}
@@ -261,7 +244,9 @@ class BlockProfiler:
         self, i: int, fqn: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], actions: list[str]
     ) -> None:
         if not self.reuse_identical:
-            self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i])
+            self.rows[i] = measure_block(
+                fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i], clock=self.clock
+            )
             return
         io = self.io[i]
         key = (block_signature(module, args, kwargs, io.input_slot(args, kwargs)), tuple(actions))
@@ -271,7 +256,9 @@ class BlockProfiler:
             self.rows[i] = renamed(self.rows[first[0]], fqn)
             self.reused.add(i)
             return
-        self.rows[i] = measure_block(fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i])
+        self.rows[i] = measure_block(
+            fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i], clock=self.clock
+        )
         if first is None:
             self._groups[key] = (i, footprint)
 
@@ -357,6 +344,7 @@ def profile(
     reuse_identical: bool = True,
     autocast: AutocastArg = None,
     lossy: Iterable[str] = (),
+    clock: Clock = time.perf_counter,
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
@@ -372,12 +360,23 @@ def profile(
     "device_type": ...}``, a :class:`remat.precision.AutocastSpec`, or ``False`` for none): the forward and the
     loss then run under that autocast, the backward outside it, as in a training step. Either way the step runs
     with autocast's weight-cast cache off (see :mod:`remat.precision`), and the table records the setting.
-    After the profiled step, three plain steps are timed for ``outside_s`` (the step less its blocks)."""
+    After the profiled step, three plain steps are timed for ``outside_s`` (the step less its blocks).
+
+    ``clock`` is what every time is read from: wall-clock ``time.perf_counter`` by default; on a shared CPU
+    with one intra-op thread, ``time.process_time`` gives the seconds the step would take on a machine of its
+    own, however busy this one is (it counts every thread's CPU time, so not with several)."""
     spec = autocast_spec(autocast, model_device(model).type)
     chains = resolve_chains(model, blocks)
     io = block_ios([pair for chain in chains for pair in chain], main_input, main_output)
     profiler = BlockProfiler(
-        model, chains, policies=policies, repeats=repeats, io=io, reuse_identical=reuse_identical, lossy=lossy
+        model,
+        chains,
+        policies=policies,
+        repeats=repeats,
+        io=io,
+        reuse_identical=reuse_identical,
+        lossy=lossy,
+        clock=clock,
     )
     with GradsRestored(model), profiled_step(model):
         with profiler, casts_uncached():
@@ -387,7 +386,7 @@ def profile(
         rng = torch.random.fork_rng(devices=[] if costs.device == "cpu" else None, device_type=costs.device)
         # no parameter hook fires, buffers (BatchNorm statistics) are left as the profiled step left them
         with suspend_all(), rng, casts_uncached(), parameters_detached(model), extra_run(model):
-            step = step_seconds(model, batch, loss_fn, steps=3, autocast=spec)
+            step = step_seconds(model, batch, loss_fn, steps=3, autocast=spec, clock=clock)
     # Not floored at 0: blocks timed alone can run slower than inside a step (small blocks above all), and
     # a negative remainder keeps the predicted step of keeping everything equal to the measured one.
     costs.outside_s = step - sum(b.fwd_s + b.bwd_s for b in costs.blocks)

@@ -50,20 +50,22 @@ def step_seconds(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     steps: int = 2,
     autocast: Any = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Median seconds of ``steps`` plain steps (gradients set to None before each, as ``zero_grad`` does; the
-    CUDA device synchronised around each). The caller restores gradients and RNG state if it cares."""
+    """Median seconds of ``steps`` plain steps, read from ``clock`` (gradients set to None before each, as
+    ``zero_grad`` does; the CUDA device synchronised around each). The caller restores gradients and RNG state
+    if it cares."""
     devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
     seconds = []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
         for device in devices:
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         run_step(model, batch, loss_fn, autocast=autocast)
         for device in devices:
             torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - start)
+        seconds.append(clock() - start)
     return statistics.median(seconds)
 
 

@@ -358,13 +358,11 @@ class PGAC:
         return MaskFitter(costs, self.budget_bytes)  # raises BudgetError below the feasible minimum
 
     def _apply(self, fitted: FittedMask) -> None:
-        plan = Plan(
-            dict(zip(self.fqns, fitted.actions, strict=True)),
-            strategy="pgac",
-            budget_bytes=self.budget_bytes,
-            predicted_peak_bytes=fitted.peak_bytes,
-            predicted_recompute_s=fitted.recompute_s,
-            options={"how": fitted.how, "dropped": [self.fqns[i] for i in fitted.dropped]},
+        assert self.costs is not None  # a fitted mask comes from the cost table's fitter
+        # from the simulator, as every plan: peak, recompute and step time predicted on the same table
+        dropped = [self.fqns[i] for i in fitted.dropped]
+        plan = Plan.from_actions(
+            self.costs, list(fitted.actions), "pgac", self.budget_bytes, how=fitted.how, dropped=dropped
         )
         self.handle.set_plan(plan)
 

@@ -1,0 +1,87 @@
+"""The peers benchmark's table (benchmarks/peers_table.py, peers_targets.py) from hand-written records: the
+predicted-over-measured columns and the reading against the targets, without running a model."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def table():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("peers_table")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def contender(name: str) -> dict:
+    return {"name": name, "group": "eager", "exact": True, "detail": "", "note": "", "grad_reference": "none"}
+
+
+def memory(key: str, process: int, tracker: int, predicted: int | None = None) -> dict:
+    return {"record": "memory", "model": "gpt2", "dtype": "bf16", "key": key, "process_bytes": process,
+            "tracker_bytes": tracker, "predicted_peak_bytes": predicted, "grads_bitwise": True}
+
+
+def timings(key: str, seconds: list[float], predicted: float | None) -> list[dict]:
+    return [{"record": "timing", "model": "gpt2", "dtype": "bf16", "key": key, "round": r, "seconds": s,
+             "cpu_seconds": s, "predicted_step_s": predicted} for r, s in enumerate(seconds)]
+
+
+def records(optimal_tracker: int = 490) -> list[dict]:
+    """No checkpointing (predicted 5% fast), a hand-written peer, remat optimal (predicted 20% slow) and
+    remat full (tracker peak 10% over its budget) at a 50% budget of a predicted 1000-byte peak."""
+    rows = [{"budget": None, "key": "none", "name": "no checkpointing", "group": "eager"},
+            {"budget": 0.5, "key": "hand", "name": "torch checkpoint, first k blocks", "group": "eager"},
+            {"budget": 0.5, "key": "opt", "name": "remat optimal", "group": "eager"},
+            {"budget": 0.5, "key": "full", "name": "remat full", "group": "eager"}]
+    names = {r["key"]: r["name"] for r in rows}
+    return [
+        {"record": "unit_start", "model": "gpt2", "dtype": "bf16", "predicted_none_bytes": 1000},
+        memory("none", 1000, 1000, 1000),
+        memory("hand", 450, 450),
+        memory("opt", 480, optimal_tracker, 495),
+        memory("full", 300, 550, 520),  # predicted 520 > budget 500: the planner said it does not fit
+        {"record": "rows", "model": "gpt2", "dtype": "bf16", "rows": rows, "refused": [],
+         "contenders": {k: contender(n) for k, n in names.items()}},
+        *timings("none", [0.100, 0.100, 0.100], 0.095),
+        *timings("hand", [0.150, 0.150, 0.150], None),
+        *timings("opt", [0.140, 0.145, 0.160], 0.174),
+        *timings("full", [0.200, 0.200, 0.200], 0.200),
+        {"record": "unit_done", "model": "gpt2", "dtype": "bf16"},
+    ]
+
+
+def cells(body: str, name: str) -> list[str]:
+    row = next(line for line in body.splitlines() if line.startswith("| gpt2 | bf16 |") and f"| {name} |" in line)
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+def test_predicted_over_measured_columns(table):
+    body = table.render(records())
+    head = [c.strip() for c in body.splitlines()[2].strip("|").split("|")]
+    peak_col, step_col = head.index("pred/meas peak (tracker)"), head.index("pred/meas step")
+    assert cells(body, "no checkpointing")[step_col] == "0.95"  # 0.095 s over the median 0.100 s
+    assert cells(body, "remat optimal")[step_col] == "1.20"  # 0.174 s over the median 0.145 s
+    assert cells(body, "remat optimal")[peak_col] == "1.01"  # 495 over 490 bytes
+    assert cells(body, "torch checkpoint, first k blocks")[step_col] == "—"  # no remat plan, no prediction
+
+
+def test_targets_say_which_are_missed_and_by_how_much(table):
+    body = table.render(records())
+    row = body.splitlines()[-1]  # the targets' row of gpt2/bf16
+    prediction, eager, _, peak = [c.strip() for c in row.strip("|").split("|")][2:]
+    assert prediction.startswith("NOT met for 1 of 3") and "remat optimal at 50% 1.20" in prediction
+    assert eager == "50%: met (0.967x)"  # optimal over the hand-written peer, round by round: median
+    assert peak == "met"  # full is predicted over its budget, so only optimal is judged
+
+    over = table.render(records(optimal_tracker=520))  # optimal measured 4% over a 500-byte budget
+    peak = [c.strip() for c in over.splitlines()[-1].strip("|").split("|")][5]
+    assert peak == "NOT met: remat optimal at 50%: tracker +4.0% of budget, prediction -4.8%"
