@@ -181,8 +181,10 @@ class BlockProfiler:
         io: Sequence[BlockIO] | None = None,
         reuse_identical: bool = True,
         lossy: Iterable[str] = (),
+        step_actions: Sequence[str] | None = None,
     ) -> None:
         self.model = model
+        self.step_actions = step_actions  # what the profiled step runs each block with (None: keep)
         self.chains = resolve_chains(model, blocks)
         self.chain = [pair for chain in self.chains for pair in chain]
         self.io = list(io) if io is not None else block_ios(self.chain)
@@ -309,7 +311,9 @@ class BlockProfiler:
         bounds: dict[str, Any] = {}
         if self._bounds is not None:
             lengths = [len(chain) for chain in self.chains]
-            bounds = self._bounds.table_fields([row.saved(KEEP) for row in rows], lengths)
+            acts = self.step_actions or [KEEP] * len(rows)
+            kept = [r.saved(a) if a in r.saved_bytes else r.saved(CHECKPOINT) for r, a in zip(rows, acts, strict=True)]
+            bounds = self._bounds.table_fields(kept, lengths)
             if len(self.chains) > 1:
                 rows = self._bounds.in_call_order(rows, lengths, [chain_name(c) for c in self.chains])
         device = self._device or torch.device("cpu")

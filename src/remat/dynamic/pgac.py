@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks import resolve_blocks
+from ..blocks import resolve_blocks, several_chains
 from ..costs import CHECKPOINT, KEEP, CostTable
 from ..memory import MemoryReport, measure, model_device
 from ..runtime import RematHandle, apply
@@ -107,6 +107,7 @@ class PGAC:
         self._fitter: MaskFitter | None = None
 
         chain = resolve_blocks(model, blocks)
+        self._profiled: Any = blocks if several_chains(blocks) else chain  # several chains: profiled together
         initial = Plan({fqn: CHECKPOINT for fqn, _ in chain}, strategy="pgac")
         self.handle: RematHandle = apply(model, initial, chain, main_input=main_input, main_output=main_output)
         self.fqns: list[str] = list(self.handle.fqns)
@@ -259,8 +260,9 @@ class PGAC:
 
             # PGAC's plans use keep, checkpoint and segments only: profile those two actions.
             self._profiler = BlockProfiler(
-                self.model, self.handle.blocks, actions=[KEEP, CHECKPOINT], io=self.handle.io
-            )
+                self.model, self._profiled, actions=[KEEP, CHECKPOINT], io=self.handle.io,
+                step_actions=list(self.handle.plan.actions.values()),
+            )  # fmt: skip
             self._profiler.__enter__()
             self._profiler_open = True
         elif self._measured_step():
@@ -368,14 +370,10 @@ class PGAC:
         self.handle.set_plan(plan)
 
     def _set_costs(self, costs: CostTable) -> None:
-        if costs.fqns != self.fqns:
-            raise ValueError(
-                f"the cost table describes the chain {costs.fqns}, but PGAC manages {self.fqns}; profile the same "
-                "model with the same blocks"
-            )
-        self.costs, self._fitter = costs, None
+        MaskFitter.check_blocks(costs, self.fqns)
+        self.costs, self._fitter = costs, None  # kept when the budget is below the minimum: set_budget can fix it
         self.budget_bytes = resolve_budget(self._budget_spec, costs)
-        self._fitter = MaskFitter(costs, self.budget_bytes)  # raises BudgetError below the feasible minimum
+        self._fitter = MaskFitter(costs, self.budget_bytes, fqns=self.fqns)  # BudgetError below the minimum
 
     def _costs_from_profiler(self) -> CostTable:
         costs = self._profiler.cost_table()

@@ -29,6 +29,7 @@ from ..blocks import (
     block_ios,
     replace_slot,
     resolve_blocks,
+    several_chains,
     slot_value,
     without_caches,
 )
@@ -218,6 +219,12 @@ def meta_cost_table(
             "its figures are in the parameters' dtype. Profile on a real device inside the autocast context for a "
             "mixed-precision step",
             stacklevel=2,
+        )
+    if several_chains(blocks):
+        raise ValueError(
+            "the meta estimate plans one chain at a time, and blocks= names several. Estimate one with "
+            "blocks=remat.find_chains(model)[i] (the other chains then count as its stem and head), or plan them "
+            "together from a profile on a real device: remat.profile(model, batch, blocks=remat.find_chains(model))"
         )
     device = device_throughput(device_flops)
     model = _meta_model(model_or_factory)
