@@ -76,10 +76,8 @@ def test_pgac_profiles_every_chain_in_its_first_step_then_is_exact_and_within_bu
                 plan = pgac.plan
                 assert plan.predicted_peak_bytes <= pgac.budget_bytes, (t, plan.actions)
                 assert peak <= pgac.budget_bytes, (t, peak, plan.predicted_peak_bytes, pgac.budget_bytes)
-                # The first step is profiled with every block checkpointed, not as a plain step: the table's
-                # held arguments and the bytes around each chain's backward are taken under that plan, and the
-                # prediction can be a little below the measured peak (T5: 410,888 bytes against 423,176).
-                assert abs(plan.predicted_peak_bytes - peak) <= 0.05 * peak, (t, peak, plan.predicted_peak_bytes)
+                # T5's position biases, kept beside checkpointed blocks, were missing from the stem: 12 KiB low
+                assert peak <= plan.predicted_peak_bytes <= 1.05 * peak, (t, peak, plan.predicted_peak_bytes)
                 assert any(a != "keep" for a in plan.actions.values())
             opt.step()
             ref_opt.step()
