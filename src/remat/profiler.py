@@ -63,40 +63,20 @@ from .blocks import (
 )
 from .chain import chain_name
 from .chain_bounds import ChainBounds, CollectedOutputs
-from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
+from .costs import CHECKPOINT, KEEP, BlockCost, CostTable
 from .grad_error import block_grad_error
 from .hf_guards import profiled_step
-from .lossy_actions import COMPRESS_PREFIX, is_lossy, parse_compress
+from .lossy_actions import is_lossy
 from .memory import LiveTensorTracker, model_device
 from .model_state import detached_from_step, extra_run
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
+from .profiled_actions import default_actions, lossy_actions
 from .regions import in_place_error
+from .repeated_calls import RepeatedCalls
 from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step, step_seconds
 
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
-
-
-def default_actions(
-    device: torch.device, policies: str | Iterable[str] = ("dots_saveable",), lossy: Iterable[str] = ()
-) -> list[str]:
-    """The actions a block is profiled under: keep, checkpoint, ``selective:<policy>`` for each of ``policies``
-    (``"menu"`` for :data:`remat.policies.MENU`), offload on CUDA, and ``compress:<format>`` for each of
-    ``lossy`` (formats or compress actions)."""
-    actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + name for name in _policies.expand(policies)]
-    if device.type == "cuda":
-        actions.append(OFFLOAD)
-    return actions + lossy_actions(lossy)
-
-
-def lossy_actions(lossy: Iterable[str]) -> list[str]:
-    """``compress:`` actions from formats (``"int8"``) or actions (``"compress:int8:matmul"``), checked."""
-    if isinstance(lossy, str):
-        lossy = (lossy,)
-    actions = [f if is_lossy(f) else COMPRESS_PREFIX + f for f in lossy]
-    for action in actions:
-        parse_compress(action)
-    return actions
 
 
 def measure_block(
@@ -195,6 +175,7 @@ class BlockProfiler:
         self.rows: dict[int, BlockCost] = {}
         self.reuse_identical = reuse_identical
         self.reused: set[int] = set()
+        self.repeated = RepeatedCalls()  # blocks the step's forward calls more than once
         self.outputs = CollectedOutputs()  # does the model's output hold blocks' outputs (output_hidden_states)?
         # signature -> (index of the block measured for it, its footprint under keep)
         self._groups: dict[Hashable, tuple[int, Footprint]] = {}
@@ -235,7 +216,11 @@ class BlockProfiler:
 
     def _pre_hook(self, i: int, fqn: str, k: int = 0) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self._busy or i in self.rows or not torch.is_grad_enabled():
+            if self._busy or not torch.is_grad_enabled():
+                return
+            if i in self.rows:  # called again: in the step's forward (a loop over shared layers) or recomputed
+                if self._bounds is not None and not self._bounds.backward_started:
+                    self.repeated.called_again(fqn)
                 return
             main = self.io[i].input_tensor(args, kwargs)
             self._device = main.device
@@ -317,6 +302,7 @@ class BlockProfiler:
             if len(self.chains) > 1:
                 rows = self._bounds.in_call_order(rows, lengths, [chain_name(c) for c in self.chains])
         device = self._device or torch.device("cpu")
+        self.repeated.warn()
         return CostTable(
             blocks=rows,
             **bounds,
@@ -329,6 +315,7 @@ class BlockProfiler:
                 "profile_s": self._profile_seconds(),
                 "blocks_measured": len(self.rows) - len(self.reused),
                 "blocks_reused": len(self.reused),
+                **({"called_more_than_once": dict(self.repeated.calls)} if self.repeated.calls else {}),
             },
             autocast=(self._autocast or AutocastSpec.current(device.type)).to_dict(),
         )
