@@ -90,7 +90,7 @@ def keep_footprint(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], io: BlockIO | None = None
 ) -> Footprint:
     """One forward of the block under ``keep`` on these inputs, noting what autograd saves, set apart from the
-    step like :func:`remat.profiler.measure_block` (RNG forked, gradients restored, remat hooks suspended). No
+    step like :func:`remat.block_measure.measure_block` (RNG forked, gradients restored, remat hooks suspended). No
     dispatch mode and no backward: a few percent of the block's full measurement. ``io`` says which argument
     and output are the hidden state (guessed by default)."""
     io = io or BlockIO()

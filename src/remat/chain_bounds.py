@@ -103,6 +103,11 @@ class ChainBounds:
         self._inputs_freed[chain] = sum(n for ref, n in self._watched.get(chain, []) if ref() is None)
 
     @property
+    def backward_started(self) -> bool:
+        """Whether the gradient of a chain's output has arrived (the step's backward reached the chains)."""
+        return bool(self._freed_at_grad)
+
+    @property
     def held_args_bytes(self) -> int:
         """Block arguments freed by the time the last chain's output gradient arrived (the head is over)."""
         return self._freed_at_grad.get(self.order[-1], 0) if self.order else 0

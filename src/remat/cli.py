@@ -125,6 +125,8 @@ def _print_costs(costs: Any) -> None:
     print(f"stem {format_bytes(costs.stem_bytes)}, head {format_bytes(costs.head_bytes)}, source {costs.source}")
     if "profile_s" in costs.info:
         print(f"profiled in {profile_summary(costs)}")
+    for fqn, calls in costs.info.get("called_more_than_once", {}).items():
+        print(f"warning: {fqn} runs {calls} times per step; remat plans it once (predictions are unreliable)")
     if costs.outside_s is not None:
         kept = sum(b.fwd_s + b.bwd_s for b in costs.blocks)
         print(

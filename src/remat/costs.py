@@ -48,7 +48,8 @@ head, the loss and their backward): a plain step's time less every block's ``fwd
 was not measured. Since the blocks are timed alone, it also holds what they cost more or less inside a step
 than alone, and it is negative where that exceeds the stem and head (small blocks timed alone run slower).
 ``outputs_kept`` says the model keeps every block's output to the end of the step (Hugging Face's
-``output_hidden_states`` collects them), so a group's inner outputs are not freed.
+``output_hidden_states`` collects them), so a group's inner outputs are not freed, and a unit's backward runs
+beside the outputs of its last block and the later blocks of its chain (:meth:`CostTable.held_outputs_per_row`).
 
 Several chains (an encoder and a decoder, two towers) share one table: ``blocks`` holds every chain's rows, chain
 after chain in the order the step runs them forward, and ``chain_lengths`` says how many rows each chain has
@@ -192,6 +193,26 @@ class CostTable:
         """``backward_bytes`` of each row's chain (0 for every row when there are none)."""
         grads = self.backward_bytes or [0] * len(self.chains)
         return [grads[k] for k in self.chain_index()]
+
+    def held_outputs_per_row(self) -> list[int]:
+        """Per row ``m``: with ``outputs_kept``, the outputs of blocks ``m`` to the last but one of ``m``'s chain,
+        which the model holds while the backward of a unit ending at ``m`` runs (0 for every row without
+        ``outputs_kept``). A chain's last output is left out: the model either replaces it (a final norm) and it
+        dies in the head, or holds it, and then its gradient, alive in ``head_retained_bytes`` (or the chain's
+        ``backward_bytes``) when the head's backward ends, is gone by the time an earlier unit runs backward."""
+        held = [0] * len(self.blocks)
+        if self.outputs_kept:
+            for chain in self.chains:
+                for m in reversed(chain[:-1]):
+                    held[m] = self.blocks[m].output_bytes + held[m + 1]
+        return held
+
+    def held_outputs(self, row: int) -> int:
+        """:meth:`held_outputs_per_row` of one row."""
+        if not self.outputs_kept:
+            return 0
+        chain = next(c for c in self.chains if row in c)
+        return sum(self.blocks[m].output_bytes for m in range(row, chain[-1]))
 
     def __len__(self) -> int:
         return len(self.blocks)

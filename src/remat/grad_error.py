@@ -67,7 +67,7 @@ def block_grad_error(
 ) -> GradError:
     """The error ``action`` introduces in ``module``'s gradients on these inputs (``main`` is the block's main
     input, a leaf requiring grad, inside ``args``/``kwargs``). The caller forks the RNG and sets gradients
-    aside (as :func:`remat.profiler.measure_block` does)."""
+    aside (as :func:`remat.block_measure.measure_block` does)."""
     rng = RngSnapshot.take(main)
     exact = _gradients(module, KEEP, args, kwargs, main, rng)
     lossy = _gradients(module, action, args, kwargs, main, rng)

@@ -45,99 +45,32 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policies as _policies
-from .action_times import action_times
-from .block_bytes import ByteTerms, run_tracked, tensor_bytes
-from .block_run import GradsRestored, edge_backward_supported, parameters_detached
+from .block_measure import measure_block
+from .block_run import GradsRestored, parameters_detached
 from .block_signature import Footprint, block_signature, keep_footprint, renamed
-from .block_timing import Clock, time_actions
+from .block_timing import Clock
 from .blocks import (
     BlockIO,
     BlocksArg,
     InputName,
     OutputName,
     block_ios,
-    replace_slot,
     resolve_chains,
-    slot_value,
-    without_caches,
 )
 from .chain import chain_name
 from .chain_bounds import ChainBounds, CollectedOutputs
-from .costs import KEEP, BlockCost, CostTable
-from .grad_error import block_grad_error
+from .costs import CHECKPOINT, KEEP, BlockCost, CostTable
 from .hf_guards import profiled_step
-from .lossy_actions import is_lossy
 from .memory import LiveTensorTracker, model_device
-from .model_state import detached_from_step, extra_run
+from .model_state import extra_run
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
 from .profiled_actions import compress_actions, default_actions
 from .regions import in_place_error
+from .repeated_calls import RepeatedCalls
 from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step, step_seconds
 
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
-
-
-def measure_block(
-    fqn: str,
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    actions: Sequence[str],
-    *,
-    repeats: int = 3,
-    io: BlockIO | None = None,
-    clock: Clock = time.perf_counter,
-) -> BlockCost:
-    """Costs of one block on these inputs, under each of ``actions`` (``"keep"`` must be among them), times
-    read from ``clock``; ``io`` says which argument and output are its hidden state (guessed by default)."""
-    io = io or BlockIO.of(fqn, module)
-    slot = io.input_slot(args, kwargs)
-    source = slot_value(args, kwargs, slot)
-    device = source.device
-    main = source.detach().requires_grad_(True)
-    args, kwargs = detached_from_step(*without_caches(*replace_slot(args, kwargs, slot, main)))
-    trackers: dict[str, LiveTensorTracker] = {}
-    output_bytes = 0
-    edge_backward_supported()  # probe once here, not inside a tracked region
-
-    def pick(value: Any) -> torch.Tensor | None:
-        return io.output(value, main.shape)
-
-    identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    rng_devices = [device.index or 0] if device.type == "cuda" else []
-    with (
-        suspend_all(),
-        identity,
-        GradsRestored(module),
-        parameters_detached(module),  # no hook of the step's parameters fires (DDP's reducer)
-        torch.random.fork_rng(devices=rng_devices, device_type=device.type),
-        casts_uncached(),
-    ):
-        for action in actions:
-            trackers[action] = LiveTensorTracker(device)
-            output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main, pick=pick)
-        runs = time_actions(module, actions, args, kwargs, main, device, repeats, pick=pick, clock=clock)
-        times = action_times(runs)
-        errors = {a: block_grad_error(module, a, args, kwargs, main) for a in actions if is_lossy(a)}
-    terms = ByteTerms.from_trackers(trackers)
-    return BlockCost(
-        fqn=fqn,
-        fwd_s=times.fwd_s,
-        bwd_s=times.bwd_s,
-        input_bytes=tensor_bytes(main),
-        output_bytes=output_bytes,
-        saved_bytes=terms.saved,
-        recompute_s=times.recompute_s,
-        fwd_temp_bytes=terms.fwd_temp,
-        bwd_temp_bytes=terms.bwd_temp,
-        bwd_extra_bytes=terms.bwd_extra,
-        grad_error={a: e.relative for a, e in errors.items()},
-        grad_cosine={a: e.cosine for a, e in errors.items()},
-        fwd_s_by_action=times.fwd_s_by_action,
-        bwd_s_by_action=times.bwd_s_by_action,
-        overhead_s=times.overhead_s,
-    )
 
 
 class BlockProfiler:
@@ -163,9 +96,11 @@ class BlockProfiler:
         reuse_identical: bool = True,
         lossy: Iterable[str] = (),
         clock: Clock = time.perf_counter,
+        step_actions: Sequence[str] | None = None,
     ) -> None:
         self.model = model
         self.clock = clock
+        self.step_actions = step_actions  # what the profiled step runs each block with (None: keep)
         self.chains = resolve_chains(model, blocks)
         self.chain = [pair for chain in self.chains for pair in chain]
         self.io = list(io) if io is not None else block_ios(self.chain)
@@ -176,6 +111,7 @@ class BlockProfiler:
         self.rows: dict[int, BlockCost] = {}
         self.reuse_identical = reuse_identical
         self.reused: set[int] = set()
+        self.repeated = RepeatedCalls()  # blocks the step's forward calls more than once
         self.outputs = CollectedOutputs()  # does the model's output hold blocks' outputs (output_hidden_states)?
         # signature -> (index of the block measured for it, its footprint under keep)
         self._groups: dict[Hashable, tuple[int, Footprint]] = {}
@@ -216,7 +152,11 @@ class BlockProfiler:
 
     def _pre_hook(self, i: int, fqn: str, k: int = 0) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self._busy or i in self.rows or not torch.is_grad_enabled():
+            if self._busy or not torch.is_grad_enabled():
+                return
+            if i in self.rows:  # called again: in the step's forward (a loop over shared layers) or recomputed
+                if self._bounds is not None and not self._bounds.backward_started:
+                    self.repeated.called_again(fqn)
                 return
             main = self.io[i].input_tensor(args, kwargs)
             self._device = main.device
@@ -296,10 +236,13 @@ class BlockProfiler:
         bounds: dict[str, Any] = {}
         if self._bounds is not None:
             lengths = [len(chain) for chain in self.chains]
-            bounds = self._bounds.table_fields([row.saved(KEEP) for row in rows], lengths)
+            acts = self.step_actions or [KEEP] * len(rows)
+            kept = [r.saved(a) if a in r.saved_bytes else r.saved(CHECKPOINT) for r, a in zip(rows, acts, strict=True)]
+            bounds = self._bounds.table_fields(kept, lengths)
             if len(self.chains) > 1:
                 rows = self._bounds.in_call_order(rows, lengths, [chain_name(c) for c in self.chains])
         device = self._device or torch.device("cpu")
+        self.repeated.warn()
         return CostTable(
             blocks=rows,
             **bounds,
@@ -312,6 +255,7 @@ class BlockProfiler:
                 "profile_s": self._profile_seconds(),
                 "blocks_measured": len(self.rows) - len(self.reused),
                 "blocks_reused": len(self.reused),
+                **({"called_more_than_once": dict(self.repeated.calls)} if self.repeated.calls else {}),
             },
             autocast=(self._autocast or AutocastSpec.current(device.type)).to_dict(),
         )

@@ -36,7 +36,11 @@ group's own input belongs to the unit before)::
 When the model keeps every block's output to the end of the step (``outputs_kept``: Hugging Face's
 ``output_hidden_states`` collects them), a group's inner outputs are not freed: they add up to the sum of the
 outputs of ``s..m-1`` (``kept[m]``): the forward peak reads ``kept[m]`` for ``inside[m]``, the group's backward
-holds ``kept[e]`` beside its own bytes, and the group retains ``checkpointed[e] + kept[e]``.
+holds ``kept[e]`` beside its own bytes, and the group retains ``checkpointed[e] + kept[e]``. The outputs of the
+unit's last block and of every later block of its chain but the chain's last are alive through the unit's
+backward too (``held[e]``, :meth:`remat.costs.CostTable.held_outputs_per_row`; 0 without ``outputs_kept``): a
+block's backward is measured with its output released, as a step that does not hold it runs. So every backward
+term above (single or group) has ``held[e]`` added inside its ``max``.
 
 Sums of seconds run left to right in both forms (``itertools.accumulate`` and ``np.cumsum``, which numpy
 computes sequentially), so the two give the same floating-point numbers, not only close ones.
@@ -90,16 +94,18 @@ def check_group_kind(kind: str) -> None:
 
 def unit_terms(costs: CostTable, unit: Unit) -> UnitTerms:
     """Retained bytes, peak bytes above the prefix, recompute seconds and re-executions of one unit."""
+    held = costs.held_outputs(unit.end)
     if unit.kind == SINGLE:
-        return single_terms(costs.blocks[unit.start], unit.action, costs.head_retained_bytes)
+        return single_terms(costs.blocks[unit.start], unit.action, costs.head_retained_bytes, held)
     blocks = [BlockNumbers.of(b) for b in costs.blocks[unit.start : unit.end + 1]]
-    return group_terms(blocks, unit.kind, costs.head_retained_bytes, costs.outputs_kept)
+    return group_terms(blocks, unit.kind, costs.head_retained_bytes, costs.outputs_kept, held)
 
 
-def single_terms(block: BlockCost, action: str, head_retained: int) -> UnitTerms:
-    """The terms of one block under the single-block ``action``."""
+def single_terms(block: BlockCost, action: str, head_retained: int, held: int = 0) -> UnitTerms:
+    """The terms of one block under the single-block ``action``; ``held``: the outputs the model holds through
+    the block's backward (its own and later ones, see the module's notes)."""
     saved = block.saved(action)
-    backward = block.saved(KEEP) + temp_bytes(block) + block.bwd_extra_bytes.get(action, 0)
+    backward = block.saved(KEEP) + temp_bytes(block) + block.bwd_extra_bytes.get(action, 0) + held
     peak = max(saved + block.fwd_temp_bytes, backward) + head_retained
     recompute = block.recompute_s[action]
     return UnitTerms(saved, peak, recompute, (reruns(action),), block.overhead_s.get(action, 0.0))
@@ -135,9 +141,12 @@ class BlockNumbers:
         )
 
 
-def group_terms(blocks: Sequence[BlockNumbers], kind: str, head_retained: int, outputs_kept: bool = False) -> UnitTerms:
+def group_terms(
+    blocks: Sequence[BlockNumbers], kind: str, head_retained: int, outputs_kept: bool = False, held: int = 0
+) -> UnitTerms:
     """The terms of a group (``kind`` SEGMENT or MEMORY_POOR) of the consecutive ``blocks``; with
-    ``outputs_kept`` the model keeps every block's output (``inside`` sums the outputs before block ``m``)."""
+    ``outputs_kept`` the model keeps every block's output (``inside`` sums the outputs before block ``m``) and
+    holds ``held`` bytes of outputs from the group's last block on through its backward."""
     check_group_kind(kind)
     inside = [0] + [b.output for b in blocks[:-1]]
     kept = list(accumulate(inside)) if outputs_kept else [0] * len(blocks)  # outputs s..m-1 the model keeps
@@ -152,7 +161,7 @@ def group_terms(blocks: Sequence[BlockNumbers], kind: str, head_retained: int, o
         recompute = list(accumulate(reruns_to))[-1]
         reexecutions = tuple(len(blocks) - m for m in range(len(blocks)))
     overhead = list(accumulate(b.frame for b in blocks))[-1]
-    peak = max(forward_peak, backward_peak + kept[-1]) + head_retained
+    peak = max(forward_peak, backward_peak + kept[-1] + held) + head_retained
     retained = blocks[-1].checkpointed + kept[-1]
     return UnitTerms(retained, peak, recompute, reexecutions, overhead)
 
@@ -182,7 +191,8 @@ def single_table(costs: CostTable, actions: Sequence[str]) -> SingleTable:
     temp = np.array([temp_bytes(b) for b in blocks], dtype=i64)
     saved = np.array([[b.saved(a) for b in blocks] for a in actions], dtype=i64).reshape(-1, n)
     bwd_extra = np.array([[b.bwd_extra_bytes.get(a, 0) for b in blocks] for a in actions], dtype=i64).reshape(-1, n)
-    peak = np.maximum(saved + fwd_temp, keep + temp + bwd_extra) + int(costs.head_retained_bytes)
+    held = np.array(costs.held_outputs_per_row(), dtype=i64)
+    peak = np.maximum(saved + fwd_temp, keep + temp + bwd_extra + held) + int(costs.head_retained_bytes)
     recompute = np.array([[b.recompute_s[a] for b in blocks] for a in actions], dtype=np.float64).reshape(-1, n)
     overhead = np.array([[b.overhead_s.get(a, 0.0) for b in blocks] for a in actions], dtype=np.float64).reshape(-1, n)
     runs = np.array([reruns(a) for a in actions], i64)
@@ -200,6 +210,7 @@ class ChainNumbers:
     temp: np.ndarray
     rerun: np.ndarray
     frame: np.ndarray
+    held: np.ndarray  # outputs held through the backward of a unit ending at the block (outputs_kept)
 
     @classmethod
     def of(cls, costs: CostTable) -> ChainNumbers:
@@ -207,7 +218,7 @@ class ChainNumbers:
         ints = {name: np.array([getattr(r, name) for r in rows], dtype=np.int64)
                 for name in ("keep", "checkpointed", "output", "fwd_temp", "temp")}  # fmt: skip
         floats = {name: np.array([getattr(r, name) for r in rows], dtype=np.float64) for name in ("rerun", "frame")}
-        return cls(**ints, **floats)
+        return cls(**ints, **floats, held=np.array(costs.held_outputs_per_row(), dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -254,14 +265,15 @@ def group_table(
     frames_to = np.cumsum(numbers.frame[block], axis=1)
     if SEGMENT in kinds:
         keeps_to = np.cumsum(numbers.keep[block], axis=1)
-        backward = np.maximum.accumulate(keeps_to + numbers.temp[block], axis=1) + kept
+        backward = np.maximum.accumulate(keeps_to + numbers.temp[block], axis=1) + kept + numbers.held[block]
         table.peak[SEGMENT] = np.maximum(forward_peak, backward) + head_retained
         table.recompute_s[SEGMENT] = reruns_to
         table.reexecutions[SEGMENT] = length
         table.overhead_s[SEGMENT] = frames_to
         table.time_cost_s[SEGMENT] = reruns_to + table.overhead_s[SEGMENT]
     if MEMORY_POOR in kinds:
-        backward = np.maximum.accumulate(numbers.keep[block] + inside + numbers.temp[block], axis=1) + kept
+        backward = np.maximum.accumulate(numbers.keep[block] + inside + numbers.temp[block], axis=1)
+        backward = backward + kept + numbers.held[block]
         table.peak[MEMORY_POOR] = np.maximum(forward_peak, backward) + head_retained
         table.recompute_s[MEMORY_POOR] = np.cumsum(reruns_to, axis=1)
         table.reexecutions[MEMORY_POOR] = length * (length + 1) // 2

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks import resolve_blocks
+from ..blocks import resolve_blocks, several_chains
 from ..costs import CHECKPOINT, KEEP, CostTable
 from ..memory import MemoryReport, measure, model_device
 from ..runtime import RematHandle, apply
@@ -106,6 +106,7 @@ class PGAC:
         self._fitter: Any = None  # a MaskFitter (PGAC-Q: a QuantizedMaskFitter)
 
         chain = resolve_blocks(model, blocks)
+        self._profiled: Any = blocks if several_chains(blocks) else chain  # several chains: profiled together
         initial = Plan({fqn: CHECKPOINT for fqn, _ in chain}, strategy="pgac")
         self.handle: RematHandle = apply(model, initial, chain, main_input=main_input, main_output=main_output)
         self.fqns: list[str] = list(self.handle.fqns)
@@ -256,8 +257,9 @@ class PGAC:
 
             # Profile the single actions the plans use (PGAC: keep and checkpoint, with segments).
             self._profiler = BlockProfiler(
-                self.model, self.handle.blocks, actions=list(self.profiled_actions), io=self.handle.io
-            )
+                self.model, self._profiled, actions=list(self.profiled_actions), io=self.handle.io,
+                step_actions=list(self.handle.plan.actions.values()),
+            )  # fmt: skip
             self._profiler.__enter__()
             self._profiler_open = True
         elif self._measured_step():
@@ -355,7 +357,7 @@ class PGAC:
         return self._ema
 
     def _make_fitter(self, costs: CostTable) -> Any:
-        return MaskFitter(costs, self.budget_bytes)  # raises BudgetError below the feasible minimum
+        return MaskFitter(costs, self.budget_bytes, fqns=self.fqns)  # raises BudgetError below the minimum
 
     def _apply(self, fitted: FittedMask) -> None:
         assert self.costs is not None  # a fitted mask comes from the cost table's fitter
@@ -367,12 +369,8 @@ class PGAC:
         self.handle.set_plan(plan)
 
     def _set_costs(self, costs: CostTable) -> None:
-        if costs.fqns != self.fqns:
-            raise ValueError(
-                f"the cost table describes the chain {costs.fqns}, but PGAC manages {self.fqns}; profile the same "
-                "model with the same blocks"
-            )
-        self.costs, self._fitter = costs, None
+        MaskFitter.check_blocks(costs, self.fqns)
+        self.costs, self._fitter = costs, None  # kept when the budget is below the minimum: set_budget can fix it
         self.budget_bytes = resolve_budget(self._budget_spec, costs)
         self._fitter = self._make_fitter(costs)
 

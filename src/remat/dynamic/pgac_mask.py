@@ -90,11 +90,21 @@ def budget_error(costs: CostTable, budget_bytes: int) -> BudgetError:
 
 
 class MaskFitter:
-    """Fits score masks to ``budget_bytes`` on ``costs`` (see the module docstring); ``None`` = no budget."""
+    """Fits score masks to ``budget_bytes`` on ``costs`` (see the module docstring); ``None`` = no budget.
 
-    def __init__(self, costs: CostTable, budget_bytes: int | None, cache_size: int = 1024) -> None:
+    ``fqns``: the order masks, scores and fitted actions are given in, when it is not the table's: a table of
+    several chains lists them in the order the step runs them (CLIP's vision tower first), a model in module
+    order. Each chain's blocks are consecutive in both, so groups stay whole."""
+
+    def __init__(
+        self, costs: CostTable, budget_bytes: int | None, cache_size: int = 1024, fqns: Sequence[str] | None = None
+    ) -> None:
         if len(costs) == 0:
             raise ValueError("the cost table has no blocks")
+        if fqns is not None:
+            self.check_blocks(costs, fqns)
+        # self._index[j]: where the table's row j sits in the caller's order
+        self._index = [list(fqns).index(f) for f in costs.fqns] if fqns is not None else list(range(len(costs)))
         self.costs = costs
         self.budget = budget_bytes
         self.cache_size = cache_size
@@ -109,6 +119,15 @@ class MaskFitter:
             freed = b.saved(KEEP) - b.saved(CHECKPOINT)
             self._efficiency.append(freed / max(b.recompute_s.get(CHECKPOINT, 0.0), 1e-12))
 
+    @staticmethod
+    def check_blocks(costs: CostTable, fqns: Sequence[str]) -> None:
+        """Raise ValueError when ``costs`` does not describe the blocks ``fqns`` (in any chain order)."""
+        if sorted(fqns) != sorted(costs.fqns):
+            raise ValueError(
+                f"the cost table describes the chain {costs.fqns}, but PGAC manages {list(fqns)}; profile the same "
+                "model with the same blocks"
+            )
+
     def _sim(self, actions: list[str]) -> tuple[int, float]:
         self.simulations += 1
         sim = simulate(self.costs, actions)
@@ -120,8 +139,20 @@ class MaskFitter:
         return tuple(sorted(idx, key=lambda i: (scores[i], -self._efficiency[i], i)))
 
     def fit(self, stored: Sequence[bool], scores: Sequence[float]) -> FittedMask:
+        """The fitted mask of ``stored`` (lowest ``scores`` recomputed first), in the caller's block order."""
         if len(stored) != len(self.costs) or len(scores) != len(self.costs):
             raise ValueError(f"mask and scores must have one entry per block ({len(self.costs)})")
+        at = self._index
+        fitted = self._fit_in_table_order([stored[i] for i in at], [scores[i] for i in at])
+        if at == sorted(at):
+            return fitted
+        actions = [""] * len(at)
+        for j, action in enumerate(fitted.actions):
+            actions[at[j]] = action
+        dropped = tuple(at[j] for j in fitted.dropped)
+        return FittedMask(tuple(actions), fitted.peak_bytes, fitted.recompute_s, dropped, fitted.how)
+
+    def _fit_in_table_order(self, stored: Sequence[bool], scores: Sequence[float]) -> FittedMask:
         order = self.drop_order(stored, scores)
         cached = self._cache.get(order)
         if cached is not None:
@@ -166,10 +197,10 @@ class MaskFitter:
         if self._all_recomputed is not None:
             return self._all_recomputed
         assert self.budget is not None
-        n = len(self.costs)
+        longest = max(len(chain) for chain in self.costs.chains)
         best: tuple[int, float, list[str]] | None = None
-        for k in range(2, n + 1):
-            actions = static_plans.segments(n, k)
+        for k in range(2, longest + 1):
+            actions = static_plans.per_chain(self.costs, lambda n, k=k: static_plans.segments(n, k))
             peak, rec = self._sim(actions)
             if peak <= self.budget and (best is None or (peak, rec) < (best[0], best[1])):
                 best = (peak, rec, actions)

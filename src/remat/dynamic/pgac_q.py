@@ -108,7 +108,13 @@ class PGACQ(PGAC):
 
     def _make_fitter(self, costs: CostTable) -> Any:
         if self.compress is None:
-            return MaskFitter(costs, self.budget_bytes)
+            return MaskFitter(costs, self.budget_bytes, fqns=self.fqns)
+        if costs.fqns != self.fqns:
+            raise ValueError(
+                "PGAC-Q needs its blocks in the order the step runs them; this model runs its chains in another "
+                f"order ({costs.fqns[0]} first). Use remat.PGAC, or remat.plan(costs, 'optimal', budget, "
+                "allow_lossy=True) for a static lossy plan"
+            )
         return QuantizedMaskFitter(costs, self.budget_bytes, self.compress)
 
 

@@ -72,5 +72,6 @@ def check_state(state: Mapping[str, Any], fqns: Sequence[str]) -> None:
 def restored_plan(costs: CostTable | None, actions: dict[str, str], budget_bytes: int | None) -> Plan:
     """The plan a saved state names: checked against ``costs`` when they are known."""
     if costs is not None:
-        return Plan.from_actions(costs, actions, "pgac", budget_bytes)
+        in_table_order = {f: actions[f] for f in costs.fqns} if set(actions) == set(costs.fqns) else actions
+        return Plan.from_actions(costs, in_table_order, "pgac", budget_bytes).in_order(list(actions))
     return Plan(actions, strategy="pgac", budget_bytes=budget_bytes)

@@ -29,6 +29,7 @@ from ..blocks import (
     block_ios,
     replace_slot,
     resolve_blocks,
+    several_chains,
     slot_value,
     without_caches,
 )
@@ -105,7 +106,7 @@ def _meta_block_cost(
     device: DeviceThroughput,
     io: BlockIO,
 ) -> BlockCost:
-    """One block run alone under each action, as :func:`remat.profiler.measure_block` does on a real device:
+    """One block run alone under each action, as :func:`remat.block_measure.measure_block` does on a real device:
     bytes kept after its forward (its input excluded, its output included), forward and backward
     transients; times from its FLOPs and the bytes its operators write."""
     slot = io.input_slot(args, kwargs)
@@ -218,6 +219,12 @@ def meta_cost_table(
             "its figures are in the parameters' dtype. Profile on a real device inside the autocast context for a "
             "mixed-precision step",
             stacklevel=2,
+        )
+    if several_chains(blocks):
+        raise ValueError(
+            "the meta estimate plans one chain at a time, and blocks= names several. Estimate one with "
+            "blocks=remat.find_chains(model)[i] (the other chains then count as its stem and head), or plan them "
+            "together from a profile on a real device: remat.profile(model, batch, blocks=remat.find_chains(model))"
         )
     device = device_throughput(device_flops)
     model = _meta_model(model_or_factory)
