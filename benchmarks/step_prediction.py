@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import remat  # noqa: E402
 from peers_models import ModelSetting, block_list, build_model, make_batch  # noqa: E402
+
+import remat  # noqa: E402
 
 SELECTIVE = "selective:dots_saveable"
 

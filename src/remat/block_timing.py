@@ -5,18 +5,19 @@ paired; on CUDA the device is synchronised around every timed region. The
 recomputation is timed directly (the block's second call under a checkpoint), not as a difference of backward
 times: it is a fraction of them, and their noise would swamp it.
 
-On the CPU the caches are flushed (:class:`CacheFlush`, untimed) between each timed forward and its backward. In a training step a block's backward, and any recomputation in it, runs after the rest of the
-model's forward and the later blocks' backward have gone through the caches; timed right after its own
-forward, a block finds its saved tensors and weights in cache and its backward, above all a recomputation,
-runs faster than it does in the step, the more so when another process shares the last-level cache.
+On the CPU the caches are flushed (:class:`CacheFlush`, untimed) between each timed forward and its backward.
+In a training step a block's backward, and any recomputation in it, runs after the rest of the model's forward
+and the later blocks' backward have gone through the caches; timed right after its own forward, a block finds
+its saved tensors and weights in cache and its backward, above all a recomputation, runs faster than it does
+in the step, the more so when another process shares the last-level cache.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
