@@ -63,12 +63,13 @@ from .costs import CHECKPOINT, KEEP, BlockCost, CostTable
 from .hf_guards import profiled_step
 from .memory import LiveTensorTracker, model_device
 from .model_state import extra_run
+from .outside_time import outside_seconds
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
 from .profiled_actions import compress_actions, default_actions
 from .regions import in_place_error
 from .repeated_calls import RepeatedCalls
 from .suspension import suspend_all
-from .training_step import Batch, default_loss, run_step, step_seconds
+from .training_step import Batch, default_loss, run_step
 
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
 
@@ -304,7 +305,8 @@ def profile(
     "device_type": ...}``, a :class:`remat.precision.AutocastSpec`, or ``False`` for none): the forward and the
     loss then run under that autocast, the backward outside it, as in a training step. Either way the step runs
     with autocast's weight-cast cache off (see :mod:`remat.precision`), and the table records the setting.
-    After the profiled step, three plain steps are timed for ``outside_s`` (the step less its blocks).
+    After the profiled step, three plain steps are timed for ``outside_s``: each step less the time its blocks
+    took in it (:mod:`remat.outside_time`), or on CUDA the step less the blocks' isolated times.
 
     ``clock`` is what every time is read from: wall-clock ``time.perf_counter`` by default; on a shared CPU
     with one intra-op thread, ``time.process_time`` gives the seconds the step would take on a machine of its
@@ -330,8 +332,9 @@ def profile(
         rng = torch.random.fork_rng(devices=[] if costs.device == "cpu" else None, device_type=costs.device)
         # no parameter hook fires, buffers (BatchNorm statistics) are left as the profiled step left them
         with suspend_all(), rng, casts_uncached(), parameters_detached(model), extra_run(model):
-            step = step_seconds(model, batch, loss_fn, steps=3, autocast=spec, clock=clock)
-    # Not floored at 0: blocks timed alone can run slower than inside a step (small blocks above all), and
-    # a negative remainder keeps the predicted step of keeping everything equal to the measured one.
-    costs.outside_s = step - sum(b.fwd_s + b.bwd_s for b in costs.blocks)
+            modules = [module for _, module in profiler.chain]
+            step, outside = outside_seconds(model, batch, loss_fn, modules, io, steps=3, autocast=spec, clock=clock)
+    # The step less the blocks' isolated times where the blocks could not be timed within it: not floored at
+    # 0, blocks timed alone can run slower than inside a step (small blocks above all).
+    costs.outside_s = outside if outside is not None else step - sum(b.fwd_s + b.bwd_s for b in costs.blocks)
     return costs
