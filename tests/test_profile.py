@@ -84,8 +84,6 @@ def test_gpt2_cost_table_times_every_action_and_the_step_outside_the_blocks(gpt2
         assert set(row.fwd_s_by_action) == set(row.bwd_s_by_action) == set(row.overhead_s) == set(row.actions)
         assert row.fwd_s_by_action[KEEP] == row.fwd_s and row.bwd_s_by_action[KEEP] == row.bwd_s
         assert row.overhead_s[KEEP] == 0.0 and min(row.time_cost(a) for a in row.actions) >= 0.0
-        # A checkpoint's backward holds the block's second forward: it is slower than keep's.
-        assert row.bwd_s_by_action[CHECKPOINT] > row.bwd_s
         for action in row.actions:
             assert row.time_cost(action) == row.recompute_s[action] + row.overhead_s[action]
     assert isinstance(costs.outside_s, float)
