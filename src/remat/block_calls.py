@@ -144,3 +144,18 @@ def planned_calls(plan: Plan, fqns: Sequence[str]) -> tuple[Plan, CallPositions,
         return plan, CallPositions(fqns, list(plan.actions)), plan.units()
     plan = plan.in_order(fqns)  # a plan of several chains lists them as the step runs them
     return plan, CallPositions(fqns, fqns), plan.units_for(fqns)
+
+
+def waiting_grad_bytes(row_blocks: Sequence[int], grad_bytes: Sequence[int]) -> list[int]:
+    """Per row of a table whose rows are calls of blocks ``row_blocks`` (in step order), the parameter gradients
+    of blocks called more than once that wait while the row runs backward: a block's gradient from its last call
+    (``grad_bytes`` per block) is made during that row's backward and waits, through its first call's row, for
+    the gradients of its other calls to be summed with it (``CostTable.call_grad_bytes``). The last call's row
+    counts all of it, an upper bound: its backward makes them one parameter after another."""
+    waiting = [0] * len(row_blocks)
+    for b, nbytes in enumerate(grad_bytes):
+        rows = [r for r, block in enumerate(row_blocks) if block == b]
+        if len(rows) > 1:
+            for r in range(rows[0], rows[-1] + 1):
+                waiting[r] += nbytes
+    return waiting
