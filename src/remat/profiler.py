@@ -27,6 +27,11 @@ were measured and reused.
 Lossy actions (``compress:<format>``) are profiled only when asked (``profile(..., lossy=("int8",))``): their
 rows also get the gradient error the action introduces in the block (:mod:`remat.grad_error`).
 
+A block the step's forward calls more than once (a loop over shared layers) has a row per call, named
+``<fqn>@<k>`` for the k-th (:mod:`remat.block_calls`); a call made while the backward runs is a recomputation and
+has none. Such a chain ends with its latest call, and ``call_grad_bytes`` counts the parameter gradients of its
+later calls waiting to be summed with the earlier ones'.
+
 Several chains (``blocks=remat.find_chains(model)``) are profiled in the same step: the table holds their rows
 in the order the step runs them, with ``chain_lengths`` and the bytes between them (``between_bytes``).
 
