@@ -66,6 +66,7 @@ class ChainBounds:
         self._inputs: dict[tuple[int, str], tuple[weakref.ref, int]] = {}
         self._watched: dict[int, list[tuple[weakref.ref, int]]] = {}
         self._inputs_freed: dict[int, int] = {}
+        self._grad_hooks: dict[int, Any] = {}
 
     def block_called(self, args: tuple[Any, ...], kwargs: dict[str, Any], main: torch.Tensor, chain: int = 0) -> None:
         """A block of chain ``chain`` is called for the first time in the step (with grad enabled), with ``main``
@@ -81,15 +82,20 @@ class ChainBounds:
         self._inputs.setdefault((chain, "first"), entry)
         self._inputs[(chain, "last")] = entry
 
-    def chain_output(self, out: torch.Tensor | None, chain: int = 0) -> None:
+    def chain_output(self, out: torch.Tensor | None, chain: int = 0, move: bool = False) -> None:
         """The last block of chain ``chain`` returned ``out`` as its main output: the chain's forward ends here
-        (after the last chain, the head's starts)."""
-        if out is None or not out.requires_grad or self.tracker.has_mark(f"end{chain}"):
+        (after the last chain, the head's starts). Called again, it is ignored, unless ``move``: a chain whose
+        blocks the forward calls again (a loop) ends with the latest call, so each call moves the end."""
+        if out is None or not out.requires_grad or self.backward_started:
+            return
+        if self.tracker.has_mark(f"end{chain}") and not move:
             return
         self.tracker.mark(f"end{chain}")
         alive = {id(ref()): (ref, n) for ref, n in self._inputs.values() if ref() is not None}
         self._watched[chain] = list(alive.values())
-        out.register_hook(lambda grad: self._gradient_arrived(chain))
+        if chain in self._grad_hooks:
+            self._grad_hooks[chain].remove()
+        self._grad_hooks[chain] = out.register_hook(lambda grad: self._gradient_arrived(chain))
 
     def _gradient_arrived(self, chain: int) -> None:
         if chain in self._freed_at_grad:
@@ -117,7 +123,10 @@ class ChainBounds:
         the other cannot be planned as a sequence)."""
         marks = [label for label, _ in self.tracker.marks()]
         for before, after in zip(self.order, self.order[1:], strict=False):
-            if f"end{before}" not in marks or marks.index(f"end{before}") > marks.index(f"start{after}"):
+            if f"end{before}" not in marks:
+                return True
+            last_end = len(marks) - 1 - marks[::-1].index(f"end{before}")  # a looped chain's end moves
+            if last_end > marks.index(f"start{after}"):
                 return True
         return False
 
@@ -160,15 +169,15 @@ class ChainBounds:
 
     def kept_beside_blocks(self, keep_bytes: Sequence[int], lengths: Sequence[int]) -> int:
         """What the step kept during each chain's forward beyond what its blocks keep when measured alone
-        (``keep_bytes``, per block of chains of ``lengths``, blocks marked ``call<i>`` when first called): from
-        one block's call to the next's (or the chain's end), the growth less the block's kept bytes, summed where
-        positive (T5's first block returns position biases that the others take)."""
+        (``keep_bytes``, per row of chains of ``lengths``, the j-th call of chain k marked ``call<k>.<j>``): from
+        one call to the next (or the chain's end), the growth less the block's kept bytes, summed where positive
+        (T5's first block returns position biases that the others take)."""
         tracker, made, i = self.tracker, 0, 0
         for k, length in enumerate(lengths):
             for j in range(length):
-                after = f"call{i + 1}" if j + 1 < length else f"end{k}"
-                if tracker.has_mark(f"call{i}") and tracker.has_mark(after):
-                    growth = tracker.bytes_at(after) - tracker.bytes_at(f"call{i}")
+                after = f"call{k}.{j + 1}" if j + 1 < length else f"end{k}"
+                if tracker.has_mark(f"call{k}.{j}") and tracker.has_mark(after):
+                    growth = tracker.bytes_at(after) - tracker.bytes_at(f"call{k}.{j}")
                     made += max(0, growth - keep_bytes[i])
                 i += 1
         return made

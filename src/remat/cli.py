@@ -126,7 +126,7 @@ def _print_costs(costs: Any) -> None:
     if "profile_s" in costs.info:
         print(f"profiled in {profile_summary(costs)}")
     for fqn, calls in costs.info.get("called_more_than_once", {}).items():
-        print(f"warning: {fqn} runs {calls} times per step; remat plans it once (predictions are unreliable)")
+        print(f"{fqn} runs {calls} times per step: one row per call ({fqn}@2 .. @{calls})")
     if costs.outside_s is not None:
         kept = sum(b.fwd_s + b.bwd_s for b in costs.blocks)
         print(

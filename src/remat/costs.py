@@ -64,6 +64,12 @@ before the last, what is alive when its backward starts beyond what was alive wh
 head's retained bytes (gradients on their way, a later chain's leftovers). ``stem_bytes`` is what is alive
 before the first chain, the head terms are about what follows the last.
 
+A block the step's forward calls more than once (a loop over shared layers) has a row per call, named
+``<fqn>@<k>`` for the k-th (:mod:`remat.block_calls`). Autograd sums its parameters' gradients from its calls
+before storing them: the gradient of its last call waits, from that call's backward to its first call's, for
+the others. ``call_grad_bytes`` are, per row, those waiting while the row runs backward (empty for a table
+without such blocks); they count in the peak of a unit starting at the row, as ``backward_bytes`` do.
+
 Tables written before a field existed load with it absent: 0 or empty for the byte and overhead terms, None
 for ``outside_s``, False for ``outputs_kept``.
 
@@ -150,8 +156,14 @@ class CostTable:
     between_bytes: list[int] = field(default_factory=list)
     backward_bytes: list[int] = field(default_factory=list)
     outputs_kept: bool = False
+    call_grad_bytes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.call_grad_bytes and len(self.call_grad_bytes) != len(self.blocks):
+            raise ValueError(
+                f"call_grad_bytes has {len(self.call_grad_bytes)} entries for {len(self.blocks)} rows; give one per "
+                "row (or none)"
+            )
         if not self.chain_lengths:
             if self.between_bytes or self.backward_bytes:
                 raise ValueError(
@@ -190,9 +202,11 @@ class CostTable:
         return [k for k, chain in enumerate(self.chains) for _ in chain]
 
     def backward_bytes_per_row(self) -> list[int]:
-        """``backward_bytes`` of each row's chain (0 for every row when there are none)."""
+        """``backward_bytes`` of each row's chain (0 for every row when there are none), plus the row's
+        ``call_grad_bytes``."""
         grads = self.backward_bytes or [0] * len(self.chains)
-        return [grads[k] for k in self.chain_index()]
+        calls = self.call_grad_bytes or [0] * len(self.blocks)
+        return [grads[k] + extra for k, extra in zip(self.chain_index(), calls, strict=True)]
 
     def held_outputs_per_row(self) -> list[int]:
         """Per row ``m``: with ``outputs_kept``, the outputs of blocks ``m`` to the last but one of ``m``'s chain,
@@ -257,6 +271,7 @@ class CostTable:
             between_bytes=list(data.get("between_bytes", [])),
             backward_bytes=list(data.get("backward_bytes", [])),
             outputs_kept=bool(data.get("outputs_kept", False)),
+            call_grad_bytes=list(data.get("call_grad_bytes", [])),
         )
 
     def to_json(self) -> str:

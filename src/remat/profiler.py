@@ -27,6 +27,11 @@ were measured and reused.
 Lossy actions (``compress:<format>``) are profiled only when asked (``profile(..., lossy=("int8",))``): their
 rows also get the gradient error the action introduces in the block (:mod:`remat.grad_error`).
 
+A block the step's forward calls more than once (a loop over shared layers) has a row per call, named
+``<fqn>@<k>`` for the k-th (:mod:`remat.block_calls`); a call made while the backward runs is a recomputation and
+has none. Such a chain ends with its latest call, and ``call_grad_bytes`` counts the parameter gradients of its
+later calls waiting to be summed with the earlier ones'.
+
 Several chains (``blocks=remat.find_chains(model)``) are profiled in the same step: the table holds their rows
 in the order the step runs them, with ``chain_lengths`` and the bytes between them (``between_bytes``).
 
@@ -45,6 +50,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policies as _policies
+from .block_calls import ProfiledCalls, waiting_grad_bytes
 from .block_measure import measure_block
 from .block_run import GradsRestored, parameters_detached
 from .block_signature import Footprint, block_signature, keep_footprint, renamed
@@ -67,7 +73,6 @@ from .outside_time import outside_seconds
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
 from .profiled_actions import compress_actions, default_actions
 from .regions import in_place_error
-from .repeated_calls import RepeatedCalls
 from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step
 
@@ -109,13 +114,14 @@ class BlockProfiler:
         self.lossy = compress_actions(lossy)
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
-        self.rows: dict[int, BlockCost] = {}
+        chain_of = [k for k, chain in enumerate(self.chains) for _ in chain]
+        self.calls = ProfiledCalls([fqn for fqn, _ in self.chain], chain_of, len(self.chains))  # one row per call
+        self.rows: dict[tuple[int, int], BlockCost] = {}  # (chain, call in the chain) -> row
         self.reuse_identical = reuse_identical
-        self.reused: set[int] = set()
-        self.repeated = RepeatedCalls()  # blocks the step's forward calls more than once
+        self.reused: set[tuple[int, int]] = set()
         self.outputs = CollectedOutputs()  # does the model's output hold blocks' outputs (output_hidden_states)?
-        # signature -> (index of the block measured for it, its footprint under keep)
-        self._groups: dict[Hashable, tuple[int, Footprint]] = {}
+        # signature -> (row key of the call measured for it, its footprint under keep)
+        self._groups: dict[Hashable, tuple[tuple[int, int], Footprint]] = {}
         self._start: float | None = None
         self._elapsed: float | None = None
         self._hooks: list[Any] = []
@@ -128,11 +134,11 @@ class BlockProfiler:
     def __enter__(self) -> BlockProfiler:
         i = 0
         for k, chain in enumerate(self.chains):
-            for fqn, module in chain:
+            for j, (fqn, module) in enumerate(chain):
                 self._hooks.append(module.register_forward_pre_hook(self._pre_hook(i, fqn, k), with_kwargs=True))
-                self._hooks.append(module.register_forward_hook(self._output_hook(i), with_kwargs=True))
+                last = j == len(chain) - 1
+                self._hooks.append(module.register_forward_hook(self._output_hook(i, k, last), with_kwargs=True))
                 i += 1
-            self._hooks.append(chain[-1][1].register_forward_hook(self._chain_end_hook(i - 1, k), with_kwargs=True))
         self._hooks.append(self.model.register_forward_hook(self._model_output_hook))
         self._tracker = LiveTensorTracker()
         self._bounds = ChainBounds(self._tracker, len(self.chains))
@@ -155,62 +161,80 @@ class BlockProfiler:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._busy or not torch.is_grad_enabled():
                 return
-            if i in self.rows:  # called again: in the step's forward (a loop over shared layers) or recomputed
-                if self._bounds is not None and not self._bounds.backward_started:
-                    self.repeated.called_again(fqn)
+            if self.calls.called(i) and self._in_backward():  # recomputed (a later call in forward is a row)
                 return
             main = self.io[i].input_tensor(args, kwargs)
+            key, name = self.calls.call(i)
             self._device = main.device
             self._autocast = AutocastSpec.current(main.device.type)
             if self._bounds is not None:
                 self._bounds.block_called(args, kwargs, main, k)
-                self._tracker.mark(f"call{i}")
+                self._tracker.mark(f"call{key[0]}.{key[1]}")
             actions = self.actions or default_actions(main.device, self.policies, self.lossy)
             self._busy = True
             try:
                 # Step off every dispatch mode (the step's tracker included) so the block is timed and
                 # measured as it runs in training, not through Python dispatch.
                 with _disable_current_modes(), extra_run(module):
-                    self._measure_or_reuse(i, fqn, module, args, kwargs, actions)
+                    self._measure_or_reuse(key, i, name, module, args, kwargs, actions)
             except RuntimeError as error:
                 if "in-place" in str(error) or "inplace" in str(error):
-                    raise in_place_error(fqn, "while remat profiles it alone") from error
+                    raise in_place_error(name, "while remat profiles it alone") from error
                 raise
             finally:
                 self._busy = False
 
         return hook
 
+    def _in_backward(self) -> bool:
+        """Whether the step's backward runs (a block called now is recomputed, not called by the forward)."""
+        in_engine = torch._C._current_graph_task_id() != -1
+        return in_engine or (self._bounds is not None and self._bounds.backward_started)
+
     def _measure_or_reuse(
-        self, i: int, fqn: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], actions: list[str]
+        self,
+        key: tuple[int, int],
+        i: int,
+        fqn: str,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        actions: list[str],
     ) -> None:
         if not self.reuse_identical:
-            self.rows[i] = measure_block(
+            self.rows[key] = measure_block(
                 fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i], clock=self.clock
             )
             return
         io = self.io[i]
-        key = (block_signature(module, args, kwargs, io.input_slot(args, kwargs)), tuple(actions))
+        group = (block_signature(module, args, kwargs, io.input_slot(args, kwargs)), tuple(actions))
         footprint = keep_footprint(module, args, kwargs, io)
-        first = self._groups.get(key)
+        first = self._groups.get(group)
         if first is not None and first[1] == footprint:
-            self.rows[i] = renamed(self.rows[first[0]], fqn)
-            self.reused.add(i)
+            self.rows[key] = renamed(self.rows[first[0]], fqn)
+            self.reused.add(key)
             return
-        self.rows[i] = measure_block(
+        self.rows[key] = measure_block(
             fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i], clock=self.clock
         )
         if first is None:
-            self._groups[key] = (i, footprint)
+            self._groups[group] = (key, footprint)
 
     def _main_output(self, i: int, args: Any, kwargs: dict[str, Any], output: Any) -> torch.Tensor | None:
         io = self.io[i]
         return io.output(output, io.input_tensor(args, kwargs).shape)
 
-    def _output_hook(self, i: int) -> Callable[..., None]:
+    def _output_hook(self, i: int, k: int, last: bool) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-            if not self._busy and torch.is_grad_enabled():
-                self.outputs.block_output(self._main_output(i, args, kwargs, output))
+            if self._busy or not torch.is_grad_enabled():
+                return
+            out = self._main_output(i, args, kwargs, output)
+            self.outputs.block_output(out)
+            # The chain's forward ends with its last block, or, once a block was called again (a loop), with
+            # the latest call of any of its blocks.
+            looped = self.calls.looped(k)
+            if self._bounds is not None and (last or looped) and not self._in_backward():
+                self._bounds.chain_output(out, k, move=looped)
 
         return hook
 
@@ -218,32 +242,35 @@ class BlockProfiler:
         if not self._busy:
             self.outputs.model_output(output, len(self.chains))
 
-    def _chain_end_hook(self, i: int, k: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-            if self._bounds is not None and not self._busy:
-                self._bounds.chain_output(self._main_output(i, args, kwargs, output), k)
-
-        return hook
-
     def cost_table(self) -> CostTable:
         """The measured table; raises if the step did not run every block with grad enabled."""
-        missing = [self.chain[i][0] for i in range(len(self.chain)) if i not in self.rows]
+        missing = self.calls.missing()
         if missing:
             raise RuntimeError(
                 f"blocks {missing} did not run during the profiled step (with grad enabled); "
                 "profile a full forward and backward of the model"
             )
-        rows = [self.rows[i] for i in range(len(self.chain))]
+        keys = self.calls.keys()
+        rows = [self.rows[key] for key in keys]
         bounds: dict[str, Any] = {}
         if self._bounds is not None:
-            lengths = [len(chain) for chain in self.chains]
-            acts = self.step_actions or [KEEP] * len(rows)
+            lengths = self.calls.lengths()
+            acts = [KEEP] * len(rows)
+            if self.step_actions is not None:  # per row, or per block (each call of a block under its action)
+                per_row = len(self.step_actions) == len(rows)
+                acts = [self.step_actions[n if per_row else self.calls.block_of(key)] for n, key in enumerate(keys)]
             kept = [r.saved(a) if a in r.saved_bytes else r.saved(CHECKPOINT) for r, a in zip(rows, acts, strict=True)]
             bounds = self._bounds.table_fields(kept, lengths)
             if len(self.chains) > 1:
-                rows = self._bounds.in_call_order(rows, lengths, [chain_name(c) for c in self.chains])
+                names = [chain_name(c) for c in self.chains]
+                rows = self._bounds.in_call_order(rows, lengths, names)
+                keys = self._bounds.in_call_order(keys, lengths, names)
+        if self.calls.repeated():
+            grads = [
+                sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for _, m in self.chain
+            ]
+            bounds["call_grad_bytes"] = waiting_grad_bytes([self.calls.block_of(key) for key in keys], grads)
         device = self._device or torch.device("cpu")
-        self.repeated.warn()
         return CostTable(
             blocks=rows,
             **bounds,
@@ -256,7 +283,7 @@ class BlockProfiler:
                 "profile_s": self._profile_seconds(),
                 "blocks_measured": len(self.rows) - len(self.reused),
                 "blocks_reused": len(self.reused),
-                **({"called_more_than_once": dict(self.repeated.calls)} if self.repeated.calls else {}),
+                **({"called_more_than_once": self.calls.repeated()} if self.calls.repeated() else {}),
             },
             autocast=(self._autocast or AutocastSpec.current(device.type)).to_dict(),
         )

@@ -166,6 +166,14 @@ def handoff_error(
     )
 
 
+def missing_start_error(fqn: str, start: str, group: str) -> RuntimeError:
+    """The error for block (or call) ``fqn`` running without the start ``start`` of its ``group`` before it."""
+    return RuntimeError(
+        f"block {fqn!r} ran without the start of its {group} {start!r}; a {group} needs its blocks called in "
+        "chain order within one forward. Give its blocks single actions ('checkpoint') instead"
+    )
+
+
 def in_place_error(fqn: str, when: str) -> RuntimeError:
     """The error for a block that changed one of its tensor arguments in place ``when`` it ran again (under a
     recomputing action, or measured alone)."""

@@ -3,21 +3,16 @@
 ``apply(model, plan)`` registers a forward pre-hook and a forward hook on every block of the chain. At each
 forward the hooks read the current plan's units and open/close the matching region around the blocks:
 
-* ``checkpoint`` and ``selective:<policy>``: a non-reentrant checkpoint frame around the block (the same
-  machinery as ``torch.utils.checkpoint``, opened by hooks as in ``torch.distributed``'s composable
-  checkpoint), with a per-op policy for selective;
-* ``segment`` groups: one frame opened before the first block and closed after the last, recomputed in
-  backward by re-running the blocks in order from the segment's input;
-* ``memory_poor`` groups: one frame per block whose recomputation re-derives the block's input from
-  the group's input without storing anything;
-* ``offload``: ``torch.autograd.graph.save_on_cpu`` around the block; ``compress:<format>``: saved tensors
-  stored compressed (:func:`remat.compression.saving_context`) around the block.
+* ``checkpoint`` and ``selective:<policy>``: a non-reentrant checkpoint frame around the block (as
+  ``torch.distributed``'s composable checkpoint opens it by hooks), with a per-op policy for selective;
+* ``segment`` groups: one frame from the first block to the last, re-running the blocks in order in backward;
+* ``memory_poor`` groups: one frame per block, re-deriving its input from the group's input, storing nothing;
+* ``offload``: ``save_on_cpu`` around the block; ``compress:<format>``: saved tensors stored compressed.
 
-Under ``torch.autocast`` every region runs with autocast's weight-cast cache off (Note [7]). Nothing is
-re-wrapped when the plan changes (``handle.set_plan``), and ``handle.remove()`` removes the hooks, leaving the
-model exactly as it was. ``handle.stats`` counts block re-executions and recompute seconds.
-Every recomputation restores the RNG state the block saw in forward, so dropout replays exactly. The rules
-the hooks keep are stated once, as Note [1] to Note [7] below the imports, and cited where they apply.
+Nothing is re-wrapped when the plan changes (``handle.set_plan``); ``handle.remove()`` leaves the model exactly as
+it was; ``handle.stats`` counts block re-executions and recompute seconds. Recomputation replays the RNG state
+(dropout), autocast's cast cache is off in regions, and a block called several times per forward has each call
+planned on its own: Notes [1] to [8] below the imports state the rules the hooks keep, cited where they apply.
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ from torch.utils.checkpoint import noop_context_fn
 
 from . import applied, policies
 from .actions import MEMORY_POOR
+from .block_calls import CallCounter, planned_calls
 from .blocks import BlockIO, BlocksArg, InputName, OutputName, block_ios, resolve_blocks
 from .compression import is_lossy, saving_context
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
@@ -47,6 +43,7 @@ from .regions import (
     exception_propagating,
     handoff_error,
     in_place_error,
+    missing_start_error,
     open_checkpoint_frame,
     output_refs,
     same_tensor,
@@ -106,6 +103,11 @@ from .suspension import all_suspended, counting
 # Note [7] Autocast.
 # Every region that does not keep its activations runs with autocast's weight-cast cache off, entered before its
 # frame opens (so recomputation replays it) and left after it closes; why, and the helpers: remat.precision.
+#
+# Note [8] Blocks called more than once in a forward.
+# Plan entries are calls (remat.block_calls: '<fqn>@<k>' for a block's k-th call). A model pre-hook resets the call
+# counts where a forward starts; block hooks index units, open regions and names by the plan position of the call
+# now running, the block index only choosing the module. So segments and groups may span calls (Notes [1], [2]).
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
 
@@ -134,25 +136,27 @@ class RematHandle:
         self._hooks: list[Any] = []
         self._removed = False
         self._memory_poor: dict[str, Any] | None = None
+        self._calls = CallCounter(len(blocks))  # Note [8]
         self.set_plan(plan)
         for i, (_, module) in enumerate(blocks):  # Note [4]
             pre_hook = applied.CopyRefusingHook(self._make_pre_hook(i))
             post_hook = applied.CopyRefusingHook(self._make_post_hook(i))
             self._hooks.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             self._hooks.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+        model_entry = applied.CopyRefusingHook(eager(lambda *_: self._calls.reset()))  # Note [8]
+        self._hooks.append(model.register_forward_pre_hook(model_entry))
         model_exit = applied.CopyRefusingHook(eager(self._after_model_forward))
         self._hooks.append(model.register_forward_hook(model_exit, always_call=True))  # Note [6]
 
     # ----- plan -----
     def set_plan(self, plan: Plan) -> None:
         """Switch to ``plan`` from the next forward on; no hooks are added or removed (Note [5])."""
-        plan = plan.in_order(self.fqns)  # a plan of several chains lists them as the step runs them
-        units = plan.units_for(self.fqns)
+        plan, positions, units = planned_calls(plan, self.fqns)  # Note [8]
         for unit in units:
             if unit.kind == "single" and unit.action.startswith(SELECTIVE_PREFIX):
                 policies.get(unit.action[len(SELECTIVE_PREFIX) :])
-        self.plan = plan
-        self._unit_of = [None] * len(self.fqns)
+        self.plan, self._positions, self._names = plan, positions, list(plan.actions)
+        self._unit_of = [None] * len(self._names)
         for unit in units:
             for i in range(unit.start, unit.end + 1):
                 self._unit_of[i] = unit
@@ -201,13 +205,14 @@ class RematHandle:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._inactive():
                 return
-            unit = self._unit_of[i]
+            p = self._positions.position(i, self._calls.enter(i))
+            unit = self._unit_of[p]
             if unit.kind == "single":
-                self._open_single(i, unit, module, args, kwargs)
+                self._open_single(i, p, unit, module, args, kwargs)
             elif unit.kind == "segment":
-                self._enter_segment_block(i, unit, args, kwargs)
+                self._enter_segment_block(i, p, unit, args, kwargs)
             else:
-                self._enter_memory_poor_block(i, unit, args, kwargs)
+                self._enter_memory_poor_block(i, p, unit, args, kwargs)
 
         return eager(hook)
 
@@ -218,13 +223,14 @@ class RematHandle:
             if output is None and exception_propagating():  # Note [6]
                 self._abandon_open_regions()
                 return
-            unit = self._unit_of[i]
-            key = unit.start if unit.kind == "segment" else i
+            p = self._positions.position(i, self._calls.current(i))
+            unit = self._unit_of[p]
+            key = unit.start if unit.kind == "segment" else p
             region = self._open.get(key)
             record = region.records[-1] if region is not None and region.records else None
             if record is not None and record.modified_in_place(args, kwargs):
                 self._abandon_open_regions()
-                raise in_place_error(self.fqns[i], f"under action {self.plan.actions[self.fqns[i]]!r}")
+                raise in_place_error(self._names[p], f"under action {self.plan.actions[self._names[p]]!r}")
             out = self.io[i].output(output, record.shape if record is not None else self._input_shape(i, args, kwargs))
             if region is not None:
                 region.last_output = out
@@ -232,7 +238,7 @@ class RematHandle:
                 if unit.kind == MEMORY_POOR and self._memory_poor is not None:
                     self._memory_poor["last"] = out
                     self._memory_poor["outputs"] = region.last_outputs
-                if unit.kind != "segment" or i == unit.end:
+                if unit.kind != "segment" or p == unit.end:
                     self._close(key)
             if out is not None and torch.is_grad_enabled():
                 for observer in self._observers:
@@ -247,9 +253,7 @@ class RematHandle:
             return None
 
     def _after_model_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if (
-            self._open and output is None and exception_propagating()
-        ):  # Note [6]: the model's code raised between blocks
+        if self._open and output is None and exception_propagating():  # Note [6]: raised between blocks
             self._abandon_open_regions()
 
     def _abandon_open_regions(self) -> None:
@@ -291,7 +295,7 @@ class RematHandle:
         return out
 
     def _open_single(
-        self, i: int, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, i: int, p: int, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         action = unit.action
         if action == KEEP:
@@ -301,28 +305,28 @@ class RematHandle:
             region.uncache_casts()  # Note [7]
             region.context = saving_context(action, module, args, kwargs)
             region.context.__enter__()
-            self._open[i] = region
+            self._open[p] = region
             return
         record, main = CallRecord.take(i, args, kwargs, self.io[i])
         context_fn = noop_context_fn
         if action.startswith(SELECTIVE_PREFIX):
             context_fn = policies.get(action[len(SELECTIVE_PREFIX) :]).context_fn
         elif action != CHECKPOINT:
-            raise ValueError(f"unknown action {action!r} for block {self.fqns[i]!r}")
+            raise ValueError(f"unknown action {action!r} for block {self._names[p]!r}")
 
         def recompute(saved_main: torch.Tensor) -> None:
             with self._recomputing(), forked(record.rng.devices, record.rng.device_type):
                 self._run_block(record, saved_main, timed=True)
 
         region.records.append(record)
-        self._open[i] = region
+        self._open[p] = region
         region.uncache_casts()  # Note [7]
         region.generator = open_checkpoint_frame(recompute, context_fn, main)
 
-    def _enter_segment_block(self, i: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _enter_segment_block(self, i: int, p: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Note [1]
         record, main = CallRecord.take(i, args, kwargs, self.io[i])
-        if i == unit.start:
+        if p == unit.start:
             region = OpenRegion(unit)
             records = region.records
 
@@ -333,33 +337,29 @@ class RematHandle:
                         current = self._run_block(rec, current, timed=True)
 
             records.append(record)
-            self._open[i] = region
+            self._open[p] = region
             region.uncache_casts()  # Note [7]
             region.generator = open_checkpoint_frame(recompute, noop_context_fn, main)
             return
         region = self._open.get(unit.start)
         if region is None:
-            raise RuntimeError(
-                f"block {self.fqns[i]!r} ran without the start of its segment {self.fqns[unit.start]!r}; "
-                "segments need their blocks called in chain order within one forward"
-            )
+            raise missing_start_error(self._names[p], self._names[unit.start], "segment")
         if not same_tensor(main, region.last_output):
-            raise handoff_error(self.fqns[i - 1], self.fqns[i], main, region.last_outputs, "segment")
+            raise handoff_error(self._names[p - 1], self._names[p], main, region.last_outputs, "segment")
         region.records.append(record)
 
-    def _enter_memory_poor_block(self, i: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _enter_memory_poor_block(
+        self, i: int, p: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         # Note [2]
         record, main = CallRecord.take(i, args, kwargs, self.io[i])
-        if i == unit.start:
+        if p == unit.start:
             self._memory_poor = {"input": main, "records": [], "last": None}
         group = self._memory_poor
         if group is None:
-            raise RuntimeError(
-                f"block {self.fqns[i]!r} ran without the start of its memory-poor group {self.fqns[unit.start]!r}; "
-                "memory-poor groups need their blocks called in chain order within one forward"
-            )
-        if i > unit.start and not same_tensor(main, group["last"]):
-            raise handoff_error(self.fqns[i - 1], self.fqns[i], main, group.get("outputs", []), "memory_poor")
+            raise missing_start_error(self._names[p], self._names[unit.start], "memory-poor group")
+        if p > unit.start and not same_tensor(main, group["last"]):
+            raise handoff_error(self._names[p - 1], self._names[p], main, group.get("outputs", []), "memory_poor")
         previous = list(group["records"])
         group["records"].append(record)
         region = OpenRegion(unit, records=[record])
@@ -373,7 +373,7 @@ class RematHandle:
                 current = current.detach().requires_grad_(record.requires_grad)
                 self._run_block(record, current, timed=True)
 
-        self._open[i] = region
+        self._open[p] = region
         region.uncache_casts()  # Note [7]
         region.generator = open_checkpoint_frame(recompute, noop_context_fn, group["input"])
 

@@ -88,7 +88,7 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
     backward_extra = costs.backward_bytes_per_row()
     for unit in units:
         terms = unit_terms(costs, unit)
-        unit_peak = terms.peak + held + backward_extra[unit.start]
+        unit_peak = terms.peak + held + max(backward_extra[unit.start : unit.end + 1])
         peak = max(peak, prefix + unit_peak)
         unit_peaks.append(unit_peak)
         prefix += terms.retained + between.get(unit.end, 0)

@@ -42,7 +42,7 @@ class ChainUnits:
     head_retained: int
     between: np.ndarray  # (blocks,): bytes that become alive after a unit ending at the block (chains' ends)
     chain_of: np.ndarray  # (blocks,): the chain of each block; no group spans two
-    backward_extra: np.ndarray  # (blocks,): added to the peak of a unit starting at the block (its chain's)
+    backward_extra: np.ndarray  # (blocks,): a unit's peak adds the largest over its blocks (simulator's term)
     outputs_kept: bool  # the model keeps every block's output (a group's inner outputs are not freed)
     _groups: dict[int, GroupTable] = field(default_factory=dict)
     _starting: dict[tuple[int, int], Units] = field(default_factory=dict)
@@ -134,7 +134,7 @@ class ChainUnits:
             parts.append(tuple(np.asarray(column)[within] for column in group))
         units = Units(*(np.concatenate(column) for column in zip(*parts, strict=True)))
         units.retained = units.retained + self.between[units.end]  # alive from the next chain's start on
-        units.peak = units.peak + self.backward_extra[units.start]
+        units.peak = units.peak + range_max(self.backward_extra, units.start, units.end)
         return units
 
     def actions_from_units(self, units: list[tuple[int, int, int]]) -> list[str]:
@@ -198,3 +198,21 @@ def holding_arguments(costs: CostTable) -> CostTable:
         costs, head_bytes=costs.head_bytes + held, head_retained_bytes=costs.head_retained_bytes + held,
         held_args_bytes=0,
     )  # fmt: skip
+
+
+def range_max(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """``max(values[s : e + 1])`` for each pair of ``starts`` and ``ends`` (a sparse table of maxima over runs of
+    2**j rows: two lookups per pair)."""
+    if len(starts) == 0:
+        return np.zeros(0, dtype=values.dtype)
+    levels = [values]
+    while 2 ** len(levels) <= len(values):
+        half = 2 ** (len(levels) - 1)
+        levels.append(np.maximum(levels[-1][:-half], levels[-1][half:]))
+    j = np.floor(np.log2(ends - starts + 1)).astype(np.int64)
+    out = np.empty(len(starts), dtype=values.dtype)
+    for level in np.unique(j):
+        pick = j == level
+        table = levels[level]
+        out[pick] = np.maximum(table[starts[pick]], table[ends[pick] - 2**level + 1])
+    return out
