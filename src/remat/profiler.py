@@ -24,8 +24,9 @@ forward under ``keep`` whose saved tensors and output must match the first's
 does not match is measured fully. The table's ``info`` records the profile's wall time and how many blocks
 were measured and reused.
 
-Lossy actions (``compress:<format>``) are profiled only when asked (``profile(..., lossy=("int8",))``): their
-rows also get the gradient error the action introduces in the block (:mod:`remat.grad_error`).
+Lossy actions (``compress:<format>`` and ``checkpoint+compress:<format>``) are profiled only when asked
+(``profile(..., lossy=("int8",))`` profiles both for int8): their rows also get the gradient error the action
+introduces in the block (:mod:`remat.grad_error`).
 
 Several chains (``blocks=remat.find_chains(model)``) are profiled in the same step: the table holds their rows
 in the order the step runs them, with ``chain_lengths`` and the bytes between them (``between_bytes``).
@@ -66,7 +67,7 @@ from .chain_bounds import ChainBounds, CollectedOutputs
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, BlockCost, CostTable
 from .grad_error import block_grad_error
 from .hf_guards import profiled_step
-from .lossy_actions import COMPRESS_PREFIX, is_lossy, parse_compress
+from .lossy_actions import is_lossy, lossy_actions
 from .memory import LiveTensorTracker, model_device
 from .model_state import detached_from_step, extra_run
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
@@ -87,16 +88,6 @@ def default_actions(
     if device.type == "cuda":
         actions.append(OFFLOAD)
     return actions + lossy_actions(lossy)
-
-
-def lossy_actions(lossy: Iterable[str]) -> list[str]:
-    """``compress:`` actions from formats (``"int8"``) or actions (``"compress:int8:matmul"``), checked."""
-    if isinstance(lossy, str):
-        lossy = (lossy,)
-    actions = [f if is_lossy(f) else COMPRESS_PREFIX + f for f in lossy]
-    for action in actions:
-        parse_compress(action)
-    return actions
 
 
 def measure_block(
@@ -139,7 +130,7 @@ def measure_block(
             output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main, pick=pick)
         times = action_times(time_actions(module, actions, args, kwargs, main, device, repeats, pick=pick))
         errors = {a: block_grad_error(module, a, args, kwargs, main) for a in actions if is_lossy(a)}
-    terms = ByteTerms.from_trackers(trackers)
+    terms = ByteTerms.from_trackers(trackers, input_bytes=tensor_bytes(main))
     return BlockCost(
         fqn=fqn,
         fwd_s=times.fwd_s,

@@ -10,8 +10,8 @@ forward the hooks read the current plan's units and open/close the matching regi
   backward by re-running the blocks in order from the segment's input;
 * ``memory_poor`` groups: one frame per block whose recomputation re-derives the block's input from
   the group's input without storing anything;
-* ``offload``: ``torch.autograd.graph.save_on_cpu`` around the block; ``compress:<format>``: saved tensors
-  stored compressed (:func:`remat.compression.saving_context`) around the block.
+* ``offload`` and ``compress:<format>``: saved tensors on the host or compressed, around the block
+  (:func:`remat.compression.saving_context`); ``checkpoint+compress:<format>``: :mod:`remat.input_compression`.
 
 Under ``torch.autocast`` every region runs with autocast's weight-cast cache off (Note [7]). Nothing is
 re-wrapped when the plan changes (``handle.set_plan``), and ``handle.remove()`` removes the hooks, leaving the
@@ -38,6 +38,7 @@ from .blocks import BlockIO, BlocksArg, InputName, OutputName, block_ios, resolv
 from .compression import is_lossy, saving_context
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .hf_guards import refuse_hf_checkpointing, training_forward_guards
+from .input_compression import compresses_input, open_block_frame
 from .model_state import extra_run
 from .recompute_stats import RecomputeStats
 from .regions import (
@@ -297,7 +298,7 @@ class RematHandle:
         if action == KEEP:
             return
         region = OpenRegion(unit)
-        if action == OFFLOAD or is_lossy(action):
+        if action == OFFLOAD or (is_lossy(action) and not compresses_input(action)):
             region.uncache_casts()  # Note [7]
             region.context = saving_context(action, module, args, kwargs)
             region.context.__enter__()
@@ -307,7 +308,7 @@ class RematHandle:
         context_fn = noop_context_fn
         if action.startswith(SELECTIVE_PREFIX):
             context_fn = policies.get(action[len(SELECTIVE_PREFIX) :]).context_fn
-        elif action != CHECKPOINT:
+        elif action != CHECKPOINT and not compresses_input(action):
             raise ValueError(f"unknown action {action!r} for block {self.fqns[i]!r}")
 
         def recompute(saved_main: torch.Tensor) -> None:
@@ -317,7 +318,7 @@ class RematHandle:
         region.records.append(record)
         self._open[i] = region
         region.uncache_casts()  # Note [7]
-        region.generator = open_checkpoint_frame(recompute, context_fn, main)
+        region.generator = open_block_frame(action, recompute, context_fn, main, record.requires_grad)
 
     def _enter_segment_block(self, i: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Note [1]
@@ -389,8 +390,7 @@ def apply(
 ) -> RematHandle:
     """Install ``plan`` on ``model``; return the handle (``set_plan``, ``remove``, ``stats``); Note [4].
     ``main_input``/``main_output`` name a block's hidden state where remat's guess is wrong (:mod:`remat.blocks`)."""
-    applied.refuse_overlap(model)
-    refuse_hf_checkpointing(model)
+    applied.refuse_overlap(model), refuse_hf_checkpointing(model)
     chain = resolve_blocks(model, blocks)
     io = block_ios(chain, main_input, main_output)
     handle = RematHandle(model, chain, plan, time_recompute=time_recompute, io=io)
