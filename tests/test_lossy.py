@@ -118,6 +118,9 @@ def test_lossy_actions_are_profiled_only_when_asked(gpt2) -> None:
             "compress:int8:matmul",
             "checkpoint+compress:int8",
             "checkpoint+compress:fp8",
+            "recompute+compress:int8",
+            "recompute+compress:fp8",
+            "recompute+compress:int8:matmul",
         }
         # measured, not assumed: int8 keeps about a quarter of what keep keeps (the block's output is exact)
         assert row.saved_bytes[INT8] < 0.3 * row.saved_bytes[KEEP]

@@ -24,7 +24,8 @@ from .checkpointing import checkpoint
 from .compression import compressed_saving
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .input_compression import run_compressed_input
-from .lossy_actions import compresses_input, is_lossy
+from .lossy_actions import compresses_input, compresses_recompute, is_lossy
+from .recompute_compression import run_recompute_compressed
 
 
 def run_action(module: Callable[..., Any], action: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -42,6 +43,8 @@ def run_action(module: Callable[..., Any], action: str, args: tuple[Any, ...], k
             return module(*args, **kwargs)
     if compresses_input(action):
         return run_compressed_input(module, action, args, kwargs)
+    if compresses_recompute(action):
+        return run_recompute_compressed(module, action, args, kwargs)
     if is_lossy(action):
         with compressed_saving(action, module, args, kwargs):
             return module(*args, **kwargs)

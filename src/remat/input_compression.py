@@ -23,7 +23,7 @@ import torch
 from torch.utils.checkpoint import noop_context_fn
 
 from .compression import pack
-from .lossy_actions import compresses_input, parse_input_compress
+from .lossy_actions import compresses_input, is_lossy, parse_input_compress
 from .regions import CallRecord, open_checkpoint_frame
 from .rng import forked
 
@@ -80,4 +80,4 @@ def run_compressed_input(module: Callable[..., Any], action: str, args: tuple[An
     return out
 
 
-__all__ = ["compresses_input", "open_block_frame", "open_compressed_input_frame", "run_compressed_input"]
+__all__ = ["compresses_input", "is_lossy", "open_block_frame", "open_compressed_input_frame", "run_compressed_input"]

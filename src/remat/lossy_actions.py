@@ -16,6 +16,11 @@ restored input (:mod:`remat.input_compression`). The forward is exact; the recom
 gradients, see the rounded input. It saves what the input costs beyond its compressed copy, once nothing else
 holds the input (the block before does not keep its own output; a model that collects hidden states does).
 
+A ``recompute+compress:<format>[:<policy>]`` action checkpoints its block with its input exact, but stores
+what the block's re-run in backward saves compressed, as ``compress:`` stores its forward's
+(:mod:`remat.recompute_compression`): the backward of a recomputed block then holds what a compressed one
+holds, not all its activations at full precision.
+
 Lossy actions are never planned unless the user asks (``allow_lossy=True`` or ``max_grad_error=``).
 """
 
@@ -28,11 +33,19 @@ COMPRESS_FORMATS = ("int8", "int8_channel", "fp8", "fp8_tensor")
 COMPRESS_POLICIES = ("float", "matmul")
 DEFAULT_POLICY = "float"
 INPUT_COMPRESS_PREFIX = "checkpoint+compress:"
+RECOMPUTE_COMPRESS_PREFIX = "recompute+compress:"
 
 
 def is_lossy(action: str) -> bool:
-    """Whether ``action`` stores anything inexactly (a ``compress:`` or ``checkpoint+compress:`` action)."""
-    return action.startswith(COMPRESS_PREFIX) or action.startswith(INPUT_COMPRESS_PREFIX)
+    """Whether ``action`` stores anything inexactly (``compress:``, ``checkpoint+compress:`` or
+    ``recompute+compress:``)."""
+    return action.startswith((COMPRESS_PREFIX, INPUT_COMPRESS_PREFIX, RECOMPUTE_COMPRESS_PREFIX))
+
+
+def compresses_recompute(action: str) -> bool:
+    """Whether ``action`` is a ``recompute+compress:<format>[:<policy>]`` action (a checkpoint whose re-run is
+    stored compressed)."""
+    return action.startswith(RECOMPUTE_COMPRESS_PREFIX)
 
 
 def compresses_input(action: str) -> bool:
@@ -65,6 +78,8 @@ def validate_lossy(action: str) -> None:
     """Raise ValueError unless ``action`` is a well-formed lossy action."""
     if compresses_input(action):
         parse_input_compress(action)
+    elif compresses_recompute(action):
+        parse_compress(COMPRESS_PREFIX + action[len(RECOMPUTE_COMPRESS_PREFIX) :])
     else:
         parse_compress(action)
 
@@ -94,9 +109,9 @@ def compress_action(fmt: str, policy: str = DEFAULT_POLICY) -> str:
 
 
 def lossy_actions(lossy: Iterable[str]) -> list[str]:
-    """Lossy actions from formats or actions, checked: a format (``"int8"``) gives ``compress:int8`` and
-    ``checkpoint+compress:int8``, a format with a policy (``"int8:matmul"``) its ``compress:`` action, and an
-    action (``"compress:int8:matmul"``, ``"checkpoint+compress:fp8"``) itself."""
+    """Lossy actions from formats or actions, checked: a format (``"int8"``) gives ``compress:int8``,
+    ``recompute+compress:int8`` and ``checkpoint+compress:int8``, a format with a policy (``"int8:matmul"``)
+    its ``compress:`` and ``recompute+compress:`` actions, and an action (``"checkpoint+compress:fp8"``) itself."""
     if isinstance(lossy, str):
         lossy = (lossy,)
     actions: list[str] = []
@@ -104,7 +119,7 @@ def lossy_actions(lossy: Iterable[str]) -> list[str]:
         if is_lossy(f):
             actions.append(f)
         else:
-            actions.append(COMPRESS_PREFIX + f)
+            actions += [COMPRESS_PREFIX + f, RECOMPUTE_COMPRESS_PREFIX + f]
             if ":" not in f:
                 actions.append(INPUT_COMPRESS_PREFIX + f)
     for action in actions:
@@ -117,8 +132,10 @@ __all__ = [
     "COMPRESS_POLICIES",
     "COMPRESS_PREFIX",
     "INPUT_COMPRESS_PREFIX",
+    "RECOMPUTE_COMPRESS_PREFIX",
     "compress_action",
     "compresses_input",
+    "compresses_recompute",
     "input_compress_action",
     "is_lossy",
     "lossy_actions",

@@ -10,8 +10,8 @@ forward the hooks read the current plan's units and open/close the matching regi
   backward by re-running the blocks in order from the segment's input;
 * ``memory_poor`` groups: one frame per block whose recomputation re-derives the block's input from
   the group's input without storing anything;
-* ``offload`` and ``compress:<format>``: saved tensors on the host or compressed, around the block
-  (:func:`remat.compression.saving_context`); ``checkpoint+compress:<format>``: :mod:`remat.input_compression`.
+* ``offload``, ``compress:`` and ``recompute+compress:``: saved tensors on the host, compressed, or re-run
+  and compressed in backward (:mod:`remat.recompute_compression`); ``checkpoint+compress:``: its own frame.
 
 Under ``torch.autocast`` every region runs with autocast's weight-cast cache off (Note [7]). Nothing is
 re-wrapped when the plan changes (``handle.set_plan``), and ``handle.remove()`` removes the hooks, leaving the
@@ -35,11 +35,11 @@ from torch.utils.checkpoint import noop_context_fn
 from . import applied, policies
 from .actions import MEMORY_POOR
 from .blocks import BlockIO, BlocksArg, InputName, OutputName, block_ios, resolve_blocks
-from .compression import is_lossy, saving_context
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .hf_guards import refuse_hf_checkpointing, training_forward_guards
-from .input_compression import compresses_input, open_block_frame
+from .input_compression import compresses_input, is_lossy, open_block_frame
 from .model_state import extra_run
+from .recompute_compression import storing_context
 from .recompute_stats import RecomputeStats
 from .regions import (
     CallRecord,
@@ -248,9 +248,7 @@ class RematHandle:
             return None
 
     def _after_model_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if (
-            self._open and output is None and exception_propagating()
-        ):  # Note [6]: the model's code raised between blocks
+        if self._open and output is None and exception_propagating():  # Note [6]: raised between blocks
             self._abandon_open_regions()
 
     def _abandon_open_regions(self) -> None:
@@ -300,7 +298,7 @@ class RematHandle:
         region = OpenRegion(unit)
         if action == OFFLOAD or (is_lossy(action) and not compresses_input(action)):
             region.uncache_casts()  # Note [7]
-            region.context = saving_context(action, module, args, kwargs)
+            region.context = storing_context(action, module, args, kwargs, self._recompute_block, i, self.io[i])
             region.context.__enter__()
             self._open[i] = region
             return
@@ -311,14 +309,15 @@ class RematHandle:
         elif action != CHECKPOINT and not compresses_input(action):
             raise ValueError(f"unknown action {action!r} for block {self.fqns[i]!r}")
 
-        def recompute(saved_main: torch.Tensor) -> None:
-            with self._recomputing(), forked(record.rng.devices, record.rng.device_type):
-                self._run_block(record, saved_main, timed=True)
-
         region.records.append(record)
         self._open[i] = region
         region.uncache_casts()  # Note [7]
+        recompute = lambda m: self._recompute_block(record, m)  # noqa: E731
         region.generator = open_block_frame(action, recompute, context_fn, main, record.requires_grad)
+
+    def _recompute_block(self, record: CallRecord, main: torch.Tensor) -> None:
+        with self._recomputing(), forked(record.rng.devices, record.rng.device_type):
+            self._run_block(record, main, timed=True)
 
     def _enter_segment_block(self, i: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Note [1]
@@ -390,7 +389,8 @@ def apply(
 ) -> RematHandle:
     """Install ``plan`` on ``model``; return the handle (``set_plan``, ``remove``, ``stats``); Note [4].
     ``main_input``/``main_output`` name a block's hidden state where remat's guess is wrong (:mod:`remat.blocks`)."""
-    applied.refuse_overlap(model), refuse_hf_checkpointing(model)
+    applied.refuse_overlap(model)
+    refuse_hf_checkpointing(model)
     chain = resolve_blocks(model, blocks)
     io = block_ios(chain, main_input, main_output)
     handle = RematHandle(model, chain, plan, time_recompute=time_recompute, io=io)

@@ -1,6 +1,7 @@
-"""``checkpoint+compress:<format>``: a checkpointed block whose stored input is compressed. Its bytes measured
-against the prediction, a budget below every exact plan met in a real step, the gradient error, and exact
-blocks beside it bitwise exact (tiny GPT-2, CPU)."""
+"""Checkpoints with lossy storage: ``checkpoint+compress:<format>`` (the stored input compressed) and
+``recompute+compress:<format>`` (the re-run's saved tensors compressed). Their bytes measured against the
+prediction, a budget below every exact plan met in a real step, the gradient error, and exact blocks beside them
+bitwise exact (tiny GPT-2, CPU)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from remat.lossy_actions import input_compress_action, lossy_actions
 from remat.planners.lossy import lossy_actions_of
 
 CI8 = "checkpoint+compress:int8"
+RI8 = "recompute+compress:int8"
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +51,19 @@ def _run(model, batch, costs, actions) -> tuple[tuple[torch.Tensor, dict], int, 
 
 def test_the_action_is_spelled_and_checked_like_the_others() -> None:
     assert input_compress_action("fp8") == "checkpoint+compress:fp8"
-    assert lossy_actions(("int8", "fp8:matmul")) == ["compress:int8", CI8, "compress:fp8:matmul"]
+    assert lossy_actions(("int8", "fp8:matmul")) == [
+        "compress:int8",
+        RI8,
+        CI8,
+        "compress:fp8:matmul",
+        "recompute+compress:fp8:matmul",
+    ]
     with pytest.raises(ValueError, match="unknown compression format 'int4'.*int8, int8_channel"):
         lossy_actions(("checkpoint+compress:int4",))
     with pytest.raises(ValueError, match="no policy"):
         lossy_actions(("checkpoint+compress:int8:matmul",))
+    with pytest.raises(ValueError, match="unknown compression policy 'dots'"):
+        lossy_actions(("recompute+compress:int8:dots",))
 
 
 def test_the_profiled_bytes_are_the_output_and_the_compressed_input(gpt2) -> None:
@@ -68,10 +78,22 @@ def test_the_profiled_bytes_are_the_output_and_the_compressed_input(gpt2) -> Non
         assert row.recompute_s[CI8] > 0  # it recomputes the block, as checkpoint does
 
 
-def test_measured_saving_matches_the_predicted_saving(gpt2) -> None:
+def test_a_compressed_recomputation_holds_what_a_compressed_block_holds_in_backward(gpt2) -> None:
+    """Measured: it retains what checkpoint retains, and its backward peaks far below keep's, near compress's."""
+    _, _, costs = gpt2
+    for row in costs.blocks:
+        assert row.saved_bytes[RI8] == row.saved_bytes[CHECKPOINT]
+        assert row.bwd_extra_bytes[RI8] < -0.5 * row.saved_bytes["compress:int8"]
+        assert abs(row.bwd_extra_bytes[RI8] - row.bwd_extra_bytes["compress:int8"]) < 0.2 * row.saved_bytes[KEEP]
+        assert 0 < row.grad_error[RI8] < 0.02 and 0.999 < row.grad_cosine[RI8] < 1
+        assert row.recompute_s[RI8] == row.recompute_s[CHECKPOINT]  # keep's forward, run again
+
+
+@pytest.mark.parametrize("lossy_action", [CI8, RI8])
+def test_measured_saving_matches_the_predicted_saving(gpt2, lossy_action: str) -> None:
     model, batch, costs = gpt2
     _, exact, exact_plan = _run(model, batch, costs, [CHECKPOINT] * 4)
-    _, lossy, lossy_plan = _run(model, batch, costs, [CI8] * 4)
+    _, lossy, lossy_plan = _run(model, batch, costs, [lossy_action] * 4)
     predicted = exact_plan.predicted_peak_bytes - lossy_plan.predicted_peak_bytes
     assert predicted > 0 and lossy < exact
     assert abs((exact - lossy) - predicted) <= 0.05 * predicted, (exact - lossy, predicted)
@@ -86,7 +108,7 @@ def test_a_budget_below_every_exact_plan_trains_within_it(gpt2) -> None:
     with pytest.raises(remat.BudgetError, match="With lossy storage it fits"):
         remat.plan(costs, "optimal", budget)
     plan = remat.plan(costs, "optimal", budget, allow_lossy=True)
-    assert CI8 in plan.actions.values()
+    assert {CI8, RI8} & set(plan.actions.values())
     reference = _step(model, batch)
     (loss, grads), measured, _ = _run(model, batch, costs, list(plan.actions.values()))
     assert measured <= plan.predicted_peak_bytes <= budget
@@ -96,15 +118,38 @@ def test_a_budget_below_every_exact_plan_trains_within_it(gpt2) -> None:
     assert 0 < step.relative < 0.05 and 0.999 < step.cosine < 1
 
 
-def test_exact_blocks_stay_bitwise_exact_beside_it(gpt2) -> None:
+@pytest.mark.parametrize("lossy_action", [CI8, RI8])
+def test_exact_blocks_stay_bitwise_exact_beside_it(gpt2, lossy_action: str) -> None:
     model, batch, costs = gpt2
     reference = _step(model, batch)
-    one, _, _ = _run(model, batch, costs, [CI8, KEEP, CHECKPOINT, KEEP])
-    other, _, _ = _run(model, batch, costs, [CI8, "segment:a", "segment:a", CHECKPOINT])
+    one, _, _ = _run(model, batch, costs, [lossy_action, KEEP, CHECKPOINT, KEEP])
+    other, _, _ = _run(model, batch, costs, [lossy_action, "segment:a", "segment:a", CHECKPOINT])
     assert_same_step(one, other)
     changed = {name for name, grad in reference[1].items() if not torch.equal(one[1][name], grad)}
     assert not {n for n in changed if n.startswith(("transformer.h.1.", "transformer.h.2.", "transformer.h.3."))}
     assert "transformer.h.0.attn.c_attn.weight" in changed  # the lossy block's own gradients move
+
+
+def test_a_recompute_that_saves_differently_is_refused() -> None:
+    """The re-run must save what the forward saved; a block that branches on a counter does not."""
+
+    class Fickle(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 32)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            y = self.lin(x)
+            return torch.tanh(y) if self.calls % 2 else y * 2
+
+    from remat.block_run import run_action
+
+    x = torch.randn(64, 32, requires_grad=True)
+    out = run_action(Fickle(), RI8, (x,), {})
+    with pytest.raises(RuntimeError, match="does not run the same way twice. Use 'checkpoint'"):
+        out.sum().backward()
 
 
 def test_a_model_that_keeps_every_output_does_not_plan_it(gpt2) -> None:
