@@ -159,3 +159,19 @@ def test_a_model_that_keeps_every_output_does_not_plan_it(gpt2) -> None:
     assert CI8 not in lossy_actions_of(kept)
     plan = remat.plan(kept, "optimal", 0.6, allow_lossy=True)
     assert CI8 not in plan.actions.values()
+
+
+def test_pgac_q_recomputes_compressed_below_every_exact_plan(gpt2) -> None:
+    """PGAC-Q's planner fallback may use recompute+compress in its format, never checkpoint+compress (its
+    gradient scorer holds every block's output, the input that action would free)."""
+    from remat.dynamic.pgac_q_mask import COMPRESS_STATE, QuantizedMaskFitter, state_of
+
+    _, _, costs = gpt2
+    with pytest.raises(remat.BudgetError) as refused:
+        remat.plan(costs, "optimal", "1KiB")
+    budget = refused.value.floor - 1
+    fitter = QuantizedMaskFitter(costs, budget, "compress:int8")
+    assert RI8 in fitter.allowed and CI8 not in fitter.allowed
+    mask = fitter.fit([False] * 4, [0.0, 1.0, 2.0, 3.0])
+    assert mask.peak_bytes <= budget and RI8 in mask.actions
+    assert state_of(RI8) == COMPRESS_STATE
