@@ -196,6 +196,7 @@ def main() -> None:
             rows.append((f"all {fmt}", [f"compress:{fmt}"] * n, ""))
         if formats:
             rows.append((f"all C+{formats[0]}", [f"checkpoint+compress:{formats[0]}"] * n, ""))
+            rows.append((f"all R+{formats[0]}", [f"recompute+compress:{formats[0]}"] * n, ""))
         try:
             rows.append(
                 ("optimal lossy", list(remat.plan(costs, "optimal", budget, allow_lossy=True).actions.values()), "")
@@ -246,7 +247,8 @@ def _ratio(losses: list[float], exact: list[float]) -> float:
 
 def _short(action: str) -> str:
     return {"keep": "K", "checkpoint": "C", "selective:dots_saveable": "S", "offload": "O"}.get(
-        action, action.replace("checkpoint+compress:", "C+").replace("compress:", "Q:")
+        action,
+        action.replace("checkpoint+compress:", "C+").replace("recompute+compress:", "R+").replace("compress:", "Q:"),
     )
 
 
