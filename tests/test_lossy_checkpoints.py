@@ -175,3 +175,14 @@ def test_pgac_q_recomputes_compressed_below_every_exact_plan(gpt2) -> None:
     mask = fitter.fit([False] * 4, [0.0, 1.0, 2.0, 3.0])
     assert mask.peak_bytes <= budget and RI8 in mask.actions
     assert state_of(RI8) == COMPRESS_STATE
+
+
+def test_a_second_backward_through_a_compressed_recomputation_is_refused() -> None:
+    from remat.block_run import run_action
+
+    block = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    x = torch.randn(64, 32, requires_grad=True)
+    out = run_action(block, RI8, (x,), {})
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second time.*Use 'checkpoint'"):
+        out.sum().backward()
