@@ -186,3 +186,19 @@ def test_a_second_backward_through_a_compressed_recomputation_is_refused() -> No
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="a second time.*Use 'checkpoint'"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("lossy_action", [CI8, RI8])
+def test_the_profiled_error_is_the_error_a_training_step_sees(gpt2, lossy_action: str) -> None:
+    """One block under the action in a real step: its parameter gradients' relative error against an exact step
+    is within a factor 1.5 of what the profiler measured (as for compress:, tests/test_lossy.py)."""
+    model, batch, costs = gpt2
+    reference = _step(model, batch)[1]
+    for i, fqn in enumerate(costs.fqns):
+        actions = [KEEP] * len(costs)
+        actions[i] = lossy_action
+        (_, grads), _, _ = _run(model, batch, costs, actions)
+        names = [n for n in reference if n.startswith(fqn + ".")]
+        seen = compare([reference[n] for n in names], [grads[n] for n in names]).relative
+        profiled = costs.blocks[i].grad_error[lossy_action]
+        assert profiled / 1.5 <= seen <= profiled * 1.5, (fqn, seen, profiled)
