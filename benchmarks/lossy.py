@@ -4,18 +4,19 @@ validation loss.
     .venv/bin/python benchmarks/lossy.py                   # 4 layers x 64, 300 training steps per plan
     .venv/bin/python benchmarks/lossy.py --steps 100 --formats int8
 
-The model is profiled once with ``lossy=formats``. Budgets: 25% and 50% of the no-checkpoint activation
-memory (predicted), and 90% of the least peak any exact plan reaches. At each budget: the best exact plan
-(``remat.plan(costs, "optimal", budget)``), every block under ``compress:<format>`` (whatever the budget), and
-the optimal lossy plan (``allow_lossy=True``), and PGAC-Q (``remat.PGACQ``, compressing with the first format,
-re-planning every step from its gradient scores). For each plan: the measured peak activation bytes of one step
-(``remat.measure().activation_bytes``), the median CPU time of a step (one thread) over ``--time-steps``
-steps relative to a step with no checkpointing, and the validation loss after ``--steps`` AdamW steps (same
-initial weights, same batches, dropout 0.1) relative to exact training, averaged over ``--seeds`` dropout seeds
-(paired: exact training runs with the same seeds). Exact plans give bit-identical gradients to no checkpointing,
-so their loss is the exact one and is not trained again. PGAC-Q's peak and time are measured after 5 steps of
-re-planning (its mask changes with training; the column ``K/Q/R`` counts kept, compressed and recomputed blocks
-over its training steps).
+The model is profiled once with ``lossy=formats``. Budgets: 25% and 50% of the no-checkpoint activation memory
+(predicted), 90% of the least peak any exact plan reaches, and half-way between the least lossy and the least
+exact peak (``--budgets`` picks some). At each budget: the best exact plan (``remat.plan(costs, "optimal",
+budget)``), every block under ``compress:<format>`` and every block under ``checkpoint+compress:<first format>``
+(whatever the budget), the optimal lossy plan (``allow_lossy=True``), and PGAC-Q (``remat.PGACQ``, compressing
+with the first format, re-planning every step from its gradient scores). For each plan: the measured peak
+activation bytes of one step (``remat.measure().activation_bytes``), the median CPU time of a step (one thread)
+over ``--time-steps`` steps relative to a step with no checkpointing, and the validation loss after ``--steps``
+AdamW steps (same initial weights, same batches, dropout 0.1) relative to exact training, averaged over
+``--seeds`` dropout seeds (paired: exact training runs with the same seeds). Exact plans give bit-identical
+gradients to no checkpointing, so their loss is the exact one and is not trained again. PGAC-Q's peak and time are
+measured after 5 steps of re-planning (its mask changes with training; the column ``K/Q/R`` counts kept,
+compressed and recomputed blocks over its training steps).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 
 import remat
 from remat.bench.data import load_dataset
+from remat.lossy_actions import is_lossy
 from remat.planners.lossy import plan_error
 
 
@@ -132,6 +134,10 @@ def main() -> None:
     parser.add_argument("--time-steps", type=int, default=9)
     parser.add_argument("--formats", default="int8,fp8")
     parser.add_argument("--seeds", type=int, default=1, help="dropout seeds per trained plan (paired with exact)")
+    parser.add_argument(
+        "--budgets", default="25,50,90,below", help="which budgets: 25, 50 (%% of no checkpointing), 90 (%% of the "
+        "least exact peak), below (half-way between the least lossy and the least exact peak)"
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)  # one thread and CPU time: other load on the machine blurs wall time
     formats = [f for f in args.formats.split(",") if f]
@@ -169,7 +175,18 @@ def main() -> None:
     print(f"{'budget':>16}  {'plan':<14} {'measured':>10} {'fits':>4} {'time/none':>9} {'val loss/exact':>14}  "
           f"{'grad err':>8}  actions")  # fmt: skip
     losses: dict[tuple[str, ...], float] = {}
-    for label, budget in (("25%", none_peak // 4), ("50%", none_peak // 2), ("90% exact min", exact_min * 9 // 10)):
+    try:
+        remat.plan(costs, "optimal", 1, allow_lossy=True)
+    except remat.BudgetError as error:
+        lossy_min = error.floor
+    print(f"least lossy plan: {remat.format_bytes(lossy_min)} ({lossy_min / exact_min:.1%} of the least exact)")
+    budgets = {
+        "25": ("25%", none_peak // 4),
+        "50": ("50%", none_peak // 2),
+        "90": ("90% exact min", exact_min * 9 // 10),
+        "below": ("below exact min", (lossy_min + exact_min) // 2),
+    }
+    for label, budget in (budgets[key] for key in args.budgets.split(",") if key):
         rows: list[tuple[str, list[str] | None, str]] = []
         try:
             rows.append(("best exact", list(remat.plan(costs, "optimal", budget).actions.values()), ""))
@@ -177,6 +194,9 @@ def main() -> None:
             rows.append(("best exact", None, f"no plan: floor {remat.format_bytes(error.floor)}"))
         for fmt in formats:
             rows.append((f"all {fmt}", [f"compress:{fmt}"] * n, ""))
+        if formats:
+            rows.append((f"all C+{formats[0]}", [f"checkpoint+compress:{formats[0]}"] * n, ""))
+            rows.append((f"all R+{formats[0]}", [f"recompute+compress:{formats[0]}"] * n, ""))
         try:
             rows.append(
                 ("optimal lossy", list(remat.plan(costs, "optimal", budget, allow_lossy=True).actions.values()), "")
@@ -206,7 +226,7 @@ def main() -> None:
                 print(f"{label + ' ' + remat.format_bytes(budget):>16}  {name:<14} {note}")
                 continue
             peak, seconds = run_plan(model, actions, costs, step, args.time_steps)
-            lossy = any(a.startswith("compress:") for a in actions)
+            lossy = any(is_lossy(a) for a in actions)
             key = tuple(actions)
             if key not in losses:
                 losses[key] = (
@@ -227,7 +247,8 @@ def _ratio(losses: list[float], exact: list[float]) -> float:
 
 def _short(action: str) -> str:
     return {"keep": "K", "checkpoint": "C", "selective:dots_saveable": "S", "offload": "O"}.get(
-        action, action.replace("compress:", "Q:")
+        action,
+        action.replace("checkpoint+compress:", "C+").replace("recompute+compress:", "R+").replace("compress:", "Q:"),
     )
 
 

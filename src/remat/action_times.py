@@ -3,7 +3,8 @@
 The runs come from :func:`remat.block_timing.time_actions`: round ``r`` ran every action once, so each action's
 run ``r`` is paired with keep's run ``r``. Per round, an action's recomputation is:
 
-* ``checkpoint``: keep's forward (the block runs again as it ran the first time);
+* ``checkpoint``, ``checkpoint+compress:`` and ``recompute+compress:``: keep's forward (the block runs again
+  as it ran the first time; compressing and restoring fall into the overhead);
 * ``offload`` and ``compress:<format>``: the whole difference from keep (the copies or the compression in
   forward, the copies back or the decompression in backward);
 * a selective policy that offloads: its timed recomputation plus its forward's excess over keep's (the
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from . import policies as _policies
 from .block_timing import Timing
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
-from .lossy_actions import is_lossy
+from .lossy_actions import compresses_input, compresses_recompute, is_lossy
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def recompute_of(action: str, run: Timing, keep: Timing) -> float:
     keep_fwd, keep_bwd, _ = keep
     if action == KEEP:
         return 0.0
-    if action == CHECKPOINT:
+    if action == CHECKPOINT or compresses_input(action) or compresses_recompute(action):
         return keep_fwd
     if action == OFFLOAD or is_lossy(action):
         return max((fwd - keep_fwd) + (bwd - keep_bwd), 0.0)

@@ -1,7 +1,8 @@
 """The action vocabulary of plans and how a chain's block actions group into units.
 
 A block's action is ``"keep"``, ``"checkpoint"``, ``"offload"``, ``"selective:<policy>"``, the lossy
-``"compress:<format>[:<policy>]"`` (:mod:`remat.lossy_actions`), or a group action:
+``"compress:<format>[:<policy>]"`` and ``"checkpoint+compress:<format>"`` (:mod:`remat.lossy_actions`), or a
+group action:
 
 * ``"segment:<id>"``: consecutive blocks with the same id form one segment, recomputed in backward from the
   segment's stored input (the input of its first block).
@@ -22,7 +23,7 @@ import warnings
 from dataclasses import dataclass
 
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
-from .lossy_actions import is_lossy, parse_compress
+from .lossy_actions import is_lossy, validate_lossy
 
 SEGMENT_PREFIX = "segment:"
 MEMORY_POOR_PREFIX = "memory_poor:"
@@ -80,14 +81,14 @@ def validate_action(action: str) -> None:
     if current in (KEEP, CHECKPOINT, OFFLOAD):
         return
     if is_lossy(current):
-        parse_compress(current)
+        validate_lossy(current)
         return
     for prefix in (SELECTIVE_PREFIX, SEGMENT_PREFIX, MEMORY_POOR_PREFIX):
         if current.startswith(prefix) and len(current) > len(prefix):
             return
     raise ValueError(
         f"unknown action {action!r}; use 'keep', 'checkpoint', 'offload', 'selective:<policy>', "
-        "'compress:<format>', 'segment:<id>' or 'memory_poor:<id>'"
+        "'compress:<format>', 'checkpoint+compress:<format>', 'segment:<id>' or 'memory_poor:<id>'"
     )
 
 

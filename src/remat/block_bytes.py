@@ -18,7 +18,7 @@ from torch import nn
 from .block_run import backward_releasing_output, clear_grads, run_action
 from .blocks import main_tensor
 from .costs import KEEP
-from .lossy_actions import is_lossy
+from .lossy_actions import compresses_input, is_lossy
 from .memory import LiveTensorTracker
 
 
@@ -70,10 +70,18 @@ class ByteTerms:
     bwd_extra: dict[str, int]
 
     @classmethod
-    def from_trackers(cls, trackers: dict[str, LiveTensorTracker]) -> ByteTerms:
+    def from_trackers(cls, trackers: dict[str, LiveTensorTracker], input_bytes: int = 0) -> ByteTerms:
+        """The fields from the tracked runs; ``input_bytes`` are the bytes of the block's main input, which
+        the runs held throughout (as the block before does in a step)."""
         saved = {action: t.bytes_at("fwd_end") for action, t in trackers.items()}
         bwd_peak = {action: t.peak_between("bwd_start", "bwd_end") for action, t in trackers.items()}
         for action, t in trackers.items():
+            if compresses_input(action):
+                # In a step the input is freed once this block's forward ends: only its compressed copy stays,
+                # and in backward the restored copy (tracked as new) stands in for it. So the input leaves what
+                # the block retains, and its backward peak counts the input once.
+                saved[action] -= input_bytes
+                bwd_peak[action] -= input_bytes
             if is_lossy(action):
                 # A lossy forward holds full tensors and their compressed copies at once, above what keep's
                 # forward transient predicts: its higher peak goes into the one term the simulator reads.

@@ -75,7 +75,7 @@ def measure_block(
         runs = time_actions(module, actions, args, kwargs, main, device, repeats, pick=pick, clock=clock)
         times = action_times(runs)
         errors = {a: block_grad_error(module, a, args, kwargs, main) for a in actions if is_lossy(a)}
-    terms = ByteTerms.from_trackers(trackers)
+    terms = ByteTerms.from_trackers(trackers, input_bytes=tensor_bytes(main))
     return BlockCost(
         fqn=fqn,
         fwd_s=times.fwd_s,

@@ -23,13 +23,15 @@ from torch import nn
 from .checkpointing import checkpoint
 from .compression import compressed_saving
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
-from .lossy_actions import is_lossy
+from .input_compression import run_compressed_input
+from .lossy_actions import compresses_input, compresses_recompute, is_lossy
+from .recompute_compression import run_recompute_compressed
 
 
 def run_action(module: Callable[..., Any], action: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``module(*args, **kwargs)`` under ``action``: plainly (``keep``), in a non-reentrant checkpoint
     (``checkpoint``, ``selective:<policy>``), with saved tensors on CPU (``offload``) or compressed
-    (``compress:<format>``)."""
+    (``compress:<format>``), checkpointed from a compressed input (``checkpoint+compress:<format>``)."""
     if action == KEEP:
         return module(*args, **kwargs)
     if action == CHECKPOINT:
@@ -39,6 +41,10 @@ def run_action(module: Callable[..., Any], action: str, args: tuple[Any, ...], k
     if action == OFFLOAD:
         with torch.autograd.graph.save_on_cpu(pin_memory=True):
             return module(*args, **kwargs)
+    if compresses_input(action):
+        return run_compressed_input(module, action, args, kwargs)
+    if compresses_recompute(action):
+        return run_recompute_compressed(module, action, args, kwargs)
     if is_lossy(action):
         with compressed_saving(action, module, args, kwargs):
             return module(*args, **kwargs)

@@ -1,5 +1,5 @@
 """The actions a block is profiled under: keep, checkpoint, the selective policies asked for, offload on CUDA
-and the ``compress:`` actions asked for (checked here, before any block runs)."""
+and the lossy actions asked for (:func:`remat.lossy_actions.lossy_actions`, checked before any block runs)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 
 from . import policies as _policies
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
-from .lossy_actions import COMPRESS_PREFIX, is_lossy, parse_compress
+from .lossy_actions import lossy_actions
 
-__all__ = ["compress_actions", "default_actions"]
+__all__ = ["default_actions"]
 
 
 def default_actions(
@@ -23,14 +23,4 @@ def default_actions(
     actions = [KEEP, CHECKPOINT] + [SELECTIVE_PREFIX + name for name in _policies.expand(policies)]
     if device.type == "cuda":
         actions.append(OFFLOAD)
-    return actions + compress_actions(lossy)
-
-
-def compress_actions(lossy: Iterable[str]) -> list[str]:
-    """``compress:`` actions from formats (``"int8"``) or actions (``"compress:int8:matmul"``), checked."""
-    if isinstance(lossy, str):
-        lossy = (lossy,)
-    actions = [f if is_lossy(f) else COMPRESS_PREFIX + f for f in lossy]
-    for action in actions:
-        parse_compress(action)
-    return actions
+    return actions + lossy_actions(lossy)

@@ -24,8 +24,9 @@ forward under ``keep`` whose saved tensors and output must match the first's
 does not match is measured fully. The table's ``info`` records the profile's wall time and how many blocks
 were measured and reused.
 
-Lossy actions (``compress:<format>``) are profiled only when asked (``profile(..., lossy=("int8",))``): their
-rows also get the gradient error the action introduces in the block (:mod:`remat.grad_error`).
+Lossy actions (``compress:``, ``recompute+compress:`` and ``checkpoint+compress:<format>``) are profiled only
+when asked (``profile(..., lossy=("int8",))`` profiles the three for int8): their rows also get the gradient
+error the action introduces in the block (:mod:`remat.grad_error`).
 
 A block the step's forward calls more than once (a loop over shared layers) has a row per call, named
 ``<fqn>@<k>`` for the k-th (:mod:`remat.block_calls`); a call made while the backward runs is a recomputation and
@@ -67,11 +68,12 @@ from .chain import chain_name
 from .chain_bounds import ChainBounds, CollectedOutputs
 from .costs import CHECKPOINT, KEEP, BlockCost, CostTable
 from .hf_guards import profiled_step
+from .lossy_actions import lossy_actions
 from .memory import LiveTensorTracker, model_device
 from .model_state import extra_run
 from .outside_time import outside_seconds
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
-from .profiled_actions import compress_actions, default_actions
+from .profiled_actions import default_actions
 from .regions import in_place_error
 from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step
@@ -111,7 +113,7 @@ class BlockProfiler:
         self.chain = [pair for chain in self.chains for pair in chain]
         self.io = list(io) if io is not None else block_ios(self.chain)
         self.policies = tuple(_policies.expand(policies))
-        self.lossy = compress_actions(lossy)
+        self.lossy = lossy_actions(lossy)
         self.actions = list(actions) if actions is not None else None
         self.repeats = repeats
         chain_of = [k for k, chain in enumerate(self.chains) for _ in chain]

@@ -5,14 +5,14 @@ forward the hooks read the current plan's units and open/close the matching regi
 
 * ``checkpoint`` and ``selective:<policy>``: a non-reentrant checkpoint frame around the block (as
   ``torch.distributed``'s composable checkpoint opens it by hooks), with a per-op policy for selective;
-* ``segment`` groups: one frame from the first block to the last, re-running the blocks in order in backward;
-* ``memory_poor`` groups: one frame per block, re-deriving its input from the group's input, storing nothing;
-* ``offload``: ``save_on_cpu`` around the block; ``compress:<format>``: saved tensors stored compressed.
+* ``segment`` groups: one frame from the first block to the last (re-run in order in backward); ``memory_poor``
+  groups: one frame per block, re-deriving its input from the group's input, storing nothing;
+* ``offload``, ``compress:`` and ``recompute+compress:``: saved tensors on the host, compressed, or re-run
+  and compressed in backward (:mod:`remat.recompute_compression`); ``checkpoint+compress:``: its own frame.
 
-Nothing is re-wrapped when the plan changes (``handle.set_plan``); ``handle.remove()`` leaves the model exactly as
-it was; ``handle.stats`` counts block re-executions and recompute seconds. Recomputation replays the RNG state
-(dropout), autocast's cast cache is off in regions, and a block called several times per forward has each call
-planned on its own: Notes [1] to [8] below the imports state the rules the hooks keep, cited where they apply.
+Nothing is re-wrapped on ``handle.set_plan``; ``handle.remove()`` leaves the model as it was; ``handle.stats``
+counts re-executions and recompute seconds. Recomputation replays RNG state (dropout), regions run with
+autocast's cast cache off, a block called more than once per forward is planned per call: Notes [1] to [8].
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from . import applied, policies
 from .actions import MEMORY_POOR
 from .block_calls import CallCounter, planned_calls
 from .blocks import BlockIO, BlocksArg, InputName, OutputName, block_ios, resolve_blocks
-from .compression import is_lossy, saving_context
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .hf_guards import refuse_hf_checkpointing, training_forward_guards
+from .input_compression import compresses_input, is_lossy, open_block_frame
 from .model_state import extra_run
+from .recompute_compression import storing_context
 from .recompute_stats import RecomputeStats
 from .regions import (
     CallRecord,
@@ -93,12 +94,10 @@ from .suspension import all_suspended, counting
 #
 # Note [6] Teardown.
 # remove() removes every hook, forgets open regions and deletes the mark on the model, which then behaves and
-# serialises as before apply(). Regions close in the forward hook that ends them (Note [4]); the per-thread
-# counters (recomputing, suspended) are restored in finally blocks. A forward that raises closes every region
-# still open, so no checkpoint frame (a saved-tensor hook of the thread) outlives it: a block that raises is
-# seen by its always_call forward hook (called with no output while the exception propagates), and an
-# exception in the model's own code between two blocks of a segment by an always_call forward hook on the
-# model itself.
+# serialises as before apply(). Regions close in the forward hook that ends them (Note [4]); per-thread counters
+# (recomputing, suspended) are restored in finally blocks. A forward that raises closes every open region, so no
+# checkpoint frame outlives it: a raising block is seen by its always_call forward hook (called with no output),
+# an exception in the model's code between two blocks of a segment by an always_call forward hook on the model.
 #
 # Note [7] Autocast.
 # Every region that does not keep its activations runs with autocast's weight-cast cache off, entered before its
@@ -301,9 +300,9 @@ class RematHandle:
         if action == KEEP:
             return
         region = OpenRegion(unit)
-        if action == OFFLOAD or is_lossy(action):
+        if action == OFFLOAD or (is_lossy(action) and not compresses_input(action)):
             region.uncache_casts()  # Note [7]
-            region.context = saving_context(action, module, args, kwargs)
+            region.context = storing_context(action, module, args, kwargs, self._recompute_block, i, self.io[i])
             region.context.__enter__()
             self._open[p] = region
             return
@@ -311,17 +310,18 @@ class RematHandle:
         context_fn = noop_context_fn
         if action.startswith(SELECTIVE_PREFIX):
             context_fn = policies.get(action[len(SELECTIVE_PREFIX) :]).context_fn
-        elif action != CHECKPOINT:
+        elif action != CHECKPOINT and not compresses_input(action):
             raise ValueError(f"unknown action {action!r} for block {self._names[p]!r}")
-
-        def recompute(saved_main: torch.Tensor) -> None:
-            with self._recomputing(), forked(record.rng.devices, record.rng.device_type):
-                self._run_block(record, saved_main, timed=True)
 
         region.records.append(record)
         self._open[p] = region
         region.uncache_casts()  # Note [7]
-        region.generator = open_checkpoint_frame(recompute, context_fn, main)
+        recompute = lambda m: self._recompute_block(record, m)  # noqa: E731
+        region.generator = open_block_frame(action, recompute, context_fn, main, record.requires_grad)
+
+    def _recompute_block(self, record: CallRecord, main: torch.Tensor) -> None:
+        with self._recomputing(), forked(record.rng.devices, record.rng.device_type):
+            self._run_block(record, main, timed=True)
 
     def _enter_segment_block(self, i: int, p: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Note [1]

@@ -28,15 +28,19 @@ def static_plan(spec: StrategySpec, costs: CostTable, budget_bytes: int, seed: i
 
 def lossy_plan(spec: StrategySpec, costs: CostTable, budget_bytes: int) -> Plan:
     """``compress``: every block under the spec's compress action (whatever the budget); ``optimal_lossy``: the
-    optimal plan with lossy actions allowed (the least-peak plan, recorded as not fitting, when none fits)."""
+    optimal plan with the spec's format allowed (``compress:``, ``recompute+compress:``, ``checkpoint+compress:``;
+    the least-peak plan, recorded as not fitting, when none fits)."""
     import remat
 
-    from ..lossy_actions import COMPRESS_PREFIX
+    from ..lossy_actions import COMPRESS_PREFIX, INPUT_COMPRESS_PREFIX, RECOMPUTE_COMPRESS_PREFIX, is_lossy
 
-    action = COMPRESS_PREFIX + str(spec.compress_format)
+    fmt = str(spec.compress_format)
+    action = COMPRESS_PREFIX + fmt
     if spec.name == "compress":
         return Plan.from_actions(costs, [action] * len(costs), "compress", budget_bytes)
-    allowed = [a for a in costs.common_actions() if a == action or not a.startswith(COMPRESS_PREFIX)]
+    # the spec's format only: compressed storage, compressed recomputation and (no policy) a compressed input
+    lossy = {action, RECOMPUTE_COMPRESS_PREFIX + fmt, INPUT_COMPRESS_PREFIX + fmt}
+    allowed = [a for a in costs.common_actions() if a in lossy or not is_lossy(a)]
     allowed += ["segment", "memory_poor"]
     options = {"max_grad_error": spec.opts["max_grad_error"]} if "max_grad_error" in spec.opts else {}
     try:

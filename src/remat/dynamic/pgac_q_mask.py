@@ -12,7 +12,8 @@ Fitting, with the ranking (the EMA of ``||dL/da * a||``, or the profiled gradien
 3. when no block is kept and the plan still does not fit, the compressed block of highest impact is
    recomputed too, then the next highest, and so on;
 4. when no such plan fits either (the budget is below what checkpointing every block reaches), the optimal
-   planner is run over keep, checkpoint, the compress action, segments and memory-poor groups, and its plan
+   planner is run over keep, checkpoint, the compress action, segments, memory-poor groups and (where profiled)
+   ``recompute+compress:`` in the same format, and its plan
    is used: below the least exact peak that is where compression lets training go. A budget below the least
    that planner reaches raises :class:`BudgetError` naming that minimum.
 
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 
 from ..actions import MEMORY_POOR, SEGMENT
 from ..costs import CHECKPOINT, KEEP, CostTable
+from ..lossy_actions import COMPRESS_PREFIX, RECOMPUTE_COMPRESS_PREFIX, is_lossy
 from ..planners import BudgetError
 from ..simulator import simulate
 from ..sizes import format_bytes
@@ -39,11 +41,12 @@ KEEP_STATE, COMPRESS_STATE, RECOMPUTE_STATE = "keep", "compress", "recompute"
 
 
 def state_of(action: str) -> str:
-    """The PGAC-Q state of a block ``action``: ``keep``, ``compress`` or ``recompute`` (any exact non-keep
-    action: checkpoint, segments, memory-poor groups)."""
+    """The PGAC-Q state of a block ``action``: ``keep``, ``compress`` (a lossy action: ``compress:``, or
+    ``recompute+compress:`` from the planner) or ``recompute`` (any exact non-keep action: checkpoint, segments,
+    memory-poor groups)."""
     if action == KEEP:
         return KEEP_STATE
-    return COMPRESS_STATE if action.startswith("compress:") else RECOMPUTE_STATE
+    return COMPRESS_STATE if is_lossy(action) else RECOMPUTE_STATE
 
 
 class QuantizedMaskFitter:
@@ -61,7 +64,11 @@ class QuantizedMaskFitter:
                 "to measure them in the first step"
             )
         self.costs, self.budget, self.action = costs, budget_bytes, action
+        # The planner may also recompute compressed (the same format and policy), never checkpoint+compress: the
+        # gradient scorer holds every block's output, the input checkpoint+compress would free.
+        recompute = RECOMPUTE_COMPRESS_PREFIX + action[len(COMPRESS_PREFIX) :]
         self.allowed = [KEEP, CHECKPOINT, action, SEGMENT, MEMORY_POOR]
+        self.allowed += [recompute] if recompute in costs.common_actions() else []
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], FittedMask] = OrderedDict()
         self._planned: FittedMask | None = None
@@ -131,9 +138,10 @@ class QuantizedMaskFitter:
             try:
                 plan = optimal(self.costs, self.budget, actions=self.allowed)
             except BudgetError as error:
+                lossy = " and ".join(a for a in self.allowed if is_lossy(a))
                 raise BudgetError(
                     f"the activation budget of {format_bytes(self.budget)} is below the minimum any plan of keep, "
-                    f"checkpoint and {self.action} reaches on this model and batch, {format_bytes(error.floor)} "
+                    f"checkpoint and {lossy} reaches on this model and batch, {format_bytes(error.floor)} "
                     f"({error.floor} bytes). Raise the budget to at least that, use a smaller format, or lower the "
                     "batch size or sequence length.",
                     floor=error.floor,

@@ -1,4 +1,5 @@
-"""Planning with lossy storage: ``compress:<format>`` actions are chosen only when the user asks.
+"""Planning with lossy storage: ``compress:<format>`` and ``checkpoint+compress:<format>`` actions are chosen
+only when the user asks.
 
 :func:`remat.plan` passes the optimal strategy through :func:`plan_optimal`:
 
@@ -22,7 +23,7 @@ from typing import Any
 
 from ..actions import MEMORY_POOR, SEGMENT
 from ..costs import CHECKPOINT, CostTable
-from ..lossy_actions import is_lossy
+from ..lossy_actions import compresses_input, is_lossy
 from ..simulator import Plan
 from ..sizes import format_bytes
 from .errors import BudgetError
@@ -34,8 +35,14 @@ ERROR_FIRST = 1e9  # seconds per unit of gradient error: a price above any step 
 
 
 def lossy_actions_of(costs: CostTable) -> list[str]:
-    """The lossy actions every block of ``costs`` was profiled under."""
-    return [a for a in costs.common_actions() if is_lossy(a)]
+    """The lossy actions every block of ``costs`` was profiled under and that can save memory on it."""
+    return [a for a in costs.common_actions() if is_lossy(a) and usable(costs, a)]
+
+
+def usable(costs: CostTable, action: str) -> bool:
+    """False for ``checkpoint+compress:`` when the model keeps every block's output (``outputs_kept``): the
+    input it compresses stays alive anyway, so the compressed copy would only add memory."""
+    return not (costs.outputs_kept and compresses_input(action))
 
 
 def plan_error(costs: CostTable, plan: Plan) -> float:
@@ -55,7 +62,7 @@ def plan_error(costs: CostTable, plan: Plan) -> float:
 def _all_actions(costs: CostTable, actions: list[str] | None) -> list[str]:
     if actions is not None:
         return list(actions)
-    available = costs.common_actions()
+    available = [a for a in costs.common_actions() if usable(costs, a)]
     return [*available, *((SEGMENT, MEMORY_POOR) if CHECKPOINT in available else ())]
 
 
@@ -163,4 +170,4 @@ def _within_error(
     return best
 
 
-__all__ = ["lossy_actions_of", "plan_error", "plan_optimal"]
+__all__ = ["lossy_actions_of", "plan_error", "plan_optimal", "usable"]
