@@ -7,7 +7,8 @@ on CUDA the model, its copies and the batch live on the GPU and glibc is left al
 
 1. ``remat.profile`` of the model (eager, before anything is compiled; on the CPU in a process of its own
    started with the timing settings of glibc's malloc of step 4, and in CPU seconds with one intra-op
-   thread: as the steps it predicts are timed), then every contender is built.
+   thread: as the steps it predicts are timed; with ``holds_output=False``, since the step keeps only the
+   loss), then every contender is built.
 2. Memory: per contender, warm-up steps (compilation included), then one step under the peak meter, on the
    CPU the whole-process one (:class:`remat.bench.procmem.ProcessPeakMeter`: growth of the resident
    high-water mark), on CUDA the allocator's (:class:`peers_device.AllocatorPeak`: ``max_memory_allocated``
@@ -76,8 +77,10 @@ def profile(job: dict[str, Any]) -> remat.CostTable:
     # Times in the clock the steps are timed in: CPU seconds with one intra-op thread on the CPU, however busy
     # the machine; wall-clock otherwise.
     clock = time.process_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    # The step (peers_models.forward_backward) keeps only the loss: the logits are freed before the backward.
     with pd.precision_context(setting.dtype, device):
-        return remat.profile(model, pm.make_batch(setting, seed=job["seed"], device=device), clock=clock)
+        return remat.profile(model, pm.make_batch(setting, seed=job["seed"], device=device), clock=clock,
+                             holds_output=False)
 
 
 def profile_under_timing_allocator(job: dict[str, Any]) -> remat.CostTable:

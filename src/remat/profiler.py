@@ -319,6 +319,7 @@ def profile(
     autocast: AutocastArg = None,
     lossy: Iterable[str] = (),
     clock: Clock = time.perf_counter,
+    holds_output: bool = True,
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
@@ -339,7 +340,15 @@ def profile(
 
     ``clock`` is what every time is read from: wall-clock ``time.perf_counter`` by default; on a shared CPU
     with one intra-op thread, ``time.process_time`` gives the seconds the step would take on a machine of its
-    own, however busy this one is (it counts every thread's CPU time, so not with several)."""
+    own, however busy this one is (it counts every thread's CPU time, so not with several).
+
+    ``holds_output``: whether the training loop holds the model's output through the backward, as
+    ``out = model(**batch); out.loss.backward()`` does (the default, the safe side). A loop that keeps only the
+    loss (``model(**batch).loss.backward()``, Hugging Face's Trainer, a Lightning ``training_step`` returning the
+    loss) frees the output's other tensors (the logits) before the backward: profile it with
+    ``holds_output=False`` so the head's figures leave them out and the predicted peak is that loop's, not the
+    logits higher. A table profiled so under-predicts a loop that holds the output by what the output holds;
+    ``info["holds_output"]`` records the setting."""
     spec = autocast_spec(autocast, model_device(model).type)
     chains = resolve_chains(model, blocks)
     io = block_ios([pair for chain in chains for pair in chain], main_input, main_output)
@@ -355,8 +364,9 @@ def profile(
     )
     with GradsRestored(model), profiled_step(model):
         with profiler, casts_uncached():
-            run_step(model, batch, loss_fn, autocast=spec)
+            run_step(model, batch, loss_fn, autocast=spec, holds_output=holds_output)
         costs = profiler.cost_table()
+        costs.info["holds_output"] = holds_output
         # The step outside the chain's blocks: plain steps (no plan applied) timed after the profiled one.
         rng = torch.random.fork_rng(devices=[] if costs.device == "cpu" else None, device_type=costs.device)
         # no parameter hook fires, buffers (BatchNorm statistics) are left as the profiled step left them

@@ -4,7 +4,10 @@
 dict of keyword arguments. The loss is ``loss_fn(output)``, by default ``output.loss`` when the model returns
 one, else the sum of its (first) output tensor. With an autocast setting the forward and the loss run under it
 (weight-cast cache off, see :mod:`remat.precision`) and the backward outside it, as in a mixed-precision
-training loop. :func:`step_seconds` times such steps.
+training loop. The output is held through the backward (``out = model(x); loss_fn(out).backward()``) unless
+``holds_output=False``, which drops it once the loss is computed, as a loop keeping only the loss does
+(``model(**batch).loss.backward()``, Hugging Face's Trainer): what the output holds beyond the loss (the
+logits) is then freed before the backward. :func:`step_seconds` times such steps.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ def run_step(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     *,
     autocast: AutocastSpec | None = None,
+    holds_output: bool = True,
 ) -> torch.Tensor:
     """One forward and backward of ``model`` on ``batch``; returns the loss (detached). With ``autocast`` the
-    forward and the loss run under it (weight-cast cache off)."""
+    forward and the loss run under it (weight-cast cache off). With ``holds_output=False`` the model's output
+    is dropped before the backward."""
     with step_autocast(autocast):
         if isinstance(batch, dict):
             output = model(**batch)
@@ -40,6 +45,8 @@ def run_step(
         else:
             output = model(batch)
         loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+    if not holds_output:
+        del output
     loss.backward()
     return loss.detach()
 
