@@ -49,12 +49,18 @@ class BufferSnapshot:
     """
 
     def __init__(self, module: nn.Module) -> None:
+        buffers = persistent_buffers(module)
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if not buffers:  # most blocks (transformer layers) have none: no mode switches per recomputation
+            return
         with torch.no_grad(), _disable_current_modes():
-            self.saved = [(buffer, buffer.detach().clone()) for _, buffer in persistent_buffers(module)]
+            self.saved = [(buffer, buffer.detach().clone()) for _, buffer in buffers]
 
     def restore(self) -> int:
         """Put back every buffer whose value changed; returns how many were."""
         restored = 0
+        if not self.saved:
+            return restored
         with torch.no_grad(), _disable_current_modes():
             for buffer, copy in self.saved:
                 if not torch.equal(buffer, copy):
