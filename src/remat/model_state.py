@@ -30,14 +30,28 @@ from torch.utils._pytree import tree_map
 from .hf_guards import outputs_not_collected
 
 
-def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers of ``module`` and its submodules that its ``state_dict`` holds, by name."""
-    found = []
-    for name, sub in module.named_modules():
-        prefix = f"{name}." if name else ""
-        for buffer_name, buffer in sub.named_buffers(recurse=False):
-            if buffer is not None and buffer_name not in sub._non_persistent_buffers_set:
-                found.append((prefix + buffer_name, buffer))
+def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers of ``module`` and its submodules that its ``state_dict`` holds (each once).
+
+    A walk over the module tree's own dictionaries rather than ``named_modules``/``named_buffers``: it runs before
+    every recomputation of a block, and most blocks have no buffer at all.
+    """
+    found: list[torch.Tensor] = []
+    seen_modules: set[int] = set()
+    seen_buffers: set[int] = set()
+    stack = [module]
+    while stack:
+        sub = stack.pop()
+        if id(sub) in seen_modules:
+            continue
+        seen_modules.add(id(sub))
+        if sub._buffers:
+            for name, buffer in sub._buffers.items():
+                persistent = name not in sub._non_persistent_buffers_set
+                if buffer is not None and persistent and id(buffer) not in seen_buffers:
+                    seen_buffers.add(id(buffer))
+                    found.append(buffer)
+        stack.extend(child for child in sub._modules.values() if child is not None)
     return found
 
 
@@ -54,7 +68,7 @@ class BufferSnapshot:
         if not buffers:  # most blocks (transformer layers) have none: no mode switches per recomputation
             return
         with torch.no_grad(), _disable_current_modes():
-            self.saved = [(buffer, buffer.detach().clone()) for _, buffer in buffers]
+            self.saved = [(buffer, buffer.detach().clone()) for buffer in buffers]
 
     def restore(self) -> int:
         """Put back every buffer whose value changed; returns how many were."""

@@ -33,6 +33,9 @@ import torch
 # Device types whose autocast state the runtime and the profiler look at (those torch offers autocast for).
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps", "xla")
 
+# Device types torch always builds autocast for, looked at first.
+_COMMON_DEVICE_TYPES = ("cpu", "cuda")
+
 # torch's own check that any device type has autocast on (what torch.utils.checkpoint asks); absent in old torch.
 _IS_ANY_AUTOCAST_ENABLED = getattr(torch._C, "_is_any_autocast_enabled", None)
 
@@ -175,6 +178,9 @@ def casts_uncached() -> AbstractContextManager[Any]:
     """
     if not _any_autocast() or not torch.is_autocast_cache_enabled():
         return nullcontext()
+    for device_type in _COMMON_DEVICE_TYPES:  # always available: no per-device availability query
+        if torch.is_autocast_enabled(device_type):
+            return AutocastSpec.current(device_type).context(cache_enabled=False)
     devices = active_device_types()
     if not devices:
         return nullcontext()
