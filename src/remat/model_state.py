@@ -19,7 +19,7 @@ plain step runs it once. Whatever such an extra run would change must be put bac
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from .hf_guards import outputs_not_collected
+from .hf_guards import outputs_collected, outputs_not_collected
 
 
 def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
@@ -93,11 +93,23 @@ def buffers_kept(module: nn.Module) -> Iterator[None]:
         snapshot.restore()
 
 
+def extra_run(module: nn.Module) -> AbstractContextManager[None]:
+    """Run ``module`` in here when the step would not: its buffers are restored and its outputs not collected.
+    Runs before every recomputation, so where there is nothing to guard (no persistent buffer, no Hugging Face
+    output collection under way) it is a no-op context without generator frames."""
+    snapshot = BufferSnapshot(module)
+    if not snapshot.saved and not outputs_collected():
+        return nullcontext()
+    return _guarded(snapshot)
+
+
 @contextmanager
-def extra_run(module: nn.Module) -> Iterator[None]:
-    """Run ``module`` in here when the step would not: its buffers are restored and its outputs not collected."""
-    with buffers_kept(module), outputs_not_collected():
-        yield
+def _guarded(snapshot: BufferSnapshot) -> Iterator[None]:
+    try:
+        with outputs_not_collected():
+            yield
+    finally:
+        snapshot.restore()
 
 
 def detached_from_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
