@@ -141,6 +141,12 @@ def _hf_collector() -> Any:
     return getattr(module, "_active_collector", None) if module is not None else None
 
 
+def outputs_collected() -> bool:
+    """Whether Hugging Face's layer hooks are collecting hidden states, attentions or router logits now."""
+    collector = _hf_collector()
+    return collector is not None and collector.get() is not None
+
+
 @contextmanager
 def outputs_not_collected() -> Iterator[None]:
     """Within this context, Hugging Face's layer hooks collect no hidden states, attentions or router logits."""

@@ -19,7 +19,7 @@ plain step runs it once. Whatever such an extra run would change must be put bac
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -27,17 +27,31 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from .hf_guards import outputs_not_collected
+from .hf_guards import outputs_collected, outputs_not_collected
 
 
-def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers of ``module`` and its submodules that its ``state_dict`` holds, by name."""
-    found = []
-    for name, sub in module.named_modules():
-        prefix = f"{name}." if name else ""
-        for buffer_name, buffer in sub.named_buffers(recurse=False):
-            if buffer is not None and buffer_name not in sub._non_persistent_buffers_set:
-                found.append((prefix + buffer_name, buffer))
+def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers of ``module`` and its submodules that its ``state_dict`` holds (each once).
+
+    A walk over the module tree's own dictionaries rather than ``named_modules``/``named_buffers``: it runs before
+    every recomputation of a block, and most blocks have no buffer at all.
+    """
+    found: list[torch.Tensor] = []
+    seen_modules: set[int] = set()
+    seen_buffers: set[int] = set()
+    stack = [module]
+    while stack:
+        sub = stack.pop()
+        if id(sub) in seen_modules:
+            continue
+        seen_modules.add(id(sub))
+        if sub._buffers:
+            for name, buffer in sub._buffers.items():
+                persistent = name not in sub._non_persistent_buffers_set
+                if buffer is not None and persistent and id(buffer) not in seen_buffers:
+                    seen_buffers.add(id(buffer))
+                    found.append(buffer)
+        stack.extend(child for child in sub._modules.values() if child is not None)
     return found
 
 
@@ -49,12 +63,18 @@ class BufferSnapshot:
     """
 
     def __init__(self, module: nn.Module) -> None:
+        buffers = persistent_buffers(module)
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if not buffers:  # most blocks (transformer layers) have none: no mode switches per recomputation
+            return
         with torch.no_grad(), _disable_current_modes():
-            self.saved = [(buffer, buffer.detach().clone()) for _, buffer in persistent_buffers(module)]
+            self.saved = [(buffer, buffer.detach().clone()) for buffer in buffers]
 
     def restore(self) -> int:
         """Put back every buffer whose value changed; returns how many were."""
         restored = 0
+        if not self.saved:
+            return restored
         with torch.no_grad(), _disable_current_modes():
             for buffer, copy in self.saved:
                 if not torch.equal(buffer, copy):
@@ -73,11 +93,23 @@ def buffers_kept(module: nn.Module) -> Iterator[None]:
         snapshot.restore()
 
 
+def extra_run(module: nn.Module) -> AbstractContextManager[None]:
+    """Run ``module`` in here when the step would not: its buffers are restored and its outputs not collected.
+    Runs before every recomputation, so where there is nothing to guard (no persistent buffer, no Hugging Face
+    output collection under way) it is a no-op context without generator frames."""
+    snapshot = BufferSnapshot(module)
+    if not snapshot.saved and not outputs_collected():
+        return nullcontext()
+    return _guarded(snapshot)
+
+
 @contextmanager
-def extra_run(module: nn.Module) -> Iterator[None]:
-    """Run ``module`` in here when the step would not: its buffers are restored and its outputs not collected."""
-    with buffers_kept(module), outputs_not_collected():
-        yield
+def _guarded(snapshot: BufferSnapshot) -> Iterator[None]:
+    try:
+        with outputs_not_collected():
+            yield
+    finally:
+        snapshot.restore()
 
 
 def detached_from_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

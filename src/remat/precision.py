@@ -23,8 +23,8 @@ settings: their casts are saved for backward either way, and the profiler counts
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,12 @@ import torch
 
 # Device types whose autocast state the runtime and the profiler look at (those torch offers autocast for).
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps", "xla")
+
+# Device types torch always builds autocast for, looked at first.
+_COMMON_DEVICE_TYPES = ("cpu", "cuda")
+
+# torch's own check that any device type has autocast on (what torch.utils.checkpoint asks); absent in old torch.
+_IS_ANY_AUTOCAST_ENABLED = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 # Spellings accepted for a dtype, beside torch.dtype itself.
 _DTYPE_NAMES = {
@@ -162,19 +168,30 @@ def active_device_types() -> list[str]:
     return [d for d in _DEVICE_TYPES if _available(d) and torch.is_autocast_enabled(d)]
 
 
-@contextmanager
-def casts_uncached() -> Iterator[None]:
-    """Run what is inside with autocast's weight-cast cache off, autocast's device types and dtypes unchanged.
+def casts_uncached() -> AbstractContextManager[Any]:
+    """A context that runs what is inside with autocast's weight-cast cache off, autocast's device types and dtypes
+    unchanged; decided when called (enter it right away).
 
-    Nothing happens outside autocast or where the cache is already off. The cache switch is one flag for every
-    device type, so one nested context (on the first enabled device type) is enough.
+    Outside autocast, or where the cache is already off, it is a no-op context. The cache switch is one flag for
+    every device type, so one nested context (on the first enabled device type) is enough. This runs for every
+    non-keep block of every step, so the common cases (no autocast, cache off) return before any per-device query.
     """
+    if not _any_autocast() or not torch.is_autocast_cache_enabled():
+        return nullcontext()
+    for device_type in _COMMON_DEVICE_TYPES:  # always available: no per-device availability query
+        if torch.is_autocast_enabled(device_type):
+            return AutocastSpec.current(device_type).context(cache_enabled=False)
     devices = active_device_types()
-    if not devices or not torch.is_autocast_cache_enabled():
-        yield
-        return
-    with AutocastSpec.current(devices[0]).context(cache_enabled=False):
-        yield
+    if not devices:
+        return nullcontext()
+    return AutocastSpec.current(devices[0]).context(cache_enabled=False)
+
+
+def _any_autocast() -> bool:
+    """Whether autocast is enabled for any device type now (one C call where torch has it)."""
+    if _IS_ANY_AUTOCAST_ENABLED is not None:
+        return bool(_IS_ANY_AUTOCAST_ENABLED())
+    return bool(active_device_types())
 
 
 def step_autocast(spec: AutocastSpec | None) -> Any:

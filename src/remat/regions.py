@@ -16,6 +16,7 @@ import inspect
 import sys
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,8 +119,10 @@ class OpenRegion:
     def uncache_casts(self) -> None:
         """Turn autocast's weight-cast cache off until the region closes; call before its frame or context
         opens, so the frame records (and its recomputation replays) the uncached state."""
-        self.casts = casts_uncached()
-        self.casts.__enter__()
+        casts = casts_uncached()
+        if not isinstance(casts, nullcontext):  # outside autocast: nothing to leave at close
+            casts.__enter__()
+            self.casts = casts
 
     def close(self) -> None:
         """Leave the region's context, close its checkpoint frame, then turn the cast cache back on."""

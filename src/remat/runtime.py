@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -230,10 +229,12 @@ class RematHandle:
             if record is not None and record.modified_in_place(args, kwargs):
                 self._abandon_open_regions()
                 raise in_place_error(self._names[p], f"under action {self.plan.actions[self._names[p]]!r}")
+            if region is None and not self._observers:  # a kept block, nobody watching
+                return
             out = self.io[i].output(output, record.shape if record is not None else self._input_shape(i, args, kwargs))
             if region is not None:
-                region.last_output = out
-                region.last_outputs = output_refs(self.io[i], output)
+                if unit.kind != "single":  # the next block's hand-off check needs these
+                    region.last_output, region.last_outputs = out, output_refs(self.io[i], output)
                 if unit.kind == MEMORY_POOR and self._memory_poor is not None:
                     self._memory_poor["last"] = out
                     self._memory_poor["outputs"] = region.last_outputs
@@ -269,25 +270,18 @@ class RematHandle:
         if region.unit.kind == MEMORY_POOR and key == region.unit.end:
             self._memory_poor = None
 
-    def _run_block(self, record: CallRecord, main: torch.Tensor, timed: bool) -> torch.Tensor | None:
+    def _run_block(self, record: CallRecord, main: torch.Tensor) -> torch.Tensor | None:
         """Re-run one block in recomputation, from ``main`` and the recorded other arguments."""
         _, module = self.blocks[record.index]
         args, kwargs = record.arguments(main)
         fqn = self.fqns[record.index]
-        sync = timed and self.time_recompute and main.is_cuda
-        if sync:
-            torch.cuda.synchronize(main.device)
-        start = time.perf_counter()
-        self.stats.calls[fqn] += 1
+        started = self.stats.started(fqn, main if self.time_recompute else None)
         try:
             record.rng.restore()  # Note [3]
             with extra_run(module):
                 out = self.io[record.index].output(module(*args, **kwargs), record.shape)
         finally:
-            if sync:
-                torch.cuda.synchronize(main.device)
-            if timed and self.time_recompute:
-                self.stats.seconds[fqn] += time.perf_counter() - start
+            self.stats.stopped(fqn, started)
         if out is not None:
             for observer in self._observers:
                 observer(record.index, out, True)
@@ -321,7 +315,7 @@ class RematHandle:
 
     def _recompute_block(self, record: CallRecord, main: torch.Tensor) -> None:
         with self._recomputing(), forked(record.rng.devices, record.rng.device_type):
-            self._run_block(record, main, timed=True)
+            self._run_block(record, main)
 
     def _enter_segment_block(self, i: int, p: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Note [1]
@@ -334,7 +328,7 @@ class RematHandle:
                 with self._recomputing(), forked(records[0].rng.devices, records[0].rng.device_type):
                     current = saved_main
                     for rec in records:
-                        current = self._run_block(rec, current, timed=True)
+                        current = self._run_block(rec, current)
 
             records.append(record)
             self._open[p] = region
@@ -369,9 +363,9 @@ class RematHandle:
                 current = group_input
                 with torch.no_grad():
                     for rec in previous:
-                        current = self._run_block(rec, current, timed=True)
+                        current = self._run_block(rec, current)
                 current = current.detach().requires_grad_(record.requires_grad)
-                self._run_block(record, current, timed=True)
+                self._run_block(record, current)
 
         self._open[p] = region
         region.uncache_casts()  # Note [7]
