@@ -60,6 +60,24 @@ class BenchConfig:
         out["out"] = str(self.out)
         return out
 
+    def run_fields(self, layers: int | None, seed: int) -> dict[str, Any]:
+        """The model, data and training fields every training job carries (a run, a sweep's torchrun child)."""
+        return {
+            "model": self.model,
+            "preset": self.preset,
+            "layers": layers,
+            "dropout": self.dropout,
+            "tokenizer": self.tokenizer,
+            "dataset": self.dataset,
+            "max_bytes": self.max_bytes,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "lr": self.lr,
+            "seed": seed,
+            "steps": self.steps,
+            "warmup": self.warmup,
+        }
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``remat bench`` (also ``python -m remat.bench``)."""

@@ -32,19 +32,7 @@ def run_sync_sweep(
     try:
         for mode in modes:
             job = {
-                "model": config.model,
-                "preset": config.preset,
-                "layers": layers,
-                "dropout": config.dropout,
-                "tokenizer": config.tokenizer,
-                "dataset": config.dataset,
-                "max_bytes": config.max_bytes,
-                "seq_len": config.seq_len,
-                "batch_size": config.batch_size,
-                "lr": config.lr,
-                "seed": 0,
-                "steps": config.steps,
-                "warmup": config.warmup,
+                **config.run_fields(layers, 0),
                 "threads": 1,
                 "device": "cpu",
                 "budget_bytes": budget["bytes"],

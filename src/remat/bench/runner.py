@@ -80,19 +80,7 @@ def job_for(
 ) -> dict[str, Any]:
     """Everything one run needs, JSON-safe (the compile child receives it on its command line)."""
     return {
-        "model": config.model,
-        "preset": config.preset,
-        "layers": layers,
-        "dropout": config.dropout,
-        "tokenizer": config.tokenizer,
-        "dataset": config.dataset,
-        "max_bytes": config.max_bytes,
-        "seq_len": config.seq_len,
-        "batch_size": config.batch_size,
-        "lr": config.lr,
-        "seed": seed,
-        "steps": config.steps,
-        "warmup": config.warmup,
+        **config.run_fields(layers, seed),
         "measure_steps": measure_steps(config),
         "eval_batches": config.eval_batches,
         "threads": config.threads or default_threads(),
