@@ -129,14 +129,9 @@ def test_every_time_is_read_from_the_given_clock() -> None:
 
     readings = iter(range(10**6))
     ticking = remat.profile(model, batch, repeats=1, clock=lambda: float(next(readings)))
-    # block figures are scaled by one factor to their time within the plain steps (calibrate_to_step)
-    scale = ticking.info["time_scale"]
-    times = [t / scale for b in ticking.blocks for t in (b.fwd_s, b.bwd_s, *b.recompute_s.values())]
-    assert all(t == pytest.approx(round(t)) for t in times), times
-    assert ticking.outside_s == int(ticking.outside_s)
-    assert all(b.fwd_s / scale >= 1 for b in ticking.blocks)
-    kept = sum(b.fwd_s + b.bwd_s for b in ticking.blocks) + ticking.outside_s
-    assert remat.simulate(ticking, ["keep"] * len(ticking.blocks)).step_s == pytest.approx(kept)
+    times = [t for b in ticking.blocks for t in (b.fwd_s, b.bwd_s, *b.recompute_s.values())]
+    assert all(t == int(t) for t in [*times, ticking.outside_s]), times
+    assert all(b.fwd_s >= 1 for b in ticking.blocks)
 
 
 def test_cost_table_json_round_trip(gpt2) -> None:

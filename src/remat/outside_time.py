@@ -20,10 +20,9 @@ import torch
 from torch import nn
 
 from .blocks import BlockIO
-from .costs import CostTable
 from .training_step import Batch, run_step
 
-__all__ = ["BlockWindows", "calibrate_to_step", "outside_seconds"]
+__all__ = ["BlockWindows", "outside_seconds"]
 
 
 class BlockWindows:
@@ -109,22 +108,17 @@ def outside_seconds(
     ios: Sequence[BlockIO],
     *,
     steps: int = 3,
-    warmup: int = 0,
     autocast: Any = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float | None]:
     """Median seconds of ``steps`` plain steps and median seconds of each step spent outside ``blocks``; the
     latter None where a block's main input or output carries no gradient to time its backward by, and on
-    CUDA, where the blocks' windows would be the host's share only. ``warmup`` untimed steps run first (the
-    first steps of a process page-fault the memory the allocator keeps later). Gradients are set to None
-    before each step; on CUDA the device is synchronised around each."""
+    CUDA, where the blocks' windows would be the host's share only. Gradients are set
+    to None before each step; on CUDA the device is synchronised around each."""
     devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
     windows = BlockWindows(blocks, ios, clock)
     whole, outside = [], []
     try:
-        for _ in range(warmup):
-            model.zero_grad(set_to_none=True)
-            run_step(model, batch, loss_fn, autocast=autocast)
         for _ in range(steps):
             model.zero_grad(set_to_none=True)
             windows.reset()
@@ -142,27 +136,3 @@ def outside_seconds(
     if not windows.complete or devices:
         return statistics.median(whole), None
     return statistics.median(whole), statistics.median(outside)
-
-
-def calibrate_to_step(costs: CostTable, inside_s: float) -> float:
-    """Scale every block's measured seconds (keep's forward and backward, each action's, recompute and overhead)
-    by ``inside_s``, the blocks' time within plain steps, over their isolated keep time, and return the factor.
-    A block timed alone runs with other caches than inside a step (its backward after a cache flush, its
-    first runs in a cold process); the factor carries the step's conditions over to every action's figure,
-    so the predicted step keeping everything is the measured plain step. No change (1.0) without figures."""
-    isolated = sum(b.fwd_s + b.bwd_s for b in costs.blocks)
-    if isolated <= 0 or inside_s <= 0:
-        return 1.0
-    factor = inside_s / isolated
-    seen: set[int] = set()
-    for row in costs.blocks:
-        if id(row) in seen:
-            continue
-        seen.add(id(row))
-        row.fwd_s *= factor
-        row.bwd_s *= factor
-        row.recompute_s = {a: v * factor for a, v in row.recompute_s.items()}
-        row.overhead_s = {a: v * factor for a, v in row.overhead_s.items()}
-        row.fwd_s_by_action = {a: v * factor for a, v in row.fwd_s_by_action.items()}
-        row.bwd_s_by_action = {a: v * factor for a, v in row.bwd_s_by_action.items()}
-    return factor

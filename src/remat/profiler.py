@@ -71,7 +71,7 @@ from .hf_guards import profiled_step
 from .lossy_actions import lossy_actions
 from .memory import LiveTensorTracker, model_device
 from .model_state import extra_run
-from .outside_time import calibrate_to_step, outside_seconds
+from .outside_time import outside_seconds
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
 from .profiled_actions import default_actions
 from .regions import in_place_error
@@ -372,12 +372,8 @@ def profile(
         # no parameter hook fires, buffers (BatchNorm statistics) are left as the profiled step left them
         with suspend_all(), rng, casts_uncached(), parameters_detached(model), extra_run(model):
             modules = [module for _, module in profiler.chain]
-            step, outside = outside_seconds(
-                model, batch, loss_fn, modules, io, steps=3, warmup=2, autocast=spec, clock=clock
-            )
-    if outside is not None:  # the blocks' figures carried over to their time within the plain steps
-        costs.info["time_scale"] = calibrate_to_step(costs, step - outside)
-    # Where the blocks could not be timed within the steps: the step less their isolated times, not floored at
-    # 0 (blocks timed alone can run slower than inside a step, small blocks above all).
+            step, outside = outside_seconds(model, batch, loss_fn, modules, io, steps=3, autocast=spec, clock=clock)
+    # The step less the blocks' isolated times where the blocks could not be timed within it: not floored at
+    # 0, blocks timed alone can run slower than inside a step (small blocks above all).
     costs.outside_s = outside if outside is not None else step - sum(b.fwd_s + b.bwd_s for b in costs.blocks)
     return costs
