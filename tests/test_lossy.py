@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toy_models import assert_same_step, uniform_chain, uniform_costs
+from toy_models import assert_same_step, lm_step, planned_lm_step, uniform_chain, uniform_costs
 
 import remat
 from remat.compression import BLOCK, CompressingHooks, Packed, pack
@@ -24,25 +24,6 @@ def gpt2(make_gpt2) -> tuple[torch.nn.Module, dict[str, torch.Tensor], CostTable
     batch = {"input_ids": ids, "labels": ids}
     costs = remat.profile(model, batch, repeats=1, lossy=("int8", "fp8", "int8:matmul"))
     return model, batch, costs
-
-
-def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-    torch.manual_seed(5)
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _run(model, batch, costs, actions) -> tuple[tuple[torch.Tensor, dict], int, remat.Plan]:
-    plan = remat.Plan.from_actions(costs, actions)
-    handle = remat.apply(model, plan)
-    try:
-        with remat.measure() as measured:
-            result = _step(model, batch)
-    finally:
-        handle.remove()
-    return result, measured.activation_bytes, plan
 
 
 # ---------------------------------------------------------------- codecs
@@ -112,16 +93,20 @@ def test_lossy_actions_are_profiled_only_when_asked(gpt2) -> None:
     assert not any(a.startswith("compress:") for a in plain.common_actions())
     assert all(row.grad_error == {} for row in plain.blocks)
     for row in costs.blocks:
-        assert set(row.grad_error) == set(row.grad_cosine) == {
-            INT8,
-            FP8,
-            "compress:int8:matmul",
-            "checkpoint+compress:int8",
-            "checkpoint+compress:fp8",
-            "recompute+compress:int8",
-            "recompute+compress:fp8",
-            "recompute+compress:int8:matmul",
-        }
+        assert (
+            set(row.grad_error)
+            == set(row.grad_cosine)
+            == {
+                INT8,
+                FP8,
+                "compress:int8:matmul",
+                "checkpoint+compress:int8",
+                "checkpoint+compress:fp8",
+                "recompute+compress:int8",
+                "recompute+compress:fp8",
+                "recompute+compress:int8:matmul",
+            }
+        )
         # measured, not assumed: int8 keeps about a quarter of what keep keeps (the block's output is exact)
         assert row.saved_bytes[INT8] < 0.3 * row.saved_bytes[KEEP]
         assert row.saved_bytes[INT8] < row.saved_bytes["compress:int8:matmul"] < row.saved_bytes[KEEP]
@@ -135,12 +120,12 @@ def test_the_profiled_error_is_the_error_a_training_step_sees(gpt2) -> None:
     within a factor 1.5 of what the profiler measured (the profiler uses a random output gradient, the step the
     true one; on this model they agree within 5%)."""
     model, batch, costs = gpt2
-    reference = _step(model, batch)[1]
+    reference = lm_step(model, batch)[1]
     for action in (INT8, FP8):
         for i, fqn in enumerate(costs.fqns):
             actions = [KEEP] * len(costs)
             actions[i] = action
-            (_, grads), _, _ = _run(model, batch, costs, actions)
+            (_, grads), _, _ = planned_lm_step(model, batch, costs, actions)
             names = [n for n in reference if n.startswith(fqn + ".")]
             seen = compare([reference[n] for n in names], [grads[n] for n in names]).relative
             profiled = costs.blocks[i].grad_error[action]
@@ -152,9 +137,9 @@ def test_the_profiled_error_is_the_error_a_training_step_sees(gpt2) -> None:
 
 def test_exact_blocks_stay_bitwise_exact_beside_lossy_ones(gpt2) -> None:
     model, batch, costs = gpt2
-    reference = _step(model, batch)
-    one, _, _ = _run(model, batch, costs, [KEEP, INT8, CHECKPOINT, KEEP])
-    other, _, _ = _run(model, batch, costs, [CHECKPOINT, INT8, "segment:a", "segment:a"])
+    reference = lm_step(model, batch)
+    one, _, _ = planned_lm_step(model, batch, costs, [KEEP, INT8, CHECKPOINT, KEEP])
+    other, _, _ = planned_lm_step(model, batch, costs, [CHECKPOINT, INT8, "segment:a", "segment:a"])
     assert_same_step(one, other)  # exact actions are interchangeable with a lossy block present
     # Blocks after the last lossy one, and the loss, see exactly what an exact step sees.
     assert torch.equal(one[0], reference[0])
@@ -174,11 +159,11 @@ def test_predicted_peak_matches_measured_with_compressed_blocks(gpt2) -> None:
         [CHECKPOINT, FP8, "compress:int8:matmul", CHECKPOINT],
         [INT8] * 4,
     ):
-        _, measured, plan = _run(model, batch, costs, actions)
+        _, measured, plan = planned_lm_step(model, batch, costs, actions)
         ratio = plan.predicted_peak_bytes / measured
         assert 1.0 <= ratio <= 1.1, f"{actions}: predicted {plan.predicted_peak_bytes}, measured {measured}"
-    _, all_keep, _ = _run(model, batch, costs, [KEEP] * 4)
-    _, all_int8, _ = _run(model, batch, costs, [INT8] * 4)
+    _, all_keep, _ = planned_lm_step(model, batch, costs, [KEEP] * 4)
+    _, all_int8, _ = planned_lm_step(model, batch, costs, [INT8] * 4)
     assert all_int8 < 0.5 * all_keep
 
 

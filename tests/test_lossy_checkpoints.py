@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from toy_models import assert_same_step
+from toy_models import assert_same_step, lm_step, planned_lm_step
 
 import remat
 from remat.compression import pack
@@ -28,25 +28,6 @@ def gpt2(make_gpt2) -> tuple[torch.nn.Module, dict[str, torch.Tensor], CostTable
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     return model, batch, remat.profile(model, batch, repeats=1, lossy=("int8",))
-
-
-def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-    torch.manual_seed(5)
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _run(model, batch, costs, actions) -> tuple[tuple[torch.Tensor, dict], int, remat.Plan]:
-    plan = remat.Plan.from_actions(costs, actions)
-    handle = remat.apply(model, plan)
-    try:
-        with remat.measure() as measured:
-            result = _step(model, batch)
-    finally:
-        handle.remove()
-    return result, measured.activation_bytes, plan
 
 
 def test_the_action_is_spelled_and_checked_like_the_others() -> None:
@@ -92,8 +73,8 @@ def test_a_compressed_recomputation_holds_what_a_compressed_block_holds_in_backw
 @pytest.mark.parametrize("lossy_action", [CI8, RI8])
 def test_measured_saving_matches_the_predicted_saving(gpt2, lossy_action: str) -> None:
     model, batch, costs = gpt2
-    _, exact, exact_plan = _run(model, batch, costs, [CHECKPOINT] * 4)
-    _, lossy, lossy_plan = _run(model, batch, costs, [lossy_action] * 4)
+    _, exact, exact_plan = planned_lm_step(model, batch, costs, [CHECKPOINT] * 4)
+    _, lossy, lossy_plan = planned_lm_step(model, batch, costs, [lossy_action] * 4)
     predicted = exact_plan.predicted_peak_bytes - lossy_plan.predicted_peak_bytes
     assert predicted > 0 and lossy < exact
     assert abs((exact - lossy) - predicted) <= 0.05 * predicted, (exact - lossy, predicted)
@@ -109,8 +90,8 @@ def test_a_budget_below_every_exact_plan_trains_within_it(gpt2) -> None:
         remat.plan(costs, "optimal", budget)
     plan = remat.plan(costs, "optimal", budget, allow_lossy=True)
     assert {CI8, RI8} & set(plan.actions.values())
-    reference = _step(model, batch)
-    (loss, grads), measured, _ = _run(model, batch, costs, list(plan.actions.values()))
+    reference = lm_step(model, batch)
+    (loss, grads), measured, _ = planned_lm_step(model, batch, costs, list(plan.actions.values()))
     assert measured <= plan.predicted_peak_bytes <= budget
     assert torch.equal(loss, reference[0])  # the forward is exact; only the recomputation sees the rounded input
     names = list(reference[1])
@@ -121,9 +102,9 @@ def test_a_budget_below_every_exact_plan_trains_within_it(gpt2) -> None:
 @pytest.mark.parametrize("lossy_action", [CI8, RI8])
 def test_exact_blocks_stay_bitwise_exact_beside_it(gpt2, lossy_action: str) -> None:
     model, batch, costs = gpt2
-    reference = _step(model, batch)
-    one, _, _ = _run(model, batch, costs, [lossy_action, KEEP, CHECKPOINT, KEEP])
-    other, _, _ = _run(model, batch, costs, [lossy_action, "segment:a", "segment:a", CHECKPOINT])
+    reference = lm_step(model, batch)
+    one, _, _ = planned_lm_step(model, batch, costs, [lossy_action, KEEP, CHECKPOINT, KEEP])
+    other, _, _ = planned_lm_step(model, batch, costs, [lossy_action, "segment:a", "segment:a", CHECKPOINT])
     assert_same_step(one, other)
     changed = {name for name, grad in reference[1].items() if not torch.equal(one[1][name], grad)}
     assert not {n for n in changed if n.startswith(("transformer.h.1.", "transformer.h.2.", "transformer.h.3."))}
@@ -193,11 +174,11 @@ def test_the_profiled_error_is_the_error_a_training_step_sees(gpt2, lossy_action
     """One block under the action in a real step: its parameter gradients' relative error against an exact step
     is within a factor 1.5 of what the profiler measured (as for compress:, tests/test_lossy.py)."""
     model, batch, costs = gpt2
-    reference = _step(model, batch)[1]
+    reference = lm_step(model, batch)[1]
     for i, fqn in enumerate(costs.fqns):
         actions = [KEEP] * len(costs)
         actions[i] = lossy_action
-        (_, grads), _, _ = _run(model, batch, costs, actions)
+        (_, grads), _, _ = planned_lm_step(model, batch, costs, actions)
         names = [n for n in reference if n.startswith(fqn + ".")]
         seen = compare([reference[n] for n in names], [grads[n] for n in names]).relative
         profiled = costs.blocks[i].grad_error[lossy_action]

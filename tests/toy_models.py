@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import find_blocks
+from remat import Plan, apply, find_blocks, measure
 from remat.costs import CHECKPOINT, KEEP, OFFLOAD, BlockCost, CostTable
 
 
@@ -192,3 +192,27 @@ def tiny_gpt2(n_layer: int = 2, n_embd: int = 64, *, seed: int | None = None, **
     if seed is not None:
         torch.manual_seed(seed)
     return GPT2LMHeadModel(config).train()
+
+
+def lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One step of a language model returning ``.loss`` (dropout drawn from seed 5): loss and gradients."""
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def planned_lm_step(
+    model: nn.Module, batch: dict[str, torch.Tensor], costs: CostTable, actions: Sequence[str]
+) -> tuple[tuple[torch.Tensor, dict[str, Any]], int, Plan]:
+    """:func:`lm_step` under the plan of ``actions`` on ``costs``: the step, its measured activation bytes
+    and the plan (removed from the model afterwards)."""
+    plan = Plan.from_actions(costs, list(actions))
+    handle = apply(model, plan)
+    try:
+        with measure() as measured:
+            result = lm_step(model, batch)
+    finally:
+        handle.remove()
+    return result, measured.activation_bytes, plan
