@@ -78,6 +78,14 @@ class BenchConfig:
             "warmup": self.warmup,
         }
 
+    def pgac_options(self) -> dict[str, Any]:
+        """The options of the listed ``pgac`` strategy (none if it is not listed), less ``sync``: what the
+        torchrun sweeps give each PGAC they start, with the mode under test set by the sweep."""
+        base = next((s for s in self.strategies if s.name == "pgac"), None)
+        opts = dict(base.options) if base is not None else {}
+        opts.pop("sync", None)
+        return opts
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``remat bench`` (also ``python -m remat.bench``)."""

@@ -38,20 +38,13 @@ def run_sync_sweep(
                 "budget_bytes": budget["bytes"],
                 "costs_path": str(costs_path.resolve()),
                 "sync": mode,
-                "options": _pgac_options(config),
+                "options": config.pgac_options(),
             }
             summary = _launch(job, writer)
             summaries.append(summary)
     finally:
         writer.close()
     return summaries
-
-
-def _pgac_options(config: Any) -> dict[str, Any]:
-    base = next((s for s in config.strategies if s.name == "pgac"), None)
-    opts = dict(base.options) if base is not None else {}
-    opts.pop("sync", None)
-    return opts
 
 
 def _launch(job: dict[str, Any], writer: Any) -> dict[str, Any]:

@@ -67,19 +67,12 @@ def run_stage_sync_sweep(
                 "profile_repeats": config.profile_repeats,
                 "costs_dir": str(costs_dir.resolve()),
                 "stage_sync": mode,
-                "options": _pgac_options(config),
+                "options": config.pgac_options(),
             }
             summaries.append(_launch(job, writer))
     finally:
         writer.close()
     return summaries
-
-
-def _pgac_options(config: Any) -> dict[str, Any]:
-    base = next((s for s in config.strategies if s.name == "pgac"), None)
-    opts = dict(base.options) if base is not None else {}
-    opts.pop("sync", None)
-    return opts
 
 
 def _launch(job: dict[str, Any], writer: Any) -> dict[str, Any]:
