@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .blocks import BlockIO
-from .training_step import Batch, run_step
+from .training_step import Batch, timed_step
 
 __all__ = ["BlockWindows", "outside_seconds"]
 
@@ -115,24 +115,17 @@ def outside_seconds(
     latter None where a block's main input or output carries no gradient to time its backward by, and on
     CUDA, where the blocks' windows would be the host's share only. Gradients are set
     to None before each step; on CUDA the device is synchronised around each."""
-    devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
+    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
     windows = BlockWindows(blocks, ios, clock)
     whole, outside = [], []
     try:
         for _ in range(steps):
-            model.zero_grad(set_to_none=True)
             windows.reset()
-            for device in devices:
-                torch.cuda.synchronize(device)
-            start = clock()
-            run_step(model, batch, loss_fn, autocast=autocast)
-            for device in devices:
-                torch.cuda.synchronize(device)
-            seconds = clock() - start
+            seconds = timed_step(model, batch, loss_fn, autocast=autocast, clock=clock)
             whole.append(seconds)
             outside.append(seconds - windows.inside)
     finally:
         windows.remove()
-    if not windows.complete or devices:
+    if not windows.complete or on_cuda:
         return statistics.median(whole), None
     return statistics.median(whole), statistics.median(outside)

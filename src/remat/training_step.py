@@ -7,12 +7,11 @@ one, else the sum of its (first) output tensor. With an autocast setting the for
 training loop. The output is held through the backward (``out = model(x); loss_fn(out).backward()``) unless
 ``holds_output=False``, which drops it once the loss is computed, as a loop keeping only the loss does
 (``model(**batch).loss.backward()``, Hugging Face's Trainer): what the output holds beyond the loss (the
-logits) is then freed before the backward. :func:`step_seconds` times such steps.
+logits) is then freed before the backward. :func:`timed_step` times one such step.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,29 +50,25 @@ def run_step(
     return loss.detach()
 
 
-def step_seconds(
+def timed_step(
     model: nn.Module,
     batch: Batch,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    steps: int = 2,
     autocast: Any = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Median seconds of ``steps`` plain steps, read from ``clock`` (gradients set to None before each, as
-    ``zero_grad`` does; the CUDA device synchronised around each). The caller restores gradients and RNG state
+    """Seconds of one plain step, read from ``clock`` (gradients set to None first, as ``zero_grad`` does;
+    the CUDA devices of the parameters synchronised around it). The caller restores gradients and RNG state
     if it cares."""
     devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
-    seconds = []
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        for device in devices:
-            torch.cuda.synchronize(device)
-        start = clock()
-        run_step(model, batch, loss_fn, autocast=autocast)
-        for device in devices:
-            torch.cuda.synchronize(device)
-        seconds.append(clock() - start)
-    return statistics.median(seconds)
+    model.zero_grad(set_to_none=True)
+    for device in devices:
+        torch.cuda.synchronize(device)
+    start = clock()
+    run_step(model, batch, loss_fn, autocast=autocast)
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return clock() - start
 
 
 def default_loss(output: Any) -> torch.Tensor:
