@@ -268,7 +268,10 @@ class ContenderSet:
         try:
             plan = remat.plan(self.costs, "optimal", budget_bytes or budget)
         except remat.BudgetError as err:
-            self.refused.append(Refused(budget, "remat optimal on compiled blocks", COMPILED, str(err)))
+            source = (f"{budget:g} of torch.compile's measured peak" if budget_bytes
+                      else f"{budget:g} of the eager no-checkpoint peak")
+            self.refused.append(Refused(budget, "remat optimal on compiled blocks", COMPILED,
+                                        f"budget = {source}: {err}"))
             return
         handle = self._remat_compiled
         self.add(Contender(f"compiled-blocks-{_short_actions(plan)}", "remat optimal on compiled blocks", COMPILED,

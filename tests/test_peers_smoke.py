@@ -77,6 +77,11 @@ def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsy
     for cells in rows:
         if cells[3] == "ckptplan (PyPI)":
             continue
+        if cells[3] == "remat optimal on compiled blocks" and "torch.compile's measured peak" in cells[-1]:
+            # its budget is a share of the compiled model's process-meter peak, which at this size can fall
+            # below what any plan of the blocks reaches: a refusal that names its minimum is the right answer
+            assert "minimum feasible peak" in cells[-1], cells
+            continue
         assert "refused" not in cells[-1], cells
         assert cells[8] != "—", f"{cells[3]} has no step-time ratio"  # timed against its reference
         if cells[3] not in ("torch.compile", "remat: compiled blocks, keep all") and "compile" not in cells[3]:
