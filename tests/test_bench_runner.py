@@ -107,7 +107,9 @@ def test_runs_summary_csv_and_budget(bench: Path) -> None:
     assert [r["strategy"] for r in rows] == STRATEGIES
     assert {"step_time_ms", "recompute_overhead", "throughput", "peak_activation_bytes", "vs_static_p"} <= set(rows[0])
     for row in rows:  # the simulator's step next to the measured forward + backward, for PGAC's plan too
-        predicted, measured = float(row["predicted_step_ms"]), float(row["forward_ms"]) + float(row["backward_ms"])
+        predicted, measured = float(row["predicted_step_ms"]), float(row["measured_fwd_bwd_ms"])
+        clocked = [by[(row["strategy"], seed)]["measured_fwd_bwd_s"] * 1e3 for seed in range(SEEDS)]
+        assert measured == pytest.approx(sum(clocked) / SEEDS, rel=1e-6) and row["step_clock"] == "cpu"
         assert predicted > 0 and float(row["predicted_step_ratio"]) == pytest.approx(predicted / measured, rel=1e-6)
     assert float(rows[1]["predicted_step_ms"]) > float(rows[0]["predicted_step_ms"])  # full recomputes: slower
     cli_json = json.loads((bench / "cli.json").read_text())

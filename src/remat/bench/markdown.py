@@ -91,6 +91,7 @@ def measurement_section(res: Results) -> list[str]:
         "after warm-up are timed without the tracker.",
         "- Recompute time is measured per block re-execution in backward (`handle.stats`) for the plans and PGAC, "
         "and by DTR's own counters for DTR. Backward time includes recomputation.",
+        _prediction_clock_note(res),
         "- Paired tests pair the same (seed, step): same weights, batch and dropout stream. Steps of one run are "
         "not independent, so the per-seed test (step times averaged per seed) is shown beside it. Runs go seed by "
         "seed, the strategy order reversed on every other seed so that drifts of the machine's load favour no "
@@ -116,6 +117,17 @@ def measurement_section(res: Results) -> list[str]:
         lines.append("- Energy: not available on this machine (" + "; ".join(sorted(energy_notes)) + ").")
     lines.append("")
     return lines
+
+
+def _prediction_clock_note(res: Results) -> str:
+    if any(r.get("step_clock") == "cpu" for r in res.runs):
+        return (
+            "- Predicted forward + backward: the simulator's step from the profile, which on a CPU with one "
+            "intra-op thread reads the process's CPU seconds (`remat.profile(clock=time.process_time)`); it is "
+            "compared with the CPU seconds of the steps' forward and backward, which the machine's other load "
+            "does not inflate. The forward and backward columns are wall-clock."
+        )
+    return "- Predicted forward + backward: the simulator's step from the profile, against the measured wall-clock."
 
 
 def predicted_step_cell(row: dict[str, Any]) -> str:

@@ -48,7 +48,7 @@ from .progress import ProgressLog
 from .records import JsonlWriter, json_default, read_jsonl, safe_name
 from .report import build_report
 from .strategies import StrategySpec, lossy_formats
-from .train import execute_run, profile_costs
+from .train import execute_run, profile_costs, step_clock
 
 # The `remat` command builds `remat bench` from these two: add_arguments, then run_from_args.
 __all__ = ["add_arguments", "main", "run_bench", "run_from_args"]
@@ -126,10 +126,14 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         path = out / "costs" / f"seed{seed}.json"
         if resuming and path.exists():
             saved = CostTable.from_json(path.read_text())
-            if all(f"compress:{f}" in saved.common_actions() for f in lossy):
+            clock = "process_time" if step_clock(probe) == "cpu" else "perf_counter"
+            if all(f"compress:{f}" in saved.common_actions() for f in lossy) and saved.info.get("clock") == clock:
                 costs_by_seed[seed] = saved
                 continue
-            log.note(f"the saved profile of seed {seed} lacks the compression formats {lossy}: profiling again")
+            log.note(
+                f"the saved profile of seed {seed} lacks the compression formats {lossy} or was read on "
+                f"another clock than {clock}: profiling again"
+            )
         log.note(f"profiling {config.model}-{config.preset} seed {seed} ...")
         started = time.perf_counter()
         costs, found = profile_costs({**probe, "seed": seed}, config.profile_repeats, lossy)

@@ -60,7 +60,14 @@ def profile_costs(
     data = load_data(job)
     spec = build(job, data)
     batch = data.batch_kwargs(next(data.train_batches()), job["device"])
-    costs = remat.profile(spec.module, batch, loss_fn=spec.loss_fn, repeats=repeats, lossy=tuple(lossy or ()))
+    costs = remat.profile(
+        spec.module,
+        batch,
+        loss_fn=spec.loss_fn,
+        repeats=repeats,
+        lossy=tuple(lossy or ()),
+        clock=time.process_time if step_clock(job) == "cpu" else time.perf_counter,
+    )
     facts = {
         "data": data.describe(),
         "model": spec.config,
@@ -70,6 +77,13 @@ def profile_costs(
         "items_per_step": spec.count_items(batch),
     }
     return costs, facts
+
+
+def step_clock(job: dict[str, Any]) -> str:
+    """The clock the profile's times and the predicted step are read on: ``"cpu"`` (the process's CPU
+    seconds) on a CPU with one intra-op thread, where it is the step's time on a machine of its own however
+    busy this one is; ``"wall"`` otherwise (CUDA, or several threads, whose CPU seconds add up)."""
+    return "cpu" if job["device"] == "cpu" and job["threads"] == 1 else "wall"
 
 
 def _sync(device: torch.device) -> None:
@@ -147,16 +161,16 @@ def execute_run(
             meter = meter_factory() if measured else contextlib.nullcontext()
             with energy.step(timed) as joules:
                 _sync(device)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 with meter as mem, controller.step_context():
                     output = forward(**batch)
                     loss = spec.loss_fn(output)
                     _sync(device)
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.process_time()
                     loss.backward()
                     del output
                     _sync(device)
-                t2 = time.perf_counter()
+                t2, c2 = time.perf_counter(), time.process_time()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 _sync(device)
@@ -170,6 +184,8 @@ def execute_run(
                 "forward_s": t1 - t0,
                 "backward_s": t2 - t1,
                 "optimizer_s": t3 - t2,
+                "forward_cpu_s": c1 - c0,
+                "backward_cpu_s": c2 - c1,
                 **controller.take_step_stats(),
                 "peak_activation_bytes": int(mem.activation_bytes) if measured else None,
                 "peak_bytes": int(mem.peak_bytes) if measured else None,
@@ -221,6 +237,10 @@ def evaluate(model: torch.nn.Module, spec: Any, data: Any, n: int, device: torch
     }
 
 
+def _sum_or_none(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
 def summarize_run(
     job: dict[str, Any],
     records: list[dict[str, Any]],
@@ -269,6 +289,11 @@ def summarize_run(
         "forward_s": mean("forward_s"),
         "backward_s": mean("backward_s"),
         "optimizer_s": mean("optimizer_s"),
+        # forward + backward on the clock the profile read (see step_clock): what predicted_step_s predicts
+        "step_clock": step_clock(job),
+        "measured_fwd_bwd_s": _sum_or_none(mean("forward_cpu_s"), mean("backward_cpu_s"))
+        if step_clock(job) == "cpu"
+        else _sum_or_none(mean("forward_s"), mean("backward_s")),
         "recompute_time_s": mean("recompute_time_s"),
         "recompute_overhead": (sum(recompute) / total_time) if timed and None not in recompute and total_time else None,
         "throughput": sum(r["items"] for r in timed) / total_time if total_time else None,
