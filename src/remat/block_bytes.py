@@ -8,13 +8,14 @@ derives the fields from the trackers of all actions. The profiler (real device) 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .alloc_tracker import AllocationTracker
 from .block_run import backward_releasing_output, clear_grads, run_action
 from .blocks import main_tensor
 from .costs import KEEP
@@ -28,7 +29,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def run_tracked(
-    tracker: LiveTensorTracker,
+    tracker: LiveTensorTracker | AllocationTracker,
     module: nn.Module,
     action: str,
     args: tuple[Any, ...],
@@ -60,6 +61,21 @@ def run_tracked(
     return nbytes
 
 
+def warm_up(
+    module: nn.Module,
+    action: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    main: torch.Tensor,
+    pick: Callable[[Any], torch.Tensor | None] = main_tensor,
+) -> None:
+    """One untracked forward and backward of the block under ``action`` (a compiled block compiles on it)."""
+    holder = [pick(run_action(module, action, args, kwargs))]
+    backward_releasing_output(holder, torch.ones_like(holder[0]))
+    main.grad = None
+    clear_grads(module)
+
+
 @dataclass
 class ByteTerms:
     """The byte fields of a :class:`BlockCost`, read from one tracked run per action (see :func:`run_tracked`)."""
@@ -70,7 +86,7 @@ class ByteTerms:
     bwd_extra: dict[str, int]
 
     @classmethod
-    def from_trackers(cls, trackers: dict[str, LiveTensorTracker], input_bytes: int = 0) -> ByteTerms:
+    def from_trackers(cls, trackers: Mapping[str, LiveTensorTracker | AllocationTracker], input_bytes: int = 0) -> ByteTerms:
         """The fields from the tracked runs; ``input_bytes`` are the bytes of the block's main input, which
         the runs held throughout (as the block before does in a step)."""
         saved = {action: t.bytes_at("fwd_end") for action, t in trackers.items()}

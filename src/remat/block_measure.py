@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from .action_times import action_times
-from .block_bytes import ByteTerms, run_tracked, tensor_bytes
+from .alloc_tracker import AllocationTracker, is_compiled
+from .block_bytes import ByteTerms, run_tracked, tensor_bytes, warm_up
 from .block_run import GradsRestored, edge_backward_supported, parameters_detached
 from .block_timing import Clock, time_actions
 from .blocks import (
@@ -52,7 +53,10 @@ def measure_block(
     device = source.device
     main = source.detach().requires_grad_(True)
     args, kwargs = detached_from_step(*without_caches(*replace_slot(args, kwargs, slot, main)))
-    trackers: dict[str, LiveTensorTracker] = {}
+    trackers: dict[str, LiveTensorTracker | AllocationTracker] = {}
+    # A compiled block (module.compile()) is metered from the allocator's events: the live-tensor tracker, a
+    # dispatch mode, would make dynamo run it eagerly (and skip its compiled code from then on).
+    meter = AllocationTracker if is_compiled(module) else LiveTensorTracker
     output_bytes = 0
     edge_backward_supported()  # probe once here, not inside a tracked region
 
@@ -69,8 +73,11 @@ def measure_block(
         torch.random.fork_rng(devices=rng_devices, device_type=device.type),
         casts_uncached(),
     ):
+        if meter is AllocationTracker:
+            for action in actions:  # compiled: what dynamo compiles on a first call is no cost of the action
+                warm_up(module, action, args, kwargs, main, pick)
         for action in actions:
-            trackers[action] = LiveTensorTracker(device)
+            trackers[action] = meter(device)
             output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main, pick=pick)
         runs = time_actions(module, actions, args, kwargs, main, device, repeats, pick=pick, clock=clock)
         times = action_times(runs)

@@ -181,6 +181,16 @@ class LiveTensorTracker(TorchDispatchMode):
         return self._series(exclude_survivors)
 
 
+class CompiledCodeIgnoringTracker(LiveTensorTracker):
+    """A :class:`LiveTensorTracker` under which ``torch.compile``d code stays compiled: dynamo turns the mode
+    off while it compiles and does not fall back to eager code for it (``ignore_compile_internals``). It does
+    not see what compiled kernels allocate (:class:`remat.alloc_tracker.AllocationTracker` does)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
 @dataclass
 class MemoryReport:
     """Figures of one measured region, in bytes."""

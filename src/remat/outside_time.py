@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .blocks import BlockIO
+from .regions import eager
 from .training_step import Batch, timed_step
 
 __all__ = ["BlockWindows", "outside_seconds"]
@@ -38,8 +39,9 @@ class BlockWindows:
         self._ready: dict[int, float] = {}  # block index -> when its output's gradient was ready
         self._hooks: list[Any] = []
         for i, block in enumerate(blocks):
-            self._hooks.append(block.register_forward_pre_hook(self._pre(i), with_kwargs=True, prepend=True))
-            self._hooks.append(block.register_forward_hook(self._post(i), with_kwargs=True, always_call=True))
+            # eager(): a compiled block calls its hooks inside its compiled call; they must not be traced
+            self._hooks.append(block.register_forward_pre_hook(eager(self._pre(i)), with_kwargs=True, prepend=True))
+            self._hooks.append(block.register_forward_hook(eager(self._post(i)), with_kwargs=True, always_call=True))
 
     def reset(self) -> None:
         self.inside = 0.0

@@ -1,9 +1,11 @@
 """The actions a block is profiled under: keep, checkpoint, the selective policies asked for, offload on CUDA
-and the lossy actions asked for (:func:`remat.lossy_actions.lossy_actions`, checked before any block runs)."""
+and the lossy actions asked for (:func:`remat.lossy_actions.lossy_actions`, checked before any block runs); on
+a compiled block (``module.compile()``) only those that leave its compiled code compiled
+(:func:`compiled_block_actions`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -11,7 +13,12 @@ from . import policies as _policies
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .lossy_actions import lossy_actions
 
-__all__ = ["default_actions"]
+__all__ = ["COMPILED_BLOCK_ACTIONS", "compiled_block_actions", "default_actions"]
+
+# Actions whose regions open and close around a compiled forward with saved-tensor hooks only. A selective
+# policy runs a dispatch mode around the block, and dynamo runs a frame eagerly under one (and skips its
+# compiled code from then on); a lossy action's compression is not profiled on compiled code.
+COMPILED_BLOCK_ACTIONS = (KEEP, CHECKPOINT, OFFLOAD)
 
 
 def default_actions(
@@ -24,3 +31,17 @@ def default_actions(
     if device.type == "cuda":
         actions.append(OFFLOAD)
     return actions + lossy_actions(lossy)
+
+
+def compiled_block_actions(fqn: str, actions: Sequence[str], asked: Sequence[str] = ()) -> list[str]:
+    """Of ``actions``, those a compiled block can run (:data:`COMPILED_BLOCK_ACTIONS`); the per-op policies
+    of the default set are left out. ``asked``: actions the caller named (``actions=``, ``lossy=``), refused
+    with an error when the compiled block cannot run them."""
+    refused = [a for a in asked if a not in COMPILED_BLOCK_ACTIONS]
+    if refused:
+        raise ValueError(
+            f"block {fqn!r} is compiled (module.compile()) and cannot be profiled under {refused}: per-op "
+            "policies and compression run dispatch modes around the block, under which dynamo runs it eagerly. "
+            f"Profile compiled blocks under {list(COMPILED_BLOCK_ACTIONS)} only, or profile before compiling"
+        )
+    return [a for a in actions if a in COMPILED_BLOCK_ACTIONS]

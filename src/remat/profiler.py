@@ -52,6 +52,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policies as _policies
+from .alloc_tracker import is_compiled
 from .block_calls import ProfiledCalls, waiting_grad_bytes
 from .block_measure import measure_block
 from .block_run import GradsRestored, parameters_detached
@@ -70,12 +71,12 @@ from .chain_bounds import ChainBounds, CollectedOutputs
 from .costs import CHECKPOINT, KEEP, BlockCost, CostTable
 from .hf_guards import profiled_step
 from .lossy_actions import lossy_actions
-from .memory import LiveTensorTracker, model_device
+from .memory import CompiledCodeIgnoringTracker, LiveTensorTracker, model_device
 from .model_state import extra_run
 from .outside_time import outside_seconds
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
-from .profiled_actions import default_actions
-from .regions import in_place_error
+from .profiled_actions import compiled_block_actions, default_actions
+from .regions import eager, in_place_error
 from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step
 
@@ -138,12 +139,15 @@ class BlockProfiler:
         i = 0
         for k, chain in enumerate(self.chains):
             for j, (fqn, module) in enumerate(chain):
-                self._hooks.append(module.register_forward_pre_hook(self._pre_hook(i, fqn, k), with_kwargs=True))
+                # eager(): a compiled block calls its hooks inside its compiled call; they must not be traced
+                self._hooks.append(module.register_forward_pre_hook(eager(self._pre_hook(i, fqn, k)), with_kwargs=True))
                 last = j == len(chain) - 1
-                self._hooks.append(module.register_forward_hook(self._output_hook(i, k, last), with_kwargs=True))
+                self._hooks.append(module.register_forward_hook(eager(self._output_hook(i, k, last)), with_kwargs=True))
                 i += 1
         self._hooks.append(self.model.register_forward_hook(self._model_output_hook))
-        self._tracker = LiveTensorTracker()
+        # With compiled blocks the step's tracker leaves compiled code compiled (and does not see inside it).
+        compiled = any(is_compiled(module) for _, module in self.chain)
+        self._tracker = CompiledCodeIgnoringTracker() if compiled else LiveTensorTracker()
         self._bounds = ChainBounds(self._tracker, len(self.chains))
         self._tracker.__enter__()
         self._start = time.perf_counter()
@@ -174,6 +178,8 @@ class BlockProfiler:
                 self._bounds.block_called(args, kwargs, main, k)
                 self._tracker.mark(f"call{key[0]}.{key[1]}")
             actions = self.actions or default_actions(main.device, self.policies, self.lossy)
+            if is_compiled(module):
+                actions = compiled_block_actions(name, actions, [*(self.actions or ()), *self.lossy])
             self._busy = True
             try:
                 # Step off every dispatch mode (the step's tracker included) so the block is timed and
