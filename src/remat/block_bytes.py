@@ -86,7 +86,9 @@ class ByteTerms:
     bwd_extra: dict[str, int]
 
     @classmethod
-    def from_trackers(cls, trackers: Mapping[str, LiveTensorTracker | AllocationTracker], input_bytes: int = 0) -> ByteTerms:
+    def from_trackers(
+        cls, trackers: Mapping[str, LiveTensorTracker | AllocationTracker], input_bytes: int = 0
+    ) -> ByteTerms:
         """The fields from the tracked runs; ``input_bytes`` are the bytes of the block's main input, which
         the runs held throughout (as the block before does in a step)."""
         saved = {action: t.bytes_at("fwd_end") for action, t in trackers.items()}

@@ -33,6 +33,8 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
+from .alloc_tracker import AllocationTracker
+
 
 def storage_key(t: torch.Tensor) -> int | None:
     """Identity of ``t``'s storage while it lives (``None`` when it has none). It is the storage's address in
@@ -207,12 +209,19 @@ def _cuda_in_use() -> bool:
 
 
 @contextmanager
-def measure(device: str | torch.device | None = None, *, tracker: bool = True) -> Iterator[MemoryReport]:
+def measure(
+    device: str | torch.device | None = None, *, tracker: bool = True, allocations: bool = False
+) -> Iterator[MemoryReport]:
     """Measure peak memory and peak activation memory of the code inside the ``with`` block.
 
     >>> with remat.measure() as m:
     ...     model(x).sum().backward()
     >>> m.activation_bytes, m.peak_bytes
+
+    ``allocations=True`` counts the allocator's allocations and frees (``torch.profiler``'s memory events,
+    :class:`remat.alloc_tracker.AllocationTracker`) instead of tracking storages with a dispatch mode: it sees
+    what ``torch.compile``d code allocates and leaves compiled code compiled (the tracker makes dynamo run it
+    eagerly). It cannot run inside ``torch.profiler.profile``; ``source`` reads ``"allocations"``.
     """
     dev = torch.device(device) if device is not None else torch.device("cuda" if _cuda_in_use() else "cpu")
     report = MemoryReport(device=str(dev))
@@ -221,7 +230,12 @@ def measure(device: str | torch.device | None = None, *, tracker: bool = True) -
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         start_allocated = torch.cuda.memory_allocated(dev)
-    mode = LiveTensorTracker(dev) if (tracker or dev.type != "cuda") else None
+    mode: LiveTensorTracker | AllocationTracker | None = None
+    if allocations:
+        mode = AllocationTracker(dev)
+        report.source = "allocations"
+    elif tracker or dev.type != "cuda":
+        mode = LiveTensorTracker(dev)
     if mode is not None:
         mode.__enter__()
     try:
@@ -236,7 +250,7 @@ def measure(device: str | torch.device | None = None, *, tracker: bool = True) -
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             report.peak_bytes = torch.cuda.max_memory_allocated(dev) - start_allocated
-            report.source = "cuda-allocator" + ("+tracker" if mode is not None else "")
+            report.source = "cuda-allocator" + (f"+{'allocations' if allocations else 'tracker'}" if mode else "")
             if mode is None:
                 report.activation_bytes = report.peak_bytes
 

@@ -16,8 +16,9 @@ from .lossy_actions import lossy_actions
 __all__ = ["COMPILED_BLOCK_ACTIONS", "compiled_block_actions", "default_actions"]
 
 # Actions whose regions open and close around a compiled forward with saved-tensor hooks only. A selective
-# policy runs a dispatch mode around the block, and dynamo runs a frame eagerly under one (and skips its
-# compiled code from then on); a lossy action's compression is not profiled on compiled code.
+# policy's dispatch mode sees only the few operators at the compiled graph's edge, not those inside it, so on
+# a compiled block it is a checkpoint saving a few tensors more, not the policy its name says; a lossy action's
+# compression is not profiled on compiled code.
 COMPILED_BLOCK_ACTIONS = (KEEP, CHECKPOINT, OFFLOAD)
 
 
@@ -40,8 +41,8 @@ def compiled_block_actions(fqn: str, actions: Sequence[str], asked: Sequence[str
     refused = [a for a in asked if a not in COMPILED_BLOCK_ACTIONS]
     if refused:
         raise ValueError(
-            f"block {fqn!r} is compiled (module.compile()) and cannot be profiled under {refused}: per-op "
-            "policies and compression run dispatch modes around the block, under which dynamo runs it eagerly. "
+            f"block {fqn!r} is compiled (module.compile()) and cannot be profiled under {refused}: a per-op "
+            "policy does not reach the operators inside compiled code, and compression is not profiled there. "
             f"Profile compiled blocks under {list(COMPILED_BLOCK_ACTIONS)} only, or profile before compiling"
         )
     return [a for a in actions if a in COMPILED_BLOCK_ACTIONS]

@@ -24,20 +24,17 @@ forward under ``keep`` whose saved tensors and output must match the first's
 does not match is measured fully. The table's ``info`` records the profile's wall time and how many blocks
 were measured and reused.
 
-Lossy actions (``compress:``, ``recompute+compress:`` and ``checkpoint+compress:<format>``) are profiled only
-when asked (``profile(..., lossy=("int8",))`` profiles the three for int8): their rows also get the gradient
-error the action introduces in the block (:mod:`remat.grad_error`).
+Lossy actions (``compress:``, ``recompute+compress:``, ``checkpoint+compress:<format>``) are profiled only when
+asked (``lossy=("int8",)``), with the gradient error each introduces in the block (:mod:`remat.grad_error`).
+A block the forward calls more than once has a row per call, ``<fqn>@<k>`` (:mod:`remat.block_calls`);
+``call_grad_bytes`` counts the gradients of its later calls waiting for the earlier ones'. Several chains
+(``blocks=remat.find_chains(model)``) are profiled in one step, rows in the order the step runs them.
 
-A block the step's forward calls more than once (a loop over shared layers) has a row per call, named
-``<fqn>@<k>`` for the k-th (:mod:`remat.block_calls`); a call made while the backward runs is a recomputation and
-has none. Such a chain ends with its latest call, and ``call_grad_bytes`` counts the parameter gradients of its
-later calls waiting to be summed with the earlier ones'.
-
-Several chains (``blocks=remat.find_chains(model)``) are profiled in the same step: the table holds their rows
-in the order the step runs them, with ``chain_lengths`` and the bytes between them (``between_bytes``).
-
-It serves both :func:`profile` (one step on a sample batch) and in-training profiling: the dynamic controllers
-wrap the first real training step in a ``BlockProfiler``.
+Compiled blocks (``module.compile()``, :func:`remat.integrations.compile.compile_blocks`) stay compiled: their
+bytes come from the allocator's events (:class:`~remat.alloc_tracker.AllocationTracker`), the step's tracker
+ignores compiled code, and they are profiled under keep, checkpoint and offload only
+(:func:`~remat.profiled_actions.compiled_block_actions`).
+It serves :func:`profile` and in-training profiling (the dynamic controllers wrap a first training step in it).
 """
 
 from __future__ import annotations
@@ -354,7 +351,8 @@ def profile(
     "device_type": ...}``, a :class:`remat.precision.AutocastSpec`, or ``False`` for none): the forward and the
     loss then run under that autocast, the backward outside it, as in a training step. Either way the step runs
     with autocast's weight-cast cache off (see :mod:`remat.precision`), and the table records the setting.
-    One untimed plain step runs first (warm-up). After the profiled step, three plain steps are timed for ``outside_s``: each step less the time its blocks
+    One untimed plain step runs first (warm-up). After the profiled step, three plain steps are timed for
+    ``outside_s``: each step less the time its blocks
     took in it (:mod:`remat.outside_time`), or on CUDA the step less the blocks' isolated times.
 
     ``clock`` is what every time is read from: wall-clock ``time.perf_counter`` by default; on a shared CPU
