@@ -5,16 +5,18 @@
 settings (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``: freed tensors go back to the system);
 on CUDA the model, its copies and the batch live on the GPU and glibc is left alone. Then:
 
-1. ``remat.profile`` of the model (eager, before anything is compiled; on the CPU in a process of its own
-   started with the timing settings of glibc's malloc of step 4, and in CPU seconds with one intra-op
-   thread: as the steps it predicts are timed; with ``holds_output=False``, since the step keeps only the
-   loss), then every contender is built.
+1. ``remat.profile`` of the model, twice: eager, and with its blocks compiled (``compile_blocks``, the job's
+   backend: the table remat plans compiled blocks from); on the CPU in a process of its own started with the
+   timing settings of glibc's malloc of step 4, and in CPU seconds with one intra-op thread: as the steps it
+   predicts are timed; with ``holds_output=False``, since the step keeps only the loss. Then every contender
+   is built.
 2. Memory: per contender, warm-up steps (compilation included), then one step under the peak meter, on the
    CPU the whole-process one (:class:`remat.bench.procmem.ProcessPeakMeter`: growth of the resident
    high-water mark), on CUDA the allocator's (:class:`peers_device.AllocatorPeak`: ``max_memory_allocated``
-   above what was allocated before the step), and, for eager contenders, one under the live-tensor tracker
-   (``remat.measure``). Parameter gradients exist before the measured step (zeroed in place), so both meters
-   see the same transient memory: activations and gradients in flight. The hand-written contenders are
+   above what was allocated before the step), and one under ``remat.measure``: the live-tensor tracker for
+   eager contenders, the allocator's events (``allocations=True``, which see compiled code) for compiled
+   ones. Parameter gradients exist before the measured step (zeroed in place), so both meters see the same
+   transient memory: activations and gradients in flight. The hand-written contenders are
    measured at every ``k`` first; each budget gets the smallest ``k`` whose peak fits.
 3. Gradients: the measured step runs from the same seed for everyone; its gradients are compared with those
    of the contender's reference (bitwise, and the largest absolute difference).
@@ -46,6 +48,7 @@ import torch._dynamo
 import remat
 from remat.bench.childproc import child_env, emit, parse
 from remat.bench.procmem import ProcessPeakMeter, process_meter_problem
+from remat.integrations.compile import compile_blocks
 from remat.simulator import no_checkpoint_peak
 
 # glibc mallopt parameters
@@ -69,11 +72,14 @@ def use_timing_allocator() -> bool:
     return ok
 
 
-def profile(job: dict[str, Any]) -> remat.CostTable:
-    """``remat.profile`` of the job's model (eager, in its precision) on its batch."""
+def profile(job: dict[str, Any], compiled: bool = False) -> remat.CostTable:
+    """``remat.profile`` of the job's model (in its precision) on its batch: eager, or with its blocks
+    compiled (``compile_blocks`` with the job's backend)."""
     setting = pm.ModelSetting(job["model"], job["dtype"], job["size"])
     device = pd.check_device(job.get("device", "cpu"))
     model = pm.build_model(setting, seed=job["seed"]).to(device)
+    if compiled:
+        compile_blocks(model, backend=job["backend"])  # the chain remat.profile finds
     # Times in the clock the steps are timed in: CPU seconds with one intra-op thread on the CPU, however busy
     # the machine; wall-clock otherwise.
     clock = time.process_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
@@ -83,19 +89,23 @@ def profile(job: dict[str, Any]) -> remat.CostTable:
                              holds_output=False)
 
 
-def profile_under_timing_allocator(job: dict[str, Any]) -> remat.CostTable:
+def profile_under_timing_allocator(job: dict[str, Any]) -> tuple[remat.CostTable, remat.CostTable]:
     """The profile taken in a process of its own started with the timing settings of glibc's malloc, as the
     steps it predicts are timed: under the meter's settings every tensor over 64 KiB is a fresh mapping, and
     page faults would double the times it measures, while switching this process to the timing settings and
-    back leaves memory behind that the whole-process meter then misses."""
+    back leaves memory behind that the whole-process meter then misses. Returns the eager and the compiled
+    blocks' tables."""
     proc = subprocess.run([sys.executable, __file__, "--profile", json.dumps(job)], capture_output=True, text=True,
                           env=child_env(**TIMING_ENV), timeout=job.get("profile_timeout", 1200))
+    tables = {}
     for line in proc.stdout.splitlines():
         record = parse(line)
         if record is not None and record.get("record") == "costs":
-            return remat.CostTable.from_dict(record["table"])
+            tables[record["compiled"]] = remat.CostTable.from_dict(record["table"])
+    if len(tables) == 2:
+        return tables[False], tables[True]
     tail = " | ".join(proc.stderr.strip().splitlines()[-8:])
-    raise RuntimeError(f"the profile's process exited with code {proc.returncode} and no cost table: {tail}")
+    raise RuntimeError(f"the profile's process exited with code {proc.returncode} and not both cost tables: {tail}")
 
 
 class Bench:
@@ -110,15 +120,16 @@ class Bench:
         self.meter_problem = process_meter_problem() if self.device == "cpu" else None
         self.memory: dict[str, dict[str, Any]] = {}
         self.reference_grads: dict[str, list[torch.Tensor]] = {}
-        self.costs: remat.CostTable | None = None  # the profile every remat plan is predicted from
+        self.costs: remat.CostTable | None = None  # the profile remat plans are predicted from (eager)
         self.ran: remat.Plan | None = None  # the remat plan of the last step, where it had one
+        self.ran_costs: remat.CostTable | None = None  # and the profile it is predicted from
 
-    def predicted(self, plan: remat.Plan | None) -> dict[str, Any]:
-        """remat's predictions for a step under ``plan`` (the simulator on the profile): peak activation
+    def predicted(self, plan: remat.Plan | None, costs: remat.CostTable | None) -> dict[str, Any]:
+        """remat's predictions for a step under ``plan`` (the simulator on ``costs``): peak activation
         bytes and step seconds; empty without a plan."""
-        if plan is None or self.costs is None:
+        if plan is None or costs is None:
             return {}
-        sim = remat.simulate(self.costs, plan.actions)
+        sim = remat.simulate(costs, plan.actions)
         return {"predicted_peak_bytes": sim.peak_bytes, "predicted_step_s": sim.step_s}
 
     def emit(self, record: str, **fields: Any) -> None:
@@ -134,7 +145,7 @@ class Bench:
             if p.grad is not None:
                 p.grad.zero_()
         c.select()
-        self.ran = c.plan()
+        self.ran, self.ran_costs = c.plan(), c.costs or self.costs
         torch.manual_seed(seed)
         pd.synchronize(self.device)
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -168,10 +179,10 @@ class Bench:
         else:
             self.step(c, seed)
         grads = self.grads(c)
-        predicted = self.predicted(self.ran)  # the plan of the peak meter's step
+        predicted = self.predicted(self.ran, self.ran_costs)  # the plan of the peak meter's step
         tracker = None
-        if c.tracker:
-            with remat.measure(self.device) as mem:
+        if c.tracker or c.allocations:  # the live-tensor tracker (eager), the allocator's events (compiled)
+            with remat.measure(self.device, allocations=c.allocations) as mem:
                 self.step(c, seed)
             tracker = mem.activation_bytes
         result = {"key": c.key, "process_bytes": process, "allocator_bytes": allocator, "tracker_bytes": tracker,
@@ -226,7 +237,7 @@ class Bench:
             for key in order:
                 wall, cpu = self.step(contenders[key], self.job["seed"] + 1000 + r)
                 cpu_field = {"cpu_seconds": cpu} if self.device == "cpu" else {}  # on CUDA: wall-clock only
-                step = self.predicted(self.ran).get("predicted_step_s")  # of the plan this step ran
+                step = self.predicted(self.ran, self.ran_costs).get("predicted_step_s")  # of the plan this step ran
                 self.emit("timing", key=key, round=r, seconds=wall, **cpu_field, predicted_step_s=step)
 
 
@@ -237,20 +248,27 @@ def run(job: dict[str, Any]) -> None:
     setting = bench.setting
     budgets = [float(b) for b in job["budgets"]]
     base = pm.build_model(setting, seed=job["seed"]).to(bench.device)
-    costs = profile_under_timing_allocator(job) if bench.device == "cpu" else profile(job)
+    if bench.device == "cpu":
+        costs, compiled_costs = profile_under_timing_allocator(job)
+    else:
+        costs, compiled_costs = profile(job), profile(job, compiled=True)
     bench.costs = costs
     bench.emit("unit_start", setting=setting.describe(), blocks=len(costs), budgets=budgets,
                device=bench.device, device_name=pd.device_name(bench.device),
                backend=job["backend"], threads=torch.get_num_threads(), torch=torch.__version__,
                predicted_none_bytes=no_checkpoint_peak(costs), meter_problem=bench.meter_problem,
+               predicted_none_compiled_bytes=no_checkpoint_peak(compiled_costs),
                profile_s=costs.info.get("profile_s"), outside_s=costs.outside_s,
                blocks_s=sum(b.fwd_s + b.bwd_s for b in costs.blocks))
-    cs = pc.ContenderSet(base, pm.block_list, costs, job["backend"])
+    cs = pc.ContenderSet(base, pm.block_list, costs, job["backend"], compiled_costs)
     cs.references()
     for key in list(cs.contenders):
         bench.measure(cs.contenders[key])
     bench.choose_k(cs, budgets)
-    compiled_bytes = bench.memory["compiled"]["allocator_bytes"] or bench.memory["compiled"]["process_bytes"]
+    # Budgets of remat on compiled blocks: shares of torch.compile's peak by the allocator's events, the meter
+    # whose figures the compiled blocks' profile predicts (the peak meters' where it did not run).
+    compiled = bench.memory["compiled"]
+    compiled_bytes = compiled["tracker_bytes"] or compiled["allocator_bytes"] or compiled["process_bytes"]
     for budget in budgets:
         cs.remat_static(budget)
         cs.remat_pgac(budget)
@@ -277,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) == 2 and args[0] == "--profile":  # the profile's own process
         job = json.loads(args[1])
         torch.set_num_threads(job["threads"])
-        emit({"record": "costs", "table": profile(job).to_dict()})
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        for compiled in (False, True):
+            emit({"record": "costs", "compiled": compiled, "table": profile(job, compiled).to_dict()})
         return 0
     if len(args) != 1:
         print("usage: python benchmarks/peers_child.py JOB_JSON (started by benchmarks/peers.py)", file=sys.stderr)

@@ -15,8 +15,11 @@ Peers, written as a user writes them:
 * ``torch.compile`` of the whole model, without and with ``torch._functorch.config.activation_memory_budget``.
 
 remat, through its public API: ``remat.profile`` once, then ``remat.plan`` + ``remat.apply`` for the static
-strategies and ``optimal``, ``remat.PGAC`` and ``remat.DTR`` at the budget, and the same plans on compiled
-blocks (``remat.integrations.compile.compile_blocks``).
+strategies and ``optimal``, ``remat.PGAC`` and ``remat.DTR`` at the budget; and ``optimal`` on compiled blocks
+(``remat.integrations.compile.compile_blocks``), planned from ``remat.profile`` of the compiled-block model
+(what the compiled graphs save and how long they take, under keep and checkpoint). Compiled contenders are
+measured with ``remat.measure(allocations=True)`` (the allocator's events), which sees compiled code and
+leaves it compiled, where eager ones use the live-tensor tracker.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class Contender:
     grad_reference: str
     exact: bool = True
     tracker: bool = True
+    allocations: bool = False  # measured with remat.measure(allocations=True) (compiled code) instead
     detail: str = ""
     note: str = ""
     select: Callable[[], None] = lambda: None
@@ -98,6 +102,7 @@ class Contender:
     after_backward: Callable[[], None] = lambda: None
     info: Callable[[], dict[str, Any]] = field(default=lambda: {})
     plan: Callable[[], remat.Plan | None] = lambda: None  # remat's plan the next step runs, where one exists
+    costs: remat.CostTable | None = None  # the profile that plan is predicted from (None: the eager one)
 
 
 @dataclass(frozen=True)
@@ -173,8 +178,9 @@ class ContenderSet:
     """Builds every contender of one (model, precision) from one base model and its remat CostTable."""
 
     def __init__(self, base: nn.Module, blocks_of: Callable[[nn.Module], list[nn.Module]], costs: remat.CostTable,
-                 backend: str) -> None:
+                 backend: str, compiled_costs: remat.CostTable | None = None) -> None:
         self.base, self.blocks_of, self.costs, self.backend = base, blocks_of, costs, backend
+        self.compiled_costs = compiled_costs  # remat.profile of the model with its blocks compiled
         self.contenders: dict[str, Contender] = {}
         self.rows: list[Row] = []
         self.refused: list[Refused] = []
@@ -200,13 +206,15 @@ class ContenderSet:
         model = self.copy()
         compiled = torch.compile(model, backend=self.backend)
         self.add(Contender("compiled", "torch.compile", COMPILED, model, compiled, grad_reference="compiled",
-                           tracker=False), None)
+                           tracker=False, allocations=True), None)
         handle = remat.apply(model := self.copy(), remat.plan(self.costs, "none"))
         compile_blocks(model, backend=self.backend)
         self._remat_compiled = handle
         keep = handle.plan
+        predicted = remat.plan(self.compiled_costs, "none") if self.compiled_costs is not None else None
         self.add(Contender("compiled-blocks", "remat: compiled blocks, keep all", COMPILED, model, model,
-                           grad_reference="compiled-blocks", tracker=False, select=lambda: handle.set_plan(keep)),
+                           grad_reference="compiled-blocks", tracker=False, allocations=True,
+                           select=lambda: handle.set_plan(keep), plan=lambda: predicted, costs=self.compiled_costs),
                  None)
 
     def hand_written(self) -> HandCheckpointed:
@@ -259,24 +267,28 @@ class ContenderSet:
         compiled = torch.compile(model, backend=budget_backend(self.backend, budget))
         self.add(Contender(
             f"compiled-budget-{budget:g}", "torch.compile + activation_memory_budget", COMPILED, model, compiled,
-            grad_reference="compiled", tracker=False, exact=False, detail=f"budget={budget:g}",
+            grad_reference="compiled", tracker=False, allocations=True, exact=False, detail=f"budget={budget:g}",
             note="the partitioner's recomputation changes the kernels (rounding) and redraws dropout masks"), budget)
 
     def remat_compiled(self, budget: float, budget_bytes: int | None) -> None:
-        """remat's optimal plan on the compiled blocks, planned from the eager CostTable at ``budget_bytes``
-        (the budget's share of the compiled model's own peak) or, without it, at the fraction ``budget``."""
+        """remat's optimal plan on the compiled blocks at ``budget_bytes`` (the budget's share of the compiled
+        model's own peak) or, without it, at the fraction ``budget``; planned from the profile of the compiled
+        blocks (and predicted from it), or from the eager one where there is none (then without predictions)."""
+        costs = self.compiled_costs or self.costs
         try:
-            plan = remat.plan(self.costs, "optimal", budget_bytes or budget)
+            plan = remat.plan(costs, "optimal", budget_bytes or budget)
         except remat.BudgetError as err:
             source = (f"{budget:g} of torch.compile's measured peak" if budget_bytes
-                      else f"{budget:g} of the eager no-checkpoint peak")
+                      else f"{budget:g} of the no-checkpoint peak")
             self.refused.append(Refused(budget, "remat optimal on compiled blocks", COMPILED,
                                         f"budget = {source}: {err}"))
             return
         handle = self._remat_compiled
+        predicted = plan if self.compiled_costs is not None else None
         self.add(Contender(f"compiled-blocks-{_short_actions(plan)}", "remat optimal on compiled blocks", COMPILED,
                            handle.model, handle.model, grad_reference="compiled-blocks", tracker=False,
-                           detail=_short_actions(plan), select=lambda: handle.set_plan(plan)), budget)
+                           allocations=True, detail=_short_actions(plan), select=lambda: handle.set_plan(plan),
+                           plan=lambda: predicted, costs=self.compiled_costs), budget)
 
 
 def budget_backend(name: str, budget: float) -> Callable[..., Any]:

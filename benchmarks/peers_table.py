@@ -1,17 +1,19 @@
 """The peers benchmark's records turned into its table, and the summary of where remat's optimal plan stands.
 
 Memory: each contender's peak over its reference's, by the peak meter (every contender: the whole-process
-meter on the CPU, the CUDA allocator on a GPU) and by the live-tensor tracker (eager ones); the reference is
+meter on the CPU, the CUDA allocator on a GPU) and by ``remat.measure`` (the "tracker" column: the live-tensor
+tracker for eager contenders, the allocator's events, ``allocations=True``, for compiled ones); the reference is
 eager no checkpointing for eager contenders and the whole model under ``torch.compile`` without a budget for
 compiled ones. A contender fits a budget when its peak-meter ratio is at most the budget. Step time: in
 every round, the contender's step over its reference's step of the same round (CPU seconds on the CPU,
 wall-clock seconds on CUDA); the table gives the median over rounds and their range.
 
 Predictions, for the contenders that run a remat plan (no checkpointing as remat's plan keeping every block,
-the static strategies, ``optimal``, PGAC; not DTR, and not compiled blocks, whose profile is the eager one):
+the static strategies, ``optimal``, PGAC, and on compiled blocks keep-all and ``optimal``, predicted from the
+profile of the compiled blocks; not DTR):
 ``pred/meas step`` is the simulator's step time for the plans the timed steps ran (median over rounds) over
 the measured step (median, absolute seconds of the same clock as ``step ms``); ``pred/meas peak`` is the
-predicted peak activation bytes of the plan of the measured step over the live-tensor tracker's figure.
+predicted peak activation bytes of the plan of the measured step over the "tracker" column's figure.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class Line:
     wall_median: float | None = None
     predicted_step_ms: float | None = None  # remat's prediction for the plans the timed steps ran (median)
     pred_step_ratio: float | None = None  # that prediction over the measured step (absolute seconds)
-    pred_peak_ratio: float | None = None  # remat's predicted peak over the live-tensor tracker's
+    pred_peak_ratio: float | None = None  # remat's predicted peak over remat.measure's (tracker or allocations)
     grads: str = ""
     note: str = ""
 
@@ -149,8 +151,7 @@ def unit_lines(unit: Unit) -> list[Line]:
         lines.append(Line(
             model=unit.model, dtype=unit.dtype, budget=budget, name=row["name"], group=group, key=key, detail=detail,
             process_ratio=process_ratio,
-            tracker_ratio=_ratio(mem.get("tracker_bytes"), unit.memory.get("none", {}).get("tracker_bytes"))
-            if group == "eager" else None,
+            tracker_ratio=_ratio(mem.get("tracker_bytes"), ref.get("tracker_bytes")),
             fits=(process_ratio <= budget) if budget is not None and process_ratio is not None else None,
             step_median=statistics.median(ratios) if ratios else None,
             step_low=min(ratios) if ratios else None, step_high=max(ratios) if ratios else None,
