@@ -190,7 +190,7 @@ def context_notes(res: Results) -> list[str]:
         step = stats.paired_test(res.values(P, "step_time_s"), res.values(opt, "step_time_s"))
         if rec.relative_diff is not None and step.relative_diff is not None:
             notes.append(
-                f"Against the optimal static plan at the same budget (`{opt}`, least predicted recompute time): PGAC "
+                f"Against the optimal static plan at the same budget (`{opt}`, least predicted step time): PGAC "
                 f"recompute {fmt_pct(rec.relative_diff)} ({p_text(rec.p_value)}), step time "
                 f"{fmt_pct(step.relative_diff)} ({p_text(step.p_value)})."
             )
