@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .live_series import LiveBytesSeries
+
 _MARK = "remat.mark:"
 
 __all__ = ["AllocationTracker", "is_compiled"]
@@ -32,15 +34,14 @@ def is_compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-class AllocationTracker:
+class AllocationTracker(LiveBytesSeries):
     """Allocations and frees of the allocator while the ``with`` block runs (``device``: whose allocator;
     None: every device's), with marks; figures readable after the block exits."""
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         self.device_type = torch.device(device).type if device is not None else None
+        super().__init__()
         self._profiler: Any = None
-        self._events: list[tuple[int, int]] = []  # (allocation id, +bytes on alloc / -bytes on free)
-        self._marks: list[tuple[str, int]] = []
         self._survivors: set[int] = set()
         self._paused = 0
 
@@ -122,40 +123,6 @@ class AllocationTracker:
                 self._events.append((alloc_id, -nbytes))
         self._survivors = {alloc_id for alloc_id, _ in live.values()}
 
-    # ----- the live-tensor tracker's reading interface
-    def marks(self) -> list[tuple[str, int]]:
-        return list(self._marks)
-
-    def has_mark(self, label: str) -> bool:
-        return any(name == label for name, _ in self._marks)
-
-    def _index(self, label: str) -> int:
-        for name, index in reversed(self._marks):
-            if name == label:
-                return index
-        raise KeyError(f"no mark named {label!r} (figures exist once the allocation meter's block has exited)")
-
     @property
     def survivors(self) -> set[int]:
         return set(self._survivors)
-
-    def _series(self, exclude_survivors: bool) -> list[int]:
-        skip = self._survivors if exclude_survivors else set()
-        live, series = 0, [0]
-        for alloc_id, delta in self._events:
-            if alloc_id not in skip:
-                live += delta
-            series.append(live)
-        return series
-
-    def peak(self, exclude_survivors: bool = True) -> int:
-        return max(self._series(exclude_survivors))
-
-    def bytes_at(self, label: str, exclude_survivors: bool = True) -> int:
-        return self._series(exclude_survivors)[self._index(label)]
-
-    def peak_between(self, start: str, end: str, exclude_survivors: bool = True) -> int:
-        return max(self._series(exclude_survivors)[self._index(start) : self._index(end) + 1])
-
-    def timeline(self, exclude_survivors: bool = True) -> list[int]:
-        return self._series(exclude_survivors)

@@ -13,8 +13,10 @@ profiler and the ``meta`` estimator measure blocks with it too). Its figures:
 On CUDA ``peak_bytes`` comes from ``torch.cuda.max_memory_allocated`` (it sees everything, compiled code
 included) and ``activation_bytes`` from the tracker unless ``tracker=False``.
 
-The tracker does not see allocations made inside ``torch.compile``d graphs; measure those with a
-whole-process meter (see DESIGN.md) or on CUDA.
+The tracker does not see allocations made inside ``torch.compile``d graphs (and makes dynamo run them
+eagerly); ``measure(allocations=True)`` reads the allocator's own events instead
+(:mod:`remat.alloc_tracker`), which see compiled code. Both meters read their figures through
+:class:`remat.live_series.LiveBytesSeries`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_flatten
 
 from .alloc_tracker import AllocationTracker
+from .live_series import LiveBytesSeries
 
 
 def storage_key(t: torch.Tensor) -> int | None:
@@ -45,7 +48,7 @@ def storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
-class LiveTensorTracker(TorchDispatchMode):
+class LiveTensorTracker(LiveBytesSeries, TorchDispatchMode):
     """Records allocation and death of every storage an operator creates while the mode is active.
 
     Works on every device, ``meta`` included (where storages have no data). Events are kept so that peaks can
@@ -55,12 +58,11 @@ class LiveTensorTracker(TorchDispatchMode):
     """
 
     def __init__(self, device: str | torch.device | None = None) -> None:
-        super().__init__()
+        LiveBytesSeries.__init__(self)
+        TorchDispatchMode.__init__(self)
         self.device_type = torch.device(device).type if device is not None else None
         self._paused = 0
         self._live: dict[int, tuple[int, int]] = {}  # storage key -> (event id, nbytes)
-        self._events: list[tuple[int, int]] = []  # (event id, +nbytes on alloc / -nbytes on free)
-        self._marks: list[tuple[str, int]] = []
         self._next_id = 0
         self._finalizers: list[weakref.finalize] = []
         self.live_bytes = 0
@@ -130,19 +132,6 @@ class LiveTensorTracker(TorchDispatchMode):
         refers to its latest mark."""
         self._marks.append((label, len(self._events)))
 
-    def marks(self) -> list[tuple[str, int]]:
-        """Every mark in the order it was made, with the number of events recorded before it."""
-        return list(self._marks)
-
-    def has_mark(self, label: str) -> bool:
-        return any(name == label for name, _ in self._marks)
-
-    def _index(self, label: str) -> int:
-        for name, index in reversed(self._marks):
-            if name == label:
-                return index
-        raise KeyError(f"no mark named {label!r}")
-
     def close(self) -> None:
         """Stop recording; storages still alive now are the survivors of the region."""
         self._closed = True
@@ -154,33 +143,6 @@ class LiveTensorTracker(TorchDispatchMode):
     def survivors(self) -> set[int]:
         """Event ids of the storages alive (after :meth:`close`: alive when it was called)."""
         return {event_id for event_id, _ in self._live.values()}
-
-    def _series(self, exclude_survivors: bool) -> list[int]:
-        """Live bytes after each event (index i = after i events)."""
-        skip = self.survivors if exclude_survivors else set()
-        live, series = 0, [0]
-        for event_id, delta in self._events:
-            if event_id not in skip:
-                live += delta
-            series.append(live)
-        return series
-
-    def peak(self, exclude_survivors: bool = True) -> int:
-        return max(self._series(exclude_survivors))
-
-    def bytes_at(self, label: str, exclude_survivors: bool = True) -> int:
-        return self._series(exclude_survivors)[self._index(label)]
-
-    def peak_between(self, start: str, end: str, exclude_survivors: bool = True) -> int:
-        return max(self._series(exclude_survivors)[self._index(start) : self._index(end) + 1])
-
-    def written_between(self, start: str, end: str) -> int:
-        """Bytes of all storages created between the marks, survivors included (work the device does)."""
-        return sum(delta for _, delta in self._events[self._index(start) : self._index(end)] if delta > 0)
-
-    def timeline(self, exclude_survivors: bool = True) -> list[int]:
-        """Live bytes after every allocation or free, for plots of memory over one step."""
-        return self._series(exclude_survivors)
 
 
 class CompiledCodeIgnoringTracker(LiveTensorTracker):
