@@ -43,7 +43,6 @@ class AllocationTracker(LiveBytesSeries):
         super().__init__()
         self._profiler: Any = None
         self._survivors: set[int] = set()
-        self._paused = 0
 
     def __enter__(self) -> AllocationTracker:
         from torch.profiler import ProfilerActivity, profile

@@ -56,7 +56,8 @@ def measure_block(
     trackers: dict[str, LiveTensorTracker | AllocationTracker] = {}
     # A compiled block (module.compile()) is metered from the allocator's events: the live-tensor tracker, a
     # dispatch mode, would make dynamo run it eagerly (and skip its compiled code from then on).
-    meter = AllocationTracker if is_compiled(module) else LiveTensorTracker
+    compiled = is_compiled(module)
+    meter = AllocationTracker if compiled else LiveTensorTracker
     output_bytes = 0
     edge_backward_supported()  # probe once here, not inside a tracked region
 
@@ -73,8 +74,8 @@ def measure_block(
         torch.random.fork_rng(devices=rng_devices, device_type=device.type),
         casts_uncached(),
     ):
-        if meter is AllocationTracker:
-            for action in actions:  # compiled: what dynamo compiles on a first call is no cost of the action
+        if compiled:
+            for action in actions:  # what dynamo compiles on a first call is no cost of the action
                 warm_up(module, action, args, kwargs, main, pick)
         for action in actions:
             trackers[action] = meter(device)

@@ -352,8 +352,8 @@ def profile(
     loss then run under that autocast, the backward outside it, as in a training step. Either way the step runs
     with autocast's weight-cast cache off (see :mod:`remat.precision`), and the table records the setting.
     One untimed plain step runs first (warm-up). After the profiled step, three plain steps are timed for
-    ``outside_s``: each step less the time its blocks
-    took in it (:mod:`remat.outside_time`), or on CUDA the step less the blocks' isolated times.
+    ``outside_s``: each step less the time its blocks took in it (:mod:`remat.outside_time`), or on CUDA the
+    step less the blocks' isolated times.
 
     ``clock`` is what every time is read from: wall-clock ``time.perf_counter`` by default; on a shared CPU
     with one intra-op thread, ``time.process_time`` gives the seconds the step would take on a machine of its

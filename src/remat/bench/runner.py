@@ -48,7 +48,7 @@ from .progress import ProgressLog
 from .records import JsonlWriter, json_default, read_jsonl, safe_name
 from .report import build_report
 from .strategies import StrategySpec, lossy_formats
-from .train import execute_run, profile_costs, step_clock
+from .train import execute_run, profile_clock, profile_costs
 
 # The `remat` command builds `remat bench` from these two: add_arguments, then run_from_args.
 __all__ = ["add_arguments", "main", "run_bench", "run_from_args"]
@@ -126,7 +126,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         path = out / "costs" / f"seed{seed}.json"
         if resuming and path.exists():
             saved = CostTable.from_json(path.read_text())
-            clock = "process_time" if step_clock(probe) == "cpu" else "perf_counter"
+            clock = profile_clock(probe).__name__
             if all(f"compress:{f}" in saved.common_actions() for f in lossy) and saved.info.get("clock") == clock:
                 costs_by_seed[seed] = saved
                 continue

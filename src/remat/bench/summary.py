@@ -52,6 +52,15 @@ CSV_FIELDS = [
 ]
 
 
+def _measured_fwd_bwd(run: dict[str, Any]) -> float | None:
+    """A run's forward + backward seconds on the clock its profile read; runs written before that was
+    recorded: wall-clock (None without both)."""
+    if "measured_fwd_bwd_s" in run:
+        return run["measured_fwd_bwd_s"]
+    forward, backward = run.get("forward_s"), run.get("backward_s")
+    return None if forward is None or backward is None else forward + backward
+
+
 def strategy_rows(res: Results) -> list[dict[str, Any]]:
     """One summary row per strategy (means over seeds; timing over the timed (seed, step) pairs)."""
     static, dtr = res.static_label, res.dtr_label
@@ -72,11 +81,7 @@ def strategy_rows(res: Results) -> list[dict[str, Any]]:
         predicted = [r["predicted_peak_bytes"] for r in runs if r.get("predicted_peak_bytes") is not None]
         forward = mean_of(r.get("forward_s") for r in runs)
         predicted_step = mean_of(r.get("predicted_step_s") for r in runs)
-        # on the clock the profile read (runs written before the clock was recorded: wall-clock)
-        measured_step = mean_of(
-            r["measured_fwd_bwd_s"] if "measured_fwd_bwd_s" in r else r.get("forward_s", 0.0) + r.get("backward_s", 0.0)
-            for r in runs
-        )
+        measured_step = mean_of(_measured_fwd_bwd(r) for r in runs)
         rows.append(
             {
                 "strategy": label,

@@ -66,7 +66,7 @@ def profile_costs(
         loss_fn=spec.loss_fn,
         repeats=repeats,
         lossy=tuple(lossy or ()),
-        clock=time.process_time if step_clock(job) == "cpu" else time.perf_counter,
+        clock=profile_clock(job),
     )
     facts = {
         "data": data.describe(),
@@ -84,6 +84,11 @@ def step_clock(job: dict[str, Any]) -> str:
     seconds) on a CPU with one intra-op thread, where it is the step's time on a machine of its own however
     busy this one is; ``"wall"`` otherwise (CUDA, or several threads, whose CPU seconds add up)."""
     return "cpu" if job["device"] == "cpu" and job["threads"] == 1 else "wall"
+
+
+def profile_clock(job: dict[str, Any]) -> Callable[[], float]:
+    """The clock function of :func:`step_clock` (``remat.profile`` records its ``__name__`` in ``info``)."""
+    return time.process_time if step_clock(job) == "cpu" else time.perf_counter
 
 
 def _sync(device: torch.device) -> None:
