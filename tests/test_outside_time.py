@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from remat.blocks import block_ios
-from remat.outside_time import outside_seconds
+from remat.outside_time import plain_steps
 
 
 class Model(nn.Module):
@@ -33,7 +33,8 @@ def test_outside_counts_clock_reads_outside_the_blocks_and_removes_its_hooks() -
     # A clock that advances one tick per read: the step reads it once at each end, each block's forward
     # twice (pre-hook, post-hook) and each block's backward twice (output and input gradient hooks), so the
     # blocks span at least one tick each way and the step's two ends lie outside them.
-    whole, outside = outside_seconds(model, torch.randn(4, 8), None, blocks, ios, steps=1, clock=lambda: next(counter))
+    plain = plain_steps(model, torch.randn(4, 8), None, blocks, ios, steps=1, clock=lambda: next(counter))
+    whole, outside = plain.step_s, plain.outside_s
     assert outside is not None
     assert whole == 1 + 4 * len(blocks)
     assert 2 * len(blocks) <= whole - outside < whole
@@ -45,5 +46,6 @@ def test_blocks_whose_input_needs_no_gradient_give_no_outside_time() -> None:
     model.stem.requires_grad_(False)
     blocks = list(model.blocks)
     ios = block_ios([(f"blocks.{i}", b) for i, b in enumerate(blocks)])
-    whole, outside = outside_seconds(model, torch.randn(4, 8), None, blocks, ios, steps=1)
-    assert outside is None and whole > 0
+    plain = plain_steps(model, torch.randn(4, 8), None, blocks, ios, steps=1)
+    assert plain.outside_s is None and plain.step_s > 0
+    assert plain.block_fwd_s is None and plain.block_bwd_s is None

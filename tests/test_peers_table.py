@@ -26,22 +26,43 @@ def contender(name: str) -> dict:
 
 
 def memory(key: str, process: int, tracker: int, predicted: int | None = None) -> dict:
-    return {"record": "memory", "model": "gpt2", "dtype": "bf16", "key": key, "process_bytes": process,
-            "tracker_bytes": tracker, "predicted_peak_bytes": predicted, "grads_bitwise": True}
+    return {
+        "record": "memory",
+        "model": "gpt2",
+        "dtype": "bf16",
+        "key": key,
+        "process_bytes": process,
+        "tracker_bytes": tracker,
+        "predicted_peak_bytes": predicted,
+        "grads_bitwise": True,
+    }
 
 
 def timings(key: str, seconds: list[float], predicted: float | None) -> list[dict]:
-    return [{"record": "timing", "model": "gpt2", "dtype": "bf16", "key": key, "round": r, "seconds": s,
-             "cpu_seconds": s, "predicted_step_s": predicted} for r, s in enumerate(seconds)]
+    return [
+        {
+            "record": "timing",
+            "model": "gpt2",
+            "dtype": "bf16",
+            "key": key,
+            "round": r,
+            "seconds": s,
+            "cpu_seconds": s,
+            "predicted_step_s": predicted,
+        }
+        for r, s in enumerate(seconds)
+    ]
 
 
 def records(optimal_tracker: int = 490) -> list[dict]:
     """No checkpointing (predicted 5% fast), a hand-written peer, remat optimal (predicted 20% slow) and
     remat full (tracker peak 10% over its budget) at a 50% budget of a predicted 1000-byte peak."""
-    rows = [{"budget": None, "key": "none", "name": "no checkpointing", "group": "eager"},
-            {"budget": 0.5, "key": "hand", "name": "torch checkpoint, first k blocks", "group": "eager"},
-            {"budget": 0.5, "key": "opt", "name": "remat optimal", "group": "eager"},
-            {"budget": 0.5, "key": "full", "name": "remat full", "group": "eager"}]
+    rows = [
+        {"budget": None, "key": "none", "name": "no checkpointing", "group": "eager"},
+        {"budget": 0.5, "key": "hand", "name": "torch checkpoint, first k blocks", "group": "eager"},
+        {"budget": 0.5, "key": "opt", "name": "remat optimal", "group": "eager"},
+        {"budget": 0.5, "key": "full", "name": "remat full", "group": "eager"},
+    ]
     names = {r["key"]: r["name"] for r in rows}
     return [
         {"record": "unit_start", "model": "gpt2", "dtype": "bf16", "predicted_none_bytes": 1000},
@@ -49,8 +70,14 @@ def records(optimal_tracker: int = 490) -> list[dict]:
         memory("hand", 450, 450),
         memory("opt", 480, optimal_tracker, 495),
         memory("full", 300, 550, 520),  # predicted 520 > budget 500: the planner said it does not fit
-        {"record": "rows", "model": "gpt2", "dtype": "bf16", "rows": rows, "refused": [],
-         "contenders": {k: contender(n) for k, n in names.items()}},
+        {
+            "record": "rows",
+            "model": "gpt2",
+            "dtype": "bf16",
+            "rows": rows,
+            "refused": [],
+            "contenders": {k: contender(n) for k, n in names.items()},
+        },
         *timings("none", [0.100, 0.100, 0.100], 0.095),
         *timings("hand", [0.150, 0.150, 0.150], None),
         *timings("opt", [0.140, 0.145, 0.160], 0.174),

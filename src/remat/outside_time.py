@@ -7,6 +7,10 @@ its main input is (tensor hooks). A step's outside time is its time less its blo
 median over steps. Both sides of the difference come from the same step, so load that changes between the
 blocks' isolated timing and these steps (a shared machine) does not enter it, as it does in a plain step's
 time less the blocks' isolated times.
+
+The same windows give each block's forward and backward seconds within the step (:class:`PlainSteps`), where
+every block ran once forward and once backward per step: the figures a keep-all step is made of, which
+:mod:`remat.step_anchor` puts in place of the blocks' isolated keep times.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +28,7 @@ from .blocks import BlockIO
 from .regions import eager
 from .training_step import Batch, timed_step
 
-__all__ = ["BlockWindows", "outside_seconds"]
+__all__ = ["BlockWindows", "PlainSteps", "plain_steps"]
 
 
 class BlockWindows:
@@ -34,8 +39,14 @@ class BlockWindows:
         self.ios = list(ios)
         self.inside = 0.0
         self.complete = True  # False once a block's main input or output could not be hooked
+        n = len(self.ios)
+        self.fwd_s = [0.0] * n  # per block, this step: seconds in its forward calls
+        self.bwd_s = [0.0] * n  # per block, this step: seconds in its backward
+        self.fwd_calls = [0] * n
+        self.bwd_windows = [0] * n
         self._depth = 0
         self._start = 0.0
+        self._entered: dict[int, float] = {}  # block index -> when its forward call began
         self._ready: dict[int, float] = {}  # block index -> when its output's gradient was ready
         self._hooks: list[Any] = []
         for i, block in enumerate(blocks):
@@ -45,7 +56,16 @@ class BlockWindows:
 
     def reset(self) -> None:
         self.inside = 0.0
+        n = len(self.ios)
+        self.fwd_s, self.bwd_s = [0.0] * n, [0.0] * n
+        self.fwd_calls, self.bwd_windows = [0] * n, [0] * n
+        self._entered.clear()
         self._ready.clear()
+
+    @property
+    def each_block_once(self) -> bool:
+        """Whether, in this step, every block ran one forward call and one backward."""
+        return self.complete and all(c == 1 for c in self.fwd_calls) and all(c == 1 for c in self.bwd_windows)
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -60,9 +80,11 @@ class BlockWindows:
 
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            now = self.clock()
             if self._depth == 0:
-                self._start = self.clock()
+                self._start = now
             self._depth += 1
+            self._entered[i] = now
             main = self._main_input(i, args, kwargs)
             if main is None or not main.requires_grad:
                 self.complete = False
@@ -80,8 +102,13 @@ class BlockWindows:
                 self.complete = False
             else:
                 out.register_hook(self._output_grad(i))
+            now = self.clock()
+            entered = self._entered.pop(i, None)
+            if entered is not None:
+                self.fwd_s[i] += now - entered
+                self.fwd_calls[i] += 1
             if self._depth == 0:
-                self.inside += self.clock() - self._start
+                self.inside += now - self._start
 
         return hook
 
@@ -97,12 +124,26 @@ class BlockWindows:
             if ready is None:
                 self.complete = False
             else:
-                self.inside += self.clock() - ready
+                seconds = self.clock() - ready
+                self.inside += seconds
+                self.bwd_s[i] += seconds
+                self.bwd_windows[i] += 1
 
         return hook
 
 
-def outside_seconds(
+@dataclass(frozen=True)
+class PlainSteps:
+    """Medians over plain steps: the whole step, the part outside the blocks, and each block's forward and
+    backward seconds within the step (None where they could not be read: see :func:`plain_steps`)."""
+
+    step_s: float
+    outside_s: float | None
+    block_fwd_s: list[float] | None
+    block_bwd_s: list[float] | None
+
+
+def plain_steps(
     model: nn.Module,
     batch: Batch,
     loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -112,22 +153,34 @@ def outside_seconds(
     steps: int = 3,
     autocast: Any = None,
     clock: Callable[[], float] = time.perf_counter,
-) -> tuple[float, float | None]:
-    """Median seconds of ``steps`` plain steps and median seconds of each step spent outside ``blocks``; the
-    latter None where a block's main input or output carries no gradient to time its backward by, and on
-    CUDA, where the blocks' windows would be the host's share only. Gradients are set
-    to None before each step; on CUDA the device is synchronised around each."""
+) -> PlainSteps:
+    """``steps`` plain steps timed whole and within, block by block. ``outside_s`` is None where a block's main
+    input or output carries no gradient to time its backward by, and on CUDA, where the blocks' windows would
+    be the host's share only; the blocks' figures are None then too, and where a block did not run exactly
+    once forward and once backward in every step (a block called twice: its row prices one call). Gradients
+    are set to None before each step; on CUDA the device is synchronised around each."""
     on_cuda = any(p.device.type == "cuda" for p in model.parameters())
     windows = BlockWindows(blocks, ios, clock)
-    whole, outside = [], []
+    whole, outside, fwd, bwd = [], [], [], []
+    once = True
     try:
         for _ in range(steps):
             windows.reset()
             seconds = timed_step(model, batch, loss_fn, autocast=autocast, clock=clock)
             whole.append(seconds)
             outside.append(seconds - windows.inside)
+            once = once and windows.each_block_once
+            fwd.append(windows.fwd_s)
+            bwd.append(windows.bwd_s)
     finally:
         windows.remove()
+    step = statistics.median(whole)
     if not windows.complete or on_cuda:
-        return statistics.median(whole), None
-    return statistics.median(whole), statistics.median(outside)
+        return PlainSteps(step, None, None, None)
+    per_block = once and bool(blocks)
+    return PlainSteps(
+        step,
+        statistics.median(outside),
+        [statistics.median(f[i] for f in fwd) for i in range(len(blocks))] if per_block else None,
+        [statistics.median(b[i] for b in bwd) for i in range(len(blocks))] if per_block else None,
+    )

@@ -70,10 +70,11 @@ from .hf_guards import profiled_step
 from .lossy_actions import lossy_actions
 from .memory import CompiledCodeIgnoringTracker, LiveTensorTracker, model_device
 from .model_state import extra_run
-from .outside_time import outside_seconds
+from .outside_time import plain_steps
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
 from .profiled_actions import compiled_block_actions, default_actions
 from .regions import eager, in_place_error
+from .step_anchor import anchor_to_plain_steps
 from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step
 
@@ -390,11 +391,9 @@ def profile(
         costs = profiler.cost_table()
         costs.info["holds_output"] = holds_output
         costs.info["clock"] = getattr(clock, "__name__", repr(clock))
-        # The step outside the chain's blocks: plain steps (no plan applied) timed after the profiled one.
+        # The step outside the chain's blocks, and the blocks' keep times within it: plain steps (no plan).
         with _aside(model, costs.device):
             modules = [module for _, module in profiler.chain]
-            step, outside = outside_seconds(model, batch, loss_fn, modules, io, steps=3, autocast=spec, clock=clock)
-    # The step less the blocks' isolated times where the blocks could not be timed within it: not floored at
-    # 0, blocks timed alone can run slower than inside a step (small blocks above all).
-    costs.outside_s = outside if outside is not None else step - sum(b.fwd_s + b.bwd_s for b in costs.blocks)
+            plain = plain_steps(model, batch, loss_fn, modules, io, steps=3, autocast=spec, clock=clock)
+    anchor_to_plain_steps(costs, plain, [fqn for fqn, _ in profiler.chain])
     return costs

@@ -1,0 +1,62 @@
+"""Anchors the profile's block times to the same blocks timed within plain steps.
+
+The profiler times each block alone (:mod:`remat.block_timing`), every action paired with keep in the same
+round, and flushes the CPU caches before each timed backward. The differences between actions (recomputation,
+overhead) come out right that way, but a block's own keep forward and backward do not: alone, a block's
+forward does not find its input in cache as it does after the previous block, and its flushed backward is
+colder than the backward of a step, where the previous block's backward has just run (5-15% slower on a CPU,
+the more so for small blocks). The plain steps that give ``outside_s`` (:func:`remat.outside_time.plain_steps`)
+time every block's forward and backward within the step; each block's keep figures are set to those, and its
+figures under every other action are moved by the same amount, so that every recomputation and overhead, being
+differences, stays what the paired runs measured. A keep-all plan's predicted step is then the plain step as
+it was timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from .costs import KEEP, BlockCost, CostTable
+from .outside_time import PlainSteps
+
+__all__ = ["anchor_to_plain_steps", "anchored_block"]
+
+
+def anchored_block(block: BlockCost, fwd_s: float, bwd_s: float) -> BlockCost:
+    """A copy of ``block`` whose keep forward and backward are ``fwd_s`` and ``bwd_s``, its other actions'
+    forward and backward moved by the same amounts (recomputation and overhead unchanged)."""
+    fwd_shift, bwd_shift = fwd_s - block.fwd_s, bwd_s - block.bwd_s
+    return dataclasses.replace(
+        block,
+        fwd_s=fwd_s,
+        bwd_s=bwd_s,
+        fwd_s_by_action={a: s + fwd_shift for a, s in block.fwd_s_by_action.items()} | {KEEP: fwd_s},
+        bwd_s_by_action={a: s + bwd_shift for a, s in block.bwd_s_by_action.items()} | {KEEP: bwd_s},
+        recompute_s=dict(block.recompute_s),
+        overhead_s=dict(block.overhead_s),
+        saved_bytes=dict(block.saved_bytes),
+        bwd_extra_bytes=dict(block.bwd_extra_bytes),
+        grad_error=dict(block.grad_error),
+        grad_cosine=dict(block.grad_cosine),
+    )
+
+
+def anchor_to_plain_steps(costs: CostTable, plain: PlainSteps, fqns: Sequence[str]) -> None:
+    """Sets ``costs.outside_s`` from ``plain`` (whose blocks are ``fqns``, in order) and, where ``plain`` timed
+    every block within the step, each block's keep times to those. ``costs.info["times_from"]`` says which
+    (``"plain steps"`` or ``"isolated runs"``), ``info["plain_step_s"]`` is the plain steps' median. Where the
+    blocks could not be timed within the step, ``outside_s`` is the step less the blocks' isolated times, not
+    floored at 0: blocks timed alone can run slower than within a step."""
+    fwd, bwd = plain.block_fwd_s, plain.block_bwd_s
+    costs.info["plain_step_s"] = plain.step_s
+    if plain.outside_s is None or fwd is None or bwd is None or list(fqns) != costs.fqns:
+        costs.info["times_from"] = "isolated runs"
+        if plain.outside_s is None:
+            costs.outside_s = plain.step_s - sum(b.fwd_s + b.bwd_s for b in costs.blocks)
+        else:
+            costs.outside_s = plain.outside_s
+        return
+    costs.blocks = [anchored_block(b, f, g) for b, f, g in zip(costs.blocks, fwd, bwd, strict=True)]
+    costs.outside_s = plain.outside_s
+    costs.info["times_from"] = "plain steps"
