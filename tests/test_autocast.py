@@ -18,6 +18,7 @@ from remat.integrations.lightning import precision_autocast
 from remat.memory import LiveTensorTracker
 from remat.precision import AutocastSpec, precision_mismatch
 from remat.simulator import Plan
+from remat.training_step import run_step
 
 BF16 = {"device_type": "cpu", "dtype": "bfloat16", "enabled": True}
 EXACT_PLANS = ["checkpoint", "selective:dots_saveable", "segment", "memory_poor", "offload"]
@@ -230,3 +231,40 @@ def test_meta_estimate_says_it_cannot_see_autocast() -> None:
     assert under.autocast == plain.autocast == {"device_type": "meta", "dtype": "float32", "enabled": False}
     assert [b.saved_bytes for b in under.blocks] == [b.saved_bytes for b in plain.blocks]
     assert precision_mismatch(under.autocast, AutocastSpec("cpu", torch.bfloat16)) is not None
+
+
+class _BackwardAutocastProbe(torch.autograd.Function):
+    """Identity whose backward records whether autocast was on while it ran."""
+
+    seen: list[bool] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _BackwardAutocastProbe.seen.append(torch.is_autocast_enabled("cpu"))
+        return grad
+
+
+class _ProbedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _BackwardAutocastProbe.apply(torch.tanh(self.linear(x)))
+
+
+def test_profile_inside_the_users_autocast_runs_every_backward_outside_it() -> None:
+    """A loop runs its backward outside the forward's autocast; autocast left on there runs other kernels (in
+    bf16 on a CPU: faster, other gradients), so a profile called inside the context must not time that."""
+    model = nn.Sequential(nn.Linear(16, 16), *[_ProbedBlock() for _ in range(3)], nn.Linear(16, 1))
+    _BackwardAutocastProbe.seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        costs = remat.profile(model, torch.randn(8, 16), blocks=[f"{i}" for i in range(1, 4)], repeats=1)
+        run_step(model, torch.randn(8, 16))
+        assert torch.is_autocast_enabled("cpu")  # the user's context is left as it was
+    assert costs.autocast["enabled"] and costs.autocast["dtype"] == "bfloat16"
+    assert len(_BackwardAutocastProbe.seen) > 10 and not any(_BackwardAutocastProbe.seen)

@@ -25,6 +25,7 @@ from .compression import compressed_saving
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .input_compression import run_compressed_input
 from .lossy_actions import compresses_input, compresses_recompute, is_lossy
+from .precision import autocast_off
 from .recompute_compression import run_recompute_compressed
 
 
@@ -123,10 +124,12 @@ def backward_releasing_output(holder: list[torch.Tensor], grad: torch.Tensor) ->
     """
     out = holder.pop()
     if not edge_backward_supported():
-        torch.autograd.backward(out, grad)
+        with autocast_off():
+            torch.autograd.backward(out, grad)
         return
     from torch.autograd.graph import get_gradient_edge
 
     edge = get_gradient_edge(out)
     del out
-    torch.autograd.backward(edge, grad)
+    with autocast_off():
+        torch.autograd.backward(edge, grad)

@@ -25,6 +25,7 @@ from torch import nn
 
 from .block_run import clear_grads, run_action
 from .blocks import main_tensor
+from .precision import autocast_off
 
 Clock = Callable[[], float]  # seconds: time.perf_counter (wall-clock, the default) or time.process_time
 
@@ -112,7 +113,8 @@ def time_once(
         grad = torch.ones_like(out)
     flush()
     t_bwd = clock()
-    torch.autograd.backward(out, grad)
+    with autocast_off():
+        torch.autograd.backward(out, grad)
     sync(device)
     t2 = clock()
     del out

@@ -18,6 +18,7 @@ from torch import nn
 from .block_run import clear_grads, run_action
 from .blocks import main_tensor
 from .costs import KEEP
+from .precision import autocast_off
 from .rng import RngSnapshot
 
 OUTPUT_GRAD_SEED = 1234
@@ -54,7 +55,8 @@ def _gradients(
     out = main_tensor(run_action(module, action, args, kwargs))
     generator = torch.Generator(device=out.device).manual_seed(OUTPUT_GRAD_SEED)
     grad = torch.randn(out.shape, dtype=out.dtype, device=out.device, generator=generator)
-    torch.autograd.backward(out, grad)
+    with autocast_off():
+        torch.autograd.backward(out, grad)
     params = [p for p in module.parameters() if p.requires_grad and p.grad is not None]
     grads = [p.grad.clone() for p in params] if params else [main.grad.clone()] if main.grad is not None else []
     clear_grads(module)

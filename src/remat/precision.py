@@ -24,7 +24,7 @@ settings: their casts are saved for backward either way, and the profiler counts
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,6 +194,19 @@ def _any_autocast() -> bool:
     return bool(active_device_types())
 
 
+def autocast_off() -> AbstractContextManager[Any]:
+    """A context with autocast off on every device type it is on now; decided when called. A training loop
+    runs its backward outside its forward's autocast context, and autocast left on there changes the
+    backward's kernels (their dtypes, their time, their gradients): the profiler's backward runs under this,
+    also when it is called inside the user's autocast context. A no-op outside autocast."""
+    if not _any_autocast():
+        return nullcontext()
+    stack = ExitStack()
+    for device_type in active_device_types():
+        stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
+
+
 def step_autocast(spec: AutocastSpec | None) -> Any:
     """The context a step asked to run under ``spec`` runs in: ``spec``'s autocast with the weight-cast cache
     off (so every cast is counted where it is made), or nothing for ``None``."""
@@ -204,6 +217,7 @@ __all__ = [
     "AutocastArg",
     "AutocastSpec",
     "active_device_types",
+    "autocast_off",
     "autocast_spec",
     "casts_uncached",
     "dtype_name",

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .blocks import main_tensor
-from .precision import AutocastSpec, step_autocast
+from .precision import AutocastSpec, autocast_off, step_autocast
 
 Batch = torch.Tensor | tuple[Any, ...] | list[Any] | dict[str, Any]
 
@@ -34,8 +34,8 @@ def run_step(
     holds_output: bool = True,
 ) -> torch.Tensor:
     """One forward and backward of ``model`` on ``batch``; returns the loss (detached). With ``autocast`` the
-    forward and the loss run under it (weight-cast cache off). With ``holds_output=False`` the model's output
-    is dropped before the backward."""
+    forward and the loss run under it (weight-cast cache off); the backward runs with autocast off. With
+    ``holds_output=False`` the model's output is dropped before the backward."""
     with step_autocast(autocast):
         if isinstance(batch, dict):
             output = model(**batch)
@@ -46,7 +46,8 @@ def run_step(
         loss = loss_fn(output) if loss_fn is not None else default_loss(output)
     if not holds_output:
         del output
-    loss.backward()
+    with autocast_off():  # also inside the user's autocast context: a loop's backward runs outside it
+        loss.backward()
     return loss.detach()
 
 
