@@ -46,7 +46,7 @@ from remat.bench.procmem import CHILD_ENV  # noqa: E402
 
 CHILD = Path(__file__).resolve().parent / "peers_child.py"
 # Options that must match for --resume to continue a file.
-SAME_FOR_RESUME = ("device", "size", "budgets", "rounds", "warmup", "threads", "backend", "seed")
+SAME_FOR_RESUME = ("device", "size", "budgets", "rounds", "duel_rounds", "warmup", "threads", "backend", "seed")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16 (autocast)")
     parser.add_argument("--budgets", default="0.25,0.5,0.75", help="fractions of the no-checkpoint activations")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds over all contenders")
+    parser.add_argument("--duel-rounds", type=int, default=20,
+                        help="then rounds of remat optimal, the eager peers and remat optimal again, per budget")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before measuring each contender")
     parser.add_argument("--device", default="cpu", choices=pd.DEVICES, help="where the models and steps run")
     parser.add_argument("--size", default=None, choices=sorted(pm.SIZES),
@@ -62,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled contenders")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (1: steadiest on a shared CPU)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="gpt2, fp32, budget 0.5, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="gpt2, fp32, budget 0.5, 3 rounds (3 head to head)")
     parser.add_argument("--out", default="results/peers/peers.jsonl", help="JSON lines, written as it goes")
     parser.add_argument("--resume", action="store_true", help="keep the finished units of --out, run the rest")
     parser.add_argument("--markdown", default=None, help="also write the table with the command and machine here")
@@ -73,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.size is None:
         args.size = "gpu" if args.device == "cuda" else "default"
     if args.quick:
-        args.models, args.dtypes, args.budgets, args.rounds = "gpt2", "fp32", "0.5", 3
+        args.models, args.dtypes, args.budgets, args.rounds, args.duel_rounds = "gpt2", "fp32", "0.5", 3, 3
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
     args.dtype_list = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     args.budget_list = [float(b) for b in args.budgets.split(",") if b.strip()]
@@ -89,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--budgets takes fractions strictly between 0 and 1, got {args.budgets!r}")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.duel_rounds < 0:
+        parser.error("--duel-rounds must be 0 or more")
     return args
 
 
@@ -103,7 +107,8 @@ def machine(device: str = "cpu") -> dict[str, Any]:
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": args.device, "size": args.size, "budgets": args.budget_list, "rounds": args.rounds,
-            "warmup": args.warmup, "threads": args.threads, "backend": args.backend, "seed": args.seed}
+            "duel_rounds": args.duel_rounds, "warmup": args.warmup, "threads": args.threads,
+            "backend": args.backend, "seed": args.seed}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -219,7 +224,8 @@ def write_markdown(path: Path, header: dict[str, Any], body: str, wall_s: float)
         title,
         "",
         f"Command: `{header['command']}`  ",
-        where + f"compile backend `{o['backend']}`, {o['rounds']} timing rounds, models of size `{o['size']}` "
+        where + f"compile backend `{o['backend']}`, {o['rounds']} timing rounds (then {o.get('duel_rounds', 0)} "
+        f"head to head), models of size `{o['size']}` "
         f"({pm.SIZES[o['size']]}).  ",
         f"Wall time of this invocation: {wall_s / 60:.1f} min.",
         "",

@@ -26,6 +26,9 @@ on CUDA the model, its copies and the batch live on the GPU and glibc is left al
    every step is one record (CPU time on the CPU; on CUDA wall-clock, the device synchronised around it).
    Forward and backward (and PGAC's update) are timed; no optimizer runs, so the weights,
    and the gradients every contender must reproduce, stay the same.
+5. Head to head: at each budget, ``remat optimal`` against each eager peer of that budget, and against itself
+   (an A/A pair), for ``duel_rounds`` more rounds of those few contenders only: the target compares steps
+   within 2%, finer than rounds over every contender resolve on a shared machine.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import peers_ckptplan
 import peers_contenders as pc
 import peers_device as pd
 import peers_models as pm
+import peers_table as pt
 import torch
 import torch._dynamo
 
@@ -241,6 +245,23 @@ class Bench:
                 self.emit("timing", key=key, round=r, seconds=wall, **cpu_field, predicted_step_s=step)
 
 
+    def duel_rounds(self, cs: pc.ContenderSet) -> None:
+        """At each budget, ``remat optimal``, each eager peer and ``remat optimal`` again (the A/A pair, key
+        ``<key>#aa``), round by round, the order reversed every other round; records of kind ``duel``."""
+        for budget in sorted({row.budget for row in cs.rows if row.budget is not None}):
+            at = {row.name: row.key for row in cs.rows if row.budget == budget}
+            mine = at.get("remat optimal")
+            peers = [at[name] for name in pt.EAGER_PEERS if name in at]
+            if mine is None or not peers:
+                continue
+            slots = [(mine, mine), *((key, key) for key in peers), (f"{mine}#aa", mine)]
+            for r in range(self.job.get("duel_rounds", 0)):
+                for label, key in slots if r % 2 == 0 else slots[::-1]:
+                    wall, cpu = self.step(cs.contenders[key], self.job["seed"] + 5000 + r)
+                    cpu_field = {"cpu_seconds": cpu} if self.device == "cpu" else {}
+                    self.emit("duel", budget=budget, key=label, round=r, seconds=wall, **cpu_field)
+
+
 def run(job: dict[str, Any]) -> None:
     torch.set_num_threads(job["threads"])
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
@@ -287,6 +308,7 @@ def run(job: dict[str, Any]) -> None:
                                "note": c.note, "grad_reference": c.grad_reference}
                            for k, c in cs.contenders.items()})
     bench.time_rounds(list(cs.contenders), cs.contenders)
+    bench.duel_rounds(cs)
     bench.emit("unit_done")
 
 

@@ -41,6 +41,8 @@ class Unit:
     times: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))  # CPU s (CUDA: wall)
     wall: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
     predicted: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))  # remat's, s
+    # head to head at each budget (peers_child.duel_rounds): (budget, key) -> round -> CPU s (CUDA: wall)
+    duel: dict[tuple[float, str], dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
     rows: dict[str, Any] = field(default_factory=dict)
     ckptplan: dict[str, Any] = field(default_factory=dict)
     done: bool = False
@@ -63,6 +65,8 @@ def group_units(records: list[dict[str, Any]]) -> list[Unit]:
             unit.wall[r["key"]][r["round"]] = r["seconds"]
             if r.get("predicted_step_s") is not None:
                 unit.predicted[r["key"]][r["round"]] = r["predicted_step_s"]
+        elif kind == "duel":
+            unit.duel[(r["budget"], r["key"])][r["round"]] = r.get("cpu_seconds", r["seconds"])
         elif kind == "rows":
             unit.rows = r
         elif kind == "ckptplan":
@@ -77,7 +81,10 @@ def group_units(records: list[dict[str, Any]]) -> list[Unit]:
 def paired_ratios(unit: Unit, key: str, reference: str, wall: bool = False) -> list[float]:
     """``key``'s step over ``reference``'s step, round by round (CPU seconds, or wall-clock ones)."""
     times = unit.wall if wall else unit.times
-    a, b = times.get(key, {}), times.get(reference, {})
+    return _paired(times.get(key, {}), times.get(reference, {}))
+
+
+def _paired(a: dict[int, float], b: dict[int, float]) -> list[float]:
     return [a[r] / b[r] for r in sorted(a) if r in b and b[r] > 0]
 
 
@@ -215,6 +222,9 @@ class Standing:
     remat_fits: bool | None
     remat_step: float | None
     remat_over_peer: float | None
+    aa: float | None = None  # remat optimal against itself in the same head-to-head rounds
+    rounds: int = 0  # paired rounds behind remat_over_peer
+    head_to_head: bool = False  # from the head-to-head rounds (else from the rounds over every contender)
 
 
 def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
@@ -227,24 +237,33 @@ def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
             fitting = [x for x in at if x.name in peers and x.fits and x.step_median is not None]
             peer = min(fitting, key=lambda x: x.step_median) if fitting else None
             remat = next((x for x in at if x.name == mine), None)
-            paired = None
+            paired, aa, ratios, duel = None, None, [], False
             if peer is not None and remat is not None:
-                ratios = paired_ratios(unit, remat.key, peer.key)
+                ratios = _paired(unit.duel.get((budget, remat.key), {}), unit.duel.get((budget, peer.key), {}))
+                duel = bool(ratios)
+                if duel:
+                    same = _paired(unit.duel.get((budget, f"{remat.key}#aa"), {}), unit.duel[(budget, remat.key)])
+                    aa = statistics.median(same) if same else None
+                else:
+                    ratios = paired_ratios(unit, remat.key, peer.key)
                 paired = statistics.median(ratios) if ratios else None
             out.append(Standing(unit.model, unit.dtype, budget, group,
                                 f"{peer.name} ({peer.detail})" if peer else "none fits",
                                 peer.step_median if peer else None, remat.fits if remat else None,
-                                remat.step_median if remat else None, paired))
+                                remat.step_median if remat else None, paired, aa, len(ratios), duel))
     return out
 
 
 def standings_table(rows: list[Standing]) -> str:
     out = ["| model | dtype | budget | group | fastest fitting peer | its step/ref | remat optimal fits | "
-           "remat optimal step/ref | remat optimal / peer (paired) |", "|" + "---|" * 9]
+           "remat optimal step/ref | remat optimal / peer (paired) | rounds | A/A (remat optimal twice) |",
+           "|" + "---|" * 11]
     for s in rows:
         fits = {True: "yes", False: "no", None: "—"}[s.remat_fits]
+        rounds = f"{s.rounds} head to head" if s.head_to_head else f"{s.rounds}" if s.rounds else "—"
         out.append(f"| {s.model} | {s.dtype} | {s.budget:.0%} | {s.group} | {s.peer} | {_num(s.peer_step)} | "
-                   f"{fits} | {_num(s.remat_step)} | {_num(s.remat_over_peer, '{:.3f}')} |")
+                   f"{fits} | {_num(s.remat_step)} | {_num(s.remat_over_peer, '{:.3f}')} | {rounds} | "
+                   f"{_num(s.aa, '{:.3f}')} |")
     return "\n".join(out)
 
 

@@ -4,7 +4,7 @@ The targets, each judged from the figures of the table (:mod:`peers_table`):
 
 * ``prediction``: every contender running a remat plan has its predicted step within 10% of its measured one.
 * ``eager``: at every budget, ``remat optimal`` fits and its step is at most 1.02x the fastest eager peer that
-  fits (paired round by round).
+  fits (paired round by round, in the head-to-head rounds where the run has them).
 * ``compiled``: ``remat optimal on compiled blocks`` is at most 1.02x ``torch.compile`` with
   ``activation_memory_budget`` at the same budget, where both fit.
 * ``bf16 peak`` (every precision is checked, the target names bf16): every remat plan predicted to fit has a
@@ -53,10 +53,14 @@ def speed_check(rows: list[Standing], group: str) -> str:
         elif not s.remat_fits:
             parts.append(f"{at}: remat does not fit")
         elif s.remat_over_peer is not None and s.remat_over_peer <= SPEED_TARGET:
-            parts.append(f"{at}: met ({s.remat_over_peer:.3f}x)")
+            parts.append(f"{at}: met ({s.remat_over_peer:.3f}x{_aa(s)})")
         else:
-            parts.append(f"{at}: NOT met ({_num(s.remat_over_peer)}x {s.peer})")
+            parts.append(f"{at}: NOT met ({_num(s.remat_over_peer)}x {s.peer}{_aa(s)})")
     return "; ".join(parts) if parts else "not measured"
+
+
+def _aa(s: Standing) -> str:
+    return f", A/A {s.aa:.3f}" if s.aa is not None else ""
 
 
 def _num(value: float | None) -> str:

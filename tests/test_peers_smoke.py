@@ -58,6 +58,8 @@ def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsy
             "0.5",
             "--rounds",
             "1",
+            "--duel-rounds",
+            "2",
             "--backend",
             "aot_eager",
             "--out",
@@ -90,6 +92,14 @@ def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsy
             assert "—" not in predicted, f"{cells[3]} runs a remat plan but has no prediction"
         elif cells[3] != "no checkpointing" and cells[3] != "no checkpointing (A/A)":
             assert predicted == ("—", "—"), f"{cells[3]} runs no remat plan but has a prediction"
+
+    # the head-to-head rounds: remat optimal, the eager peers and remat optimal again, paired round by round
+    duel = {r["key"] for r in records if r.get("record") == "duel"}
+    rows_record = next(r for r in records if r.get("record") == "rows")
+    optimal_key = next(row["key"] for row in rows_record["rows"] if row["name"] == "remat optimal")
+    assert {optimal_key, f"{optimal_key}#aa"} <= duel and len(duel) >= 3, duel
+    standing = next(line for line in table.splitlines() if line.startswith("| gpt2 | fp32 | 50% | eager |"))
+    assert "| 2 head to head |" in standing, standing
 
     contenders = next(r for r in records if r.get("record") == "rows")["contenders"]
     memory = [r for r in records if r.get("record") == "memory"]
