@@ -239,11 +239,15 @@ class Bench:
         for r in range(self.job["rounds"]):
             order = keys if r % 2 == 0 else keys[::-1]
             for key in order:
-                wall, cpu = self.step(contenders[key], self.job["seed"] + 1000 + r)
-                cpu_field = {"cpu_seconds": cpu} if self.device == "cpu" else {}  # on CUDA: wall-clock only
+                fields = self.timed(contenders[key], self.job["seed"] + 1000 + r)
                 step = self.predicted(self.ran, self.ran_costs).get("predicted_step_s")  # of the plan this step ran
-                self.emit("timing", key=key, round=r, seconds=wall, **cpu_field, predicted_step_s=step)
+                self.emit("timing", key=key, round=r, **fields, predicted_step_s=step)
 
+    def timed(self, c: pc.Contender, seed: int) -> dict[str, float]:
+        """One step of ``c`` as a timing record's fields: ``seconds`` (wall-clock) and, on the CPU,
+        ``cpu_seconds`` (on CUDA wall-clock only)."""
+        wall, cpu = self.step(c, seed)
+        return {"seconds": wall, "cpu_seconds": cpu} if self.device == "cpu" else {"seconds": wall}
 
     def duel_rounds(self, cs: pc.ContenderSet) -> None:
         """At each budget, ``remat optimal``, each eager peer and ``remat optimal`` again (the A/A pair, key
@@ -257,9 +261,8 @@ class Bench:
             slots = [(mine, mine), *((key, key) for key in peers), (f"{mine}#aa", mine)]
             for r in range(self.job.get("duel_rounds", 0)):
                 for label, key in slots if r % 2 == 0 else slots[::-1]:
-                    wall, cpu = self.step(cs.contenders[key], self.job["seed"] + 5000 + r)
-                    cpu_field = {"cpu_seconds": cpu} if self.device == "cpu" else {}
-                    self.emit("duel", budget=budget, key=label, round=r, seconds=wall, **cpu_field)
+                    fields = self.timed(cs.contenders[key], self.job["seed"] + 5000 + r)
+                    self.emit("duel", budget=budget, key=label, round=r, **fields)
 
 
 def run(job: dict[str, Any]) -> None:

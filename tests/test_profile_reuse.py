@@ -36,6 +36,8 @@ def test_gpt2_table_with_reuse_has_the_bytes_of_one_timing_every_block(make_gpt2
     # reused rows are copies: editing one leaves the measured one alone
     reused.blocks[1].saved_bytes["keep"] += 1
     assert reused.blocks[0].saved_bytes["keep"] == full.blocks[0].saved_bytes["keep"]
+    for field in ("overhead_s", "recompute_s", "fwd_s_by_action", "bwd_s_by_action"):
+        assert getattr(reused.blocks[1], field) is not getattr(reused.blocks[0], field), field
     # info holds plain types only
     buf = io.BytesIO()
     torch.save(full.to_dict(), buf)

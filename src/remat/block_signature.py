@@ -12,7 +12,7 @@ and of the output, compared with the measured block's footprint, taken the same 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -119,11 +119,6 @@ def keep_footprint(
 
 
 def renamed(row: BlockCost, fqn: str) -> BlockCost:
-    """A copy of ``row`` for the block ``fqn`` (its dicts copied, so the rows can be edited apart)."""
-    return replace(
-        row,
-        fqn=fqn,
-        saved_bytes=dict(row.saved_bytes),
-        recompute_s=dict(row.recompute_s),
-        bwd_extra_bytes=dict(row.bwd_extra_bytes),
-    )
+    """A copy of ``row`` for the block ``fqn`` (every dict copied, so the rows can be edited apart)."""
+    dicts = {f.name: dict(getattr(row, f.name)) for f in fields(row) if isinstance(getattr(row, f.name), dict)}
+    return replace(row, fqn=fqn, **dicts)

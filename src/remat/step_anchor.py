@@ -25,7 +25,8 @@ __all__ = ["anchor_to_plain_steps", "anchored_block"]
 
 def anchored_block(block: BlockCost, fwd_s: float, bwd_s: float) -> BlockCost:
     """A copy of ``block`` whose keep forward and backward are ``fwd_s`` and ``bwd_s``, its other actions'
-    forward and backward moved by the same amounts (recomputation and overhead unchanged)."""
+    forward and backward moved by the same amounts (recomputation and overhead unchanged). The copy's other
+    fields are ``block``'s own (the profiler's rows share none between blocks)."""
     fwd_shift, bwd_shift = fwd_s - block.fwd_s, bwd_s - block.bwd_s
     return dataclasses.replace(
         block,
@@ -33,12 +34,6 @@ def anchored_block(block: BlockCost, fwd_s: float, bwd_s: float) -> BlockCost:
         bwd_s=bwd_s,
         fwd_s_by_action={a: s + fwd_shift for a, s in block.fwd_s_by_action.items()} | {KEEP: fwd_s},
         bwd_s_by_action={a: s + bwd_shift for a, s in block.bwd_s_by_action.items()} | {KEEP: bwd_s},
-        recompute_s=dict(block.recompute_s),
-        overhead_s=dict(block.overhead_s),
-        saved_bytes=dict(block.saved_bytes),
-        bwd_extra_bytes=dict(block.bwd_extra_bytes),
-        grad_error=dict(block.grad_error),
-        grad_cosine=dict(block.grad_cosine),
     )
 
 
@@ -49,14 +44,12 @@ def anchor_to_plain_steps(costs: CostTable, plain: PlainSteps, fqns: Sequence[st
     blocks could not be timed within the step, ``outside_s`` is the step less the blocks' isolated times, not
     floored at 0: blocks timed alone can run slower than within a step."""
     fwd, bwd = plain.block_fwd_s, plain.block_bwd_s
+    within = plain.outside_s is not None and fwd is not None and bwd is not None and list(fqns) == costs.fqns
+    if within:
+        costs.blocks = [anchored_block(b, f, g) for b, f, g in zip(costs.blocks, fwd, bwd, strict=True)]
+    costs.info["times_from"] = "plain steps" if within else "isolated runs"
     costs.info["plain_step_s"] = plain.step_s
-    if plain.outside_s is None or fwd is None or bwd is None or list(fqns) != costs.fqns:
-        costs.info["times_from"] = "isolated runs"
-        if plain.outside_s is None:
-            costs.outside_s = plain.step_s - sum(b.fwd_s + b.bwd_s for b in costs.blocks)
-        else:
-            costs.outside_s = plain.outside_s
-        return
-    costs.blocks = [anchored_block(b, f, g) for b, f, g in zip(costs.blocks, fwd, bwd, strict=True)]
-    costs.outside_s = plain.outside_s
-    costs.info["times_from"] = "plain steps"
+    if plain.outside_s is not None:
+        costs.outside_s = plain.outside_s
+    else:
+        costs.outside_s = plain.step_s - sum(b.fwd_s + b.bwd_s for b in costs.blocks)
