@@ -195,6 +195,30 @@ def test_recomputation_leaves_batchnorm_statistics_as_a_plain_step(action: str) 
         assert torch.equal(after[name], value), name
 
 
+def test_recomputation_sees_buffers_added_to_a_block_or_replaced_after_its_first_recompute() -> None:
+    model, x = _user_net()
+    handle = remat.apply(model, remat.Plan({f"blocks.{i}": "checkpoint" for i in range(4)}))
+    try:
+        model(x).backward()  # every block recomputed once: where its buffers live is known
+        model.blocks[3].norm = nn.BatchNorm1d(64)  # block 3 had none
+        model.double()  # every buffer becomes a new tensor
+        x = x.double()
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        torch.manual_seed(3)
+        model(x).backward()
+        assert handle.stats.calls["blocks.3"] == 2
+    finally:
+        handle.remove()
+    after = _buffers(model)
+    model.load_state_dict(start)
+    torch.manual_seed(3)
+    model(x).backward()
+    plain = _buffers(model)
+    assert int(plain["blocks.3.norm.num_batches_tracked"]) == 1
+    for name, value in plain.items():
+        assert torch.equal(after[name], value), name
+
+
 # ---------------------------------------------------------------- (g) Hugging Face's own checkpointing
 
 
