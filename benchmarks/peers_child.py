@@ -127,14 +127,15 @@ class Bench:
         self.costs: remat.CostTable | None = None  # the profile remat plans are predicted from (eager)
         self.ran: remat.Plan | None = None  # the remat plan of the last step, where it had one
         self.ran_costs: remat.CostTable | None = None  # and the profile it is predicted from
+        self.ran_own_s = 0.0  # and what the contender's own work adds (PGAC's scoring and update)
 
     def predicted(self, plan: remat.Plan | None, costs: remat.CostTable | None) -> dict[str, Any]:
         """remat's predictions for a step under ``plan`` (the simulator on ``costs``): peak activation
-        bytes and step seconds; empty without a plan."""
+        bytes and step seconds, plus the seconds of the contender's own work (PGAC's); empty without a plan."""
         if plan is None or costs is None:
             return {}
         sim = remat.simulate(costs, plan.actions)
-        return {"predicted_peak_bytes": sim.peak_bytes, "predicted_step_s": sim.step_s}
+        return {"predicted_peak_bytes": sim.peak_bytes, "predicted_step_s": sim.step_s + self.ran_own_s}
 
     def emit(self, record: str, **fields: Any) -> None:
         emit({"record": record, **self.base, **fields})
@@ -157,6 +158,7 @@ class Bench:
             pm.forward_backward(c.forward, self.batch, self.setting.dtype, self.device)
         c.after_backward()
         pd.synchronize(self.device)
+        self.ran_own_s = c.own_s()
         return time.perf_counter() - start, time.process_time() - cpu_start
 
     def grads(self, c: pc.Contender) -> list[torch.Tensor]:

@@ -103,6 +103,7 @@ class Contender:
     info: Callable[[], dict[str, Any]] = field(default=lambda: {})
     plan: Callable[[], remat.Plan | None] = lambda: None  # remat's plan the next step runs, where one exists
     costs: remat.CostTable | None = None  # the profile that plan is predicted from (None: the eager one)
+    own_s: Callable[[], float] = lambda: 0.0  # seconds of its own work in a step, added to the plan's prediction
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,7 @@ class ContenderSet:
             return
         self.add(Contender(f"pgac-{budget:g}", "remat PGAC", EAGER, model, model, grad_reference="none",
                            after_backward=pgac.step, info=lambda: {"plan": _short_actions(pgac.plan)},
+                           own_s=lambda: sum(pgac.own_seconds),
                            plan=lambda: pgac.plan), budget)
 
     def remat_dtr(self, budget: float) -> None:

@@ -11,7 +11,8 @@ wall-clock seconds on CUDA); the table gives the median over rounds and their ra
 Predictions, for the contenders that run a remat plan (no checkpointing as remat's plan keeping every block,
 the static strategies, ``optimal``, PGAC, and on compiled blocks keep-all and ``optimal``, predicted from the
 profile of the compiled blocks; not DTR):
-``pred/meas step`` is the simulator's step time for the plans the timed steps ran (median over rounds) over
+``pred/meas step`` is the simulator's step time for the plans the timed steps ran (for PGAC plus its own
+scoring and update seconds, ``PGAC.own_seconds``; median over rounds) over
 the measured step (median, absolute seconds of the same clock as ``step ms``); ``pred/meas peak`` is the
 predicted peak activation bytes of the plan of the measured step over the "tracker" column's figure.
 """

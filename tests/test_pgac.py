@@ -211,6 +211,24 @@ def test_every_scores_only_sampled_steps():
     pgac.remove()
 
 
+def test_own_seconds_are_the_scoring_hooks_of_scored_steps_and_the_updates():
+    model = gpt2(n_layer=3)
+    pgac = remat.PGAC(model, None, every=2, costs=uniform_costs(model))
+    assert pgac.own_seconds == (0.0, 0.0)
+    for t in range(4):
+        x = batch(t)
+        model(x, labels=x).loss.backward()
+        pgac.step()
+    scoring = [r.scoring_s for r in pgac.history]
+    assert scoring[0] > 0 and scoring[2] > 0 and scoring[1] == scoring[3] == 0.0  # only scored steps run hooks
+    assert all(r.update_s > 0 for r in pgac.history)
+    mean_scoring, median_update = pgac.own_seconds
+    assert mean_scoring == pytest.approx(sum(scoring) / 4)
+    middle = sorted(r.update_s for r in pgac.history)[1:3]
+    assert median_update == pytest.approx(sum(middle) / 2)
+    pgac.remove()
+
+
 def test_state_dict_round_trip_resumes_the_same_decisions():
     model = gpt2(n_layer=4)
     costs = uniform_costs(model)

@@ -39,7 +39,7 @@ from ..simulator import Plan, resolve_budget
 from ..sizes import normalize_budget
 from .pgac_mask import FittedMask, MaskFitter, quantile, score_mask
 from .pgac_options import check_length, check_options
-from .pgac_record import StepRecord, step_reward
+from .pgac_record import StepRecord, own_seconds, step_reward
 from .pgac_scores import GradientScorer, ema_update
 from .pgac_state import STATE_VERSION, check_state, plain, restored_plan
 from .pgac_sync import all_reduce_mean, broadcast_costs, require_distributed
@@ -156,6 +156,11 @@ class PGAC:
         return self.handle.plan
 
     @property
+    def own_seconds(self) -> tuple[float, float]:
+        """PGAC's own seconds per step, in its gradient hooks and in its update (:func:`.pgac_record.own_seconds`)."""
+        return own_seconds(self.history)
+
+    @property
     def tau(self) -> float:
         return self._tau
 
@@ -183,10 +188,8 @@ class PGAC:
         return self
 
     def step(self, *, measured_peak_bytes: int | None = None) -> None:
-        """Update scores, threshold and mask by hand, after ``optimizer.step()`` (not needed with ``attach``).
-
-        ``measured_peak_bytes``: the step's activation peak from your own meter, used in place of PGAC's.
-        """
+        """Update scores, threshold and mask by hand, after ``optimizer.step()`` (not needed with ``attach``);
+        ``measured_peak_bytes``: the step's activation peak from your own meter, used in place of PGAC's."""
         self._check_live()
         self._update(measured_peak_bytes)
 
@@ -341,6 +344,7 @@ class PGAC:
                 step_time_s=step_time,
                 reward=reward,
                 update_s=self.clock() - start,
+                scoring_s=self.scorer.take_seconds(),
             )
         )
         self.step_count += 1

@@ -1,9 +1,12 @@
-"""What one PGAC optimizer step did and decided (:class:`StepRecord`, one entry of ``PGAC.history``), and the
-reward the learned gamma schedule takes from it (:func:`step_reward`)."""
+"""What one PGAC optimizer step did and decided (:class:`StepRecord`, one entry of ``PGAC.history``), PGAC's own
+time per step read from them (:func:`own_seconds`), and the reward the learned gamma schedule takes from one
+(:func:`step_reward`)."""
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -14,7 +17,8 @@ class StepRecord:
     ``actions``, ``predicted_peak_bytes``, ``measured_peak_bytes`` and ``step_time_s`` describe the step that
     just ran; ``step_scores`` are its raw scores (None when not scored); ``scores`` (EMA after it), ``gamma``,
     ``tau``, ``mask`` (the threshold mask, True = stored, before the budget fit) and ``next_actions`` (the
-    fitted plan) are the decision for the next step. Tuples are in chain order (``PGAC.fqns``).
+    fitted plan) are the decision for the next step. ``update_s`` and ``scoring_s`` are PGAC's own seconds in
+    the step: its update, and its gradient hooks in the backward passes. Tuples are in chain order (``PGAC.fqns``).
     """
 
     step: int
@@ -32,6 +36,20 @@ class StepRecord:
     step_time_s: float | None
     reward: float | None
     update_s: float
+    scoring_s: float = 0.0
+
+
+OWN_TIME_STEPS = 8  # how many recent steps own_seconds reads
+
+
+def own_seconds(history: Iterable[StepRecord]) -> tuple[float, float]:
+    """PGAC's own seconds per step over its last steps (up to :data:`OWN_TIME_STEPS`): in its gradient hooks, inside
+    the backward (mean: with ``every`` > 1 only some steps score), and in its update, after the optimizer step
+    (median); zeros before the first update. Host clock: on CUDA the scoring kernels run asynchronously."""
+    recent = list(history)[-OWN_TIME_STEPS:]
+    if not recent:
+        return 0.0, 0.0
+    return statistics.fmean(r.scoring_s for r in recent), statistics.median(r.update_s for r in recent)
 
 
 def step_reward(step_s: float, peak_bytes: int | None, budget_bytes: int | None, penalty: float = 10.0) -> float:

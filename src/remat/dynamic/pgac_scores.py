@@ -22,6 +22,9 @@ The product ``delta_l * a_l`` is one transient tensor of the size of the block o
 own backward allocates its (larger) temporaries. Norms stay on the device; :meth:`collect` moves them to the
 host once per optimizer step.
 
+The scorer also adds up the seconds its gradient hooks take (``seconds``, host clock; on the CPU that includes
+the product and the norm, on CUDA only their launch): PGAC adds them to its predicted step.
+
 Gradient accumulation: every backward adds ``||delta_l * a_l||^2`` to a per-block sum and :meth:`collect`
 returns the root of the sum (root-sum-square over the micro-batches). That is exactly the score of the
 whole optimizer batch seen as one batch (``delta`` and ``a`` of the micro-batches concatenated), so the score
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -76,6 +80,7 @@ class GradientScorer:
         self.n = len(handle.fqns)
         self.enabled = True
         self.missed = [0] * self.n  # deltas that arrived without their activation (should stay 0)
+        self.seconds = 0.0  # in the gradient hooks since the last take_seconds()
         self._norms: list[tuple[int, torch.Tensor]] = []
         self.max_pending = 1
         self._held: dict[int, dict[object, torch.Tensor]] = {}  # block -> forward call token -> a_l
@@ -128,6 +133,18 @@ class GradientScorer:
                     self._held.pop(j, None)
 
     def _on_grad(self, i: int, token: object, delta: torch.Tensor) -> None:
+        start = time.perf_counter()
+        try:
+            self._score(i, token, delta)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def take_seconds(self) -> float:
+        """The seconds spent in the gradient hooks since the last call (host clock); resets the count."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def _score(self, i: int, token: object, delta: torch.Tensor) -> None:
         pending = self._held.get(i)
         a = pending.pop(token, None) if pending else None
         if pending is not None and not pending:
