@@ -19,7 +19,9 @@ of a step is the CUDA allocator's (``max_memory_allocated`` above what was alloc
 times are wall-clock with the device synchronised around each step (:mod:`peers_device`).
 
 Records are appended to ``--out`` (JSON lines) as they arrive; ``--resume`` keeps the models and precisions
-already finished there and runs the rest.
+already finished there and runs the rest. A unit whose no-checkpointing prediction is off by more than
+``--steady-within`` (5%) ran while the machine's speed changed (:mod:`peers_attempts`): it is run again, up to
+``--retries`` (2) times, and the table lists the attempts it discarded.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers_attempts  # noqa: E402
 import peers_ckptplan  # noqa: E402
 import peers_device as pd  # noqa: E402
 import peers_models as pm  # noqa: E402
@@ -71,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ckptplan-path", default=peers_ckptplan.DEFAULT_PATH,
                         help="folder holding ckptplan (pip install --target FOLDER ckptplan)")
     parser.add_argument("--unit-timeout", type=float, default=1800, help="seconds one model and precision may take")
+    parser.add_argument("--retries", type=int, default=2,
+                        help="times a unit is run again when the machine's speed changed under it (peers_attempts)")
+    parser.add_argument("--steady-within", type=float, default=0.05,
+                        help="how far no checkpointing's predicted step may be from its measured one")
     args = parser.parse_args(argv)
     if args.size is None:
         args.size = "gpu" if args.device == "cuda" else "default"
@@ -93,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--rounds must be at least 1")
     if args.duel_rounds < 0:
         parser.error("--duel-rounds must be 0 or more")
+    if args.retries < 0 or not args.steady_within > 0:
+        parser.error("--retries must be 0 or more and --steady-within above 0")
     return args
 
 
@@ -124,8 +133,9 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def resume_records(path: Path, opts: dict[str, Any]) -> list[dict[str, Any]]:
-    """The records of the units finished in ``path``; raises if it was written with other options."""
-    records = read_records(path)
+    """The records of the units finished in ``path`` (discarded attempts left out); raises if it was written with
+    other options."""
+    records = peers_attempts.without_discarded(read_records(path))
     header = next((r for r in records if r.get("record") == "run"), None)
     if header is not None:
         old = {k: header["options"].get(k) for k in SAME_FOR_RESUME}
@@ -137,8 +147,9 @@ def resume_records(path: Path, opts: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("record") == "run" or (r.get("model"), r.get("dtype")) in done]
 
 
-def run_unit(job: dict[str, Any], out: Any, timeout: float) -> list[dict[str, Any]]:
-    """One model and precision in a child process; its records are written to ``out`` as they come."""
+def run_unit(job: dict[str, Any], out: Any, timeout: float, attempt: int = 1) -> list[dict[str, Any]]:
+    """One model and precision in a child process; its records, marked with ``attempt``, are written to ``out``
+    as they come."""
     env = child_env(**(CHILD_ENV if job.get("device", "cpu") == "cpu" else {}))  # glibc's settings: CPU only
     proc = subprocess.Popen([sys.executable, str(CHILD), json.dumps(job)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
@@ -149,6 +160,7 @@ def run_unit(job: dict[str, Any], out: Any, timeout: float) -> list[dict[str, An
         record = parse(line)
         if record is None:
             continue
+        record["attempt"] = attempt
         records.append(record)
         out.write(json.dumps(record) + "\n")
         out.flush()
@@ -164,12 +176,31 @@ def run_unit(job: dict[str, Any], out: Any, timeout: float) -> list[dict[str, An
         stderr = proc.communicate()[1]
     if not any(r.get("record") == "unit_done" for r in records):
         tail = " | ".join((stderr or "").strip().splitlines()[-8:])
-        failed = {"record": "unit_failed", "model": job["model"], "dtype": job["dtype"],
+        failed = {"record": "unit_failed", "model": job["model"], "dtype": job["dtype"], "attempt": attempt,
                   "error": f"the child exited with code {proc.returncode}: {tail}"}
         records.append(failed)
         out.write(json.dumps(failed) + "\n")
         out.flush()
     return records
+
+
+def run_steady_unit(job: dict[str, Any], out: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``run_unit``, again (up to ``--retries`` times) while the unit's no-checkpointing prediction says the
+    machine's speed changed under it; returns the records of the attempt kept and the discard records."""
+    discards: list[dict[str, Any]] = []
+    for attempt in range(1, args.retries + 2):
+        t0 = time.perf_counter()
+        records = run_unit(job, out, args.unit_timeout, attempt)
+        ratio = peers_attempts.steadiness(records)
+        print(f"{job['model']}/{job['dtype']}: {time.perf_counter() - t0:.0f} s (attempt {attempt}, no checkpointing "
+              f"predicted {ratio if ratio is None else f'{ratio:.2f}x'})", file=sys.stderr, flush=True)
+        if attempt > args.retries or not peers_attempts.unsteady(ratio, args.steady_within):
+            return discards + records
+        assert ratio is not None
+        discards.append(peers_attempts.discard_record(job, attempt, ratio, args.steady_within))
+        out.write(json.dumps(discards[-1]) + "\n")
+        out.flush()
+    return discards
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,13 +226,13 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 print(f"{model}/{dtype}: running", file=sys.stderr, flush=True)
                 job = {"model": model, "dtype": dtype, **opts, "ckptplan_path": args.ckptplan_path}
-                t0 = time.perf_counter()
-                kept.extend(run_unit(job, out, args.unit_timeout))
-                print(f"{model}/{dtype}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+                kept.extend(run_steady_unit(job, out, args))
     records = [header, *[r for r in kept if r.get("record") != "run"]]
     wanted = {(m, d) for m in args.model_list for d in args.dtype_list}
     records = [r for r in records if r.get("record") == "run" or (r.get("model"), r.get("dtype")) in wanted]
     body = peers_table.render(records, device=args.device)
+    discarded = peers_attempts.discarded_text(records)
+    body += "\n\n" + discarded if discarded else ""
     print(body)
     if args.markdown:
         write_markdown(Path(args.markdown), header, body, time.time() - started)

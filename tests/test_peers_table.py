@@ -112,3 +112,35 @@ def test_targets_say_which_are_missed_and_by_how_much(table):
     over = table.render(records(optimal_tracker=520))  # optimal measured 4% over a 500-byte budget
     peak = [c.strip() for c in over.splitlines()[-1].strip("|").split("|")][5]
     assert peak == "NOT met: remat optimal at 50%: tracker +4.0% of budget, prediction -4.8%"
+
+
+@pytest.fixture(scope="module")
+def attempts(table):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("peers_attempts")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_steadiness_is_no_checkpointings_predicted_over_measured_step(attempts):
+    assert attempts.steadiness(records()) == pytest.approx(0.95)  # 0.095 s predicted, 0.100 s measured
+    assert not attempts.unsteady(0.96, 0.05) and attempts.unsteady(0.94, 0.05) and not attempts.unsteady(None, 0.05)
+    unfinished = [r for r in records() if r["record"] != "unit_done"]
+    assert attempts.steadiness(unfinished) is None
+
+
+def test_a_discarded_attempts_records_are_left_out_and_reported(table, attempts):
+    first = [
+        {**r, "attempt": 1, "predicted_step_s": 0.137} if r["record"] == "timing" else {**r, "attempt": 1}
+        for r in records()
+    ]
+    second = [{**r, "attempt": 2} for r in records()]
+    job = {"model": "gpt2", "dtype": "bf16"}
+    ratio = attempts.steadiness(first)
+    assert attempts.unsteady(ratio, 0.05)  # 0.137 s predicted for a 0.100 s step
+    kept = attempts.without_discarded([*first, attempts.discard_record(job, 1, ratio, 0.05), *second])
+    assert [r for r in kept if r.get("attempt") == 1] == [attempts.discard_record(job, 1, ratio, 0.05)]
+    assert table.render(kept) == table.render(second)  # the table reads the second attempt only
+    assert "gpt2/bf16 attempt 1: no checkpointing predicted 1.37x" in attempts.discarded_text(kept)
+    assert attempts.discarded_text(second) == ""
