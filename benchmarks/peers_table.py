@@ -13,8 +13,12 @@ the static strategies, ``optimal``, PGAC, and on compiled blocks keep-all and ``
 profile of the compiled blocks; not DTR):
 ``pred/meas step`` is the simulator's step time for the plans the timed steps ran (for PGAC plus its own
 scoring and update seconds, ``PGAC.own_seconds``; median over rounds) over
-the measured step (median, absolute seconds of the same clock as ``step ms``); ``pred/meas peak`` is the
-predicted peak activation bytes of the plan of the measured step over the "tracker" column's figure.
+the measured step (median, absolute seconds of the same clock as ``step ms``); ``pred/meas step over keep-all``
+is the same with both sides over the group's keep-all plan (no checkpointing; keep-all on compiled blocks):
+the predicted ratio over the measured one, median of the per-round ratios. The profile is taken once, before
+the timing rounds: where the machine's speed changed in between, the first moves with it (the keep-all row
+itself reads off 1.00) and the second does not. ``pred/meas peak`` is the predicted peak activation bytes of
+the plan of the measured step over the "tracker" column's figure.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 from peers_targets import targets_table
 
 REFERENCE = {"eager": "none", "compiled": "compiled"}
+KEEP_ALL = {"eager": "none", "compiled": "compiled-blocks"}  # each group's keep-all remat plan (predicted)
 EAGER_PEERS = ("torch checkpoint, first k blocks", "torch selective (matmuls saved), first k")
 COMPILED_PEER = "torch.compile + activation_memory_budget"
 
@@ -122,6 +127,7 @@ class Line:
     wall_median: float | None = None
     predicted_step_ms: float | None = None  # remat's prediction for the plans the timed steps ran (median)
     pred_step_ratio: float | None = None  # that prediction over the measured step (absolute seconds)
+    pred_rel_ratio: float | None = None  # the same, each step over its group's keep-all plan's (KEEP_ALL)
     pred_peak_ratio: float | None = None  # remat's predicted peak over remat.measure's (tracker or allocations)
     grads: str = ""
     note: str = ""
@@ -138,6 +144,7 @@ def _grads_text(memory: dict[str, Any], exact: bool) -> str:
 def unit_lines(unit: Unit) -> list[Line]:
     contenders = unit.rows.get("contenders", {})
     lines: list[Line] = []
+    keep_all_s = {g: _median(unit.predicted.get(k, {})) for g, k in KEEP_ALL.items()}
     for row in unit.rows.get("rows", []):
         key, group, budget = row["key"], row["group"], row["budget"]
         info = contenders.get(key, {})
@@ -149,7 +156,11 @@ def unit_lines(unit: Unit) -> list[Line]:
         process_ratio = _ratio(peak_bytes(mem), peak_bytes(ref))
         own = unit.times.get(key, {})
         predicted = unit.predicted.get(key, {})
-        pred_s = statistics.median(predicted.values()) if predicted else None
+        pred_s = _median(predicted)
+        over_keep_all = paired_ratios(unit, key, KEEP_ALL[group])
+        keep_all = keep_all_s[group]
+        pred_rel = (pred_s / keep_all / statistics.median(over_keep_all)
+                    if pred_s is not None and keep_all and over_keep_all else None)
         detail = info.get("detail", "")
         extra = mem.get("info") or {}
         if "plan" in extra:
@@ -167,6 +178,7 @@ def unit_lines(unit: Unit) -> list[Line]:
             wall_median=statistics.median(wall) if wall else None,
             predicted_step_ms=pred_s * 1e3 if pred_s is not None else None,
             pred_step_ratio=pred_s / statistics.median(own.values()) if pred_s is not None and own else None,
+            pred_rel_ratio=pred_rel,
             pred_peak_ratio=_ratio(mem.get("predicted_peak_bytes"), mem.get("tracker_bytes")),
             grads=_grads_text(mem, info.get("exact", True)) if mem else "", note=info.get("note", ""),
         ))
@@ -179,6 +191,10 @@ def unit_lines(unit: Unit) -> list[Line]:
     order = {None: -1.0}
     lines.sort(key=lambda line: order.get(line.budget, line.budget))  # stable: references first
     return lines
+
+
+def _median(values: dict[int, float]) -> float | None:
+    return statistics.median(values.values()) if values else None
 
 
 def _num(value: float | None, fmt: str = "{:.2f}") -> str:
@@ -197,8 +213,8 @@ def markdown_table(lines: list[Line], device: str = "cpu") -> str:
     meter, clock = ("allocator", "wall") if cuda else ("process", "CPU")
     head = (f"| model | dtype | budget | contender | detail | peak/ref ({meter}) | peak/ref (tracker) | fits | "
             f"step/ref {clock} median [range] | step ms {clock} |" + ("" if cuda else " step/ref wall |")
-            + " pred/meas peak (tracker) | pred/meas step | gradients |")
-    out = [head, "|" + "---|" * (13 if cuda else 14)]
+            + " pred/meas peak (tracker) | pred/meas step | pred/meas step over keep-all | gradients |")
+    out = [head, "|" + "---|" * (14 if cuda else 15)]
     for x in lines:
         budget = f"{x.budget:.0%}" if x.budget is not None else "ref"
         fits = {True: "yes", False: "no", None: "—"}[x.fits]
@@ -206,7 +222,7 @@ def markdown_table(lines: list[Line], device: str = "cpu") -> str:
         wall = "" if cuda else f" {_num(x.wall_median)} |"
         out.append(f"| {x.model} | {x.dtype} | {budget} | {x.name} | {x.detail} | {_num(x.process_ratio)} | "
                    f"{_num(x.tracker_ratio)} | {fits} | {_step(x)} | {_num(x.step_ms, '{:.1f}')} |{wall} "
-                   f"{_num(x.pred_peak_ratio)} | {_num(x.pred_step_ratio)} | {grads} |")
+                   f"{_num(x.pred_peak_ratio)} | {_num(x.pred_step_ratio)} | {_num(x.pred_rel_ratio)} | {grads} |")
     return "\n".join(out)
 
 

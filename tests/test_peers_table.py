@@ -144,3 +144,15 @@ def test_a_discarded_attempts_records_are_left_out_and_reported(table, attempts)
     assert table.render(kept) == table.render(second)  # the table reads the second attempt only
     assert "gpt2/bf16 attempt 1: no checkpointing predicted 1.37x" in attempts.discarded_text(kept)
     assert attempts.discarded_text(second) == ""
+
+
+def test_predictions_over_keep_all_leave_out_the_machines_speed_at_the_profile(table):
+    body = table.render(records())
+    head = [c.strip() for c in body.splitlines()[2].strip("|").split("|")]
+    rel = head.index("pred/meas step over keep-all")
+    assert cells(body, "no checkpointing")[rel] == "1.00"  # absolute 0.95: the profile ran 5% fast
+    assert cells(body, "remat optimal")[rel] == "1.26"  # (0.174 / 0.095) over the median per-round ratio 1.45
+    assert cells(body, "remat full")[rel] == "1.05"  # (0.200 / 0.095) over 2.00
+    assert cells(body, "torch checkpoint, first k blocks")[rel] == "—"
+    prediction = [c.strip() for c in body.splitlines()[-1].strip("|").split("|")][2]
+    assert prediction.endswith("over keep-all: NOT met for 1 of 3: remat optimal at 50% 1.26")
