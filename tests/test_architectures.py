@@ -219,6 +219,28 @@ def test_recomputation_sees_buffers_added_to_a_block_or_replaced_after_its_first
         assert torch.equal(after[name], value), name
 
 
+class _ComparedBlock(nn.Module):
+    """A block class that defines equality, which makes it unhashable (``__hash__`` is None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ComparedBlock) and other.fc.out_features == self.fc.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.fc(x))) + x
+
+
+def test_remats_registration_hooks_leave_unhashable_module_classes_buildable() -> None:
+    # remat.model_state watches every buffer and submodule registration in the process (its Note [1]); a class
+    # that torch itself lets you build and call must still build and run with remat imported.
+    block = _ComparedBlock()
+    block.extra = nn.Linear(8, 8)  # another registration into an unhashable module
+    assert block(torch.randn(4, 8)).shape == (4, 8)
+
+
 # ---------------------------------------------------------------- (g) Hugging Face's own checkpointing
 
 

@@ -39,14 +39,18 @@ from .hf_guards import outputs_collected, outputs_not_collected
 # or a submodule deleted from the tree, alive. The slots change only when a module of the tree registers a buffer
 # or a submodule (``register_buffer``, ``add_module``, or assigning either as an attribute): torch's global
 # registration hooks then drop the cache of every tree holding that module. A global generation counter would
-# not do: Hugging Face models slice their ModuleList in every forward, registering modules of a new list.
+# not do: Hugging Face models slice their ModuleList in every forward, registering modules of a new list. A tree
+# with a module class that is not hashable is walked at every call.
 _Slot = tuple[weakref.ref[nn.Module], str]
 _SLOTS: weakref.WeakKeyDictionary[nn.Module, tuple[_Slot, ...]] = weakref.WeakKeyDictionary()
 _TREES_HOLDING: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def _registered(module: nn.Module, *_: Any) -> None:
-    trees = _TREES_HOLDING.get(module)
+    try:
+        trees = _TREES_HOLDING.get(module)
+    except TypeError:  # a module class that is not hashable is never cached (_buffer_slots)
+        return
     if trees:
         for root in list(trees):
             _SLOTS.pop(root, None)
@@ -77,13 +81,13 @@ def _walk_slots(module: nn.Module) -> tuple[tuple[_Slot, ...], list[nn.Module]]:
 def _buffer_slots(module: nn.Module) -> tuple[_Slot, ...]:
     try:
         cached = _SLOTS.get(module)
-    except TypeError:  # a module class that is not hashable: walk every time
+        if cached is None:
+            cached, members = _walk_slots(module)
+            for sub in members:
+                _TREES_HOLDING.setdefault(sub, weakref.WeakSet()).add(module)
+            _SLOTS[module] = cached
+    except TypeError:  # a module class of the tree is not hashable: walk every time
         return _walk_slots(module)[0]
-    if cached is None:
-        cached, members = _walk_slots(module)
-        for sub in members:
-            _TREES_HOLDING.setdefault(sub, weakref.WeakSet()).add(module)
-        _SLOTS[module] = cached
     return cached
 
 
