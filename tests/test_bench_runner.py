@@ -101,6 +101,9 @@ def test_runs_summary_csv_and_budget(bench: Path) -> None:
             assert by[(s, seed)]["peak_activation_bytes"] <= budget
             assert by[(s, seed)]["within_budget"] is True
         assert by[("full", seed)]["recompute_time_s"] > 0
+        # PGAC's predicted forward + backward holds its scoring hooks' seconds; no other strategy has them
+        assert 0 < by[("pgac", seed)]["pgac_scoring_s"] < by[("pgac", seed)]["predicted_step_s"]
+        assert by[("full", seed)]["pgac_scoring_s"] is None
         assert by[("none", seed)]["val_accuracy"] is not None
     with (bench / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))

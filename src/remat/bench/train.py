@@ -284,6 +284,7 @@ def summarize_run(
         "predicted_peak_bytes": plan.get("predicted_peak_bytes"),
         "predicted_recompute_s": plan.get("predicted_recompute_s"),
         "predicted_step_s": plan.get("predicted_step_s"),
+        "pgac_scoring_s": plan.get("pgac_scoring_s"),  # PGAC: its scoring hooks, inside predicted_step_s
         "plan_fits": plan.get("fits"),
         "plan": plan.get("actions"),
         "plan_options": plan.get("options"),
