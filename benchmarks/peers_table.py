@@ -154,7 +154,7 @@ def unit_lines(unit: Unit) -> list[Line]:
         ratios = paired_ratios(unit, key, ref_key)
         wall = paired_ratios(unit, key, ref_key, wall=True)
         process_ratio = _ratio(peak_bytes(mem), peak_bytes(ref))
-        own = unit.times.get(key, {})
+        own_s = _median(unit.times.get(key, {}))
         predicted = unit.predicted.get(key, {})
         pred_s = _median(predicted)
         over_keep_all = paired_ratios(unit, key, KEEP_ALL[group])
@@ -174,10 +174,10 @@ def unit_lines(unit: Unit) -> list[Line]:
             fits=(process_ratio <= budget) if budget is not None and process_ratio is not None else None,
             step_median=statistics.median(ratios) if ratios else None,
             step_low=min(ratios) if ratios else None, step_high=max(ratios) if ratios else None,
-            step_ms=statistics.median(own.values()) * 1e3 if own else None,
+            step_ms=own_s * 1e3 if own_s is not None else None,
             wall_median=statistics.median(wall) if wall else None,
             predicted_step_ms=pred_s * 1e3 if pred_s is not None else None,
-            pred_step_ratio=pred_s / statistics.median(own.values()) if pred_s is not None and own else None,
+            pred_step_ratio=pred_s / own_s if pred_s is not None and own_s else None,
             pred_rel_ratio=pred_rel,
             pred_peak_ratio=_ratio(mem.get("predicted_peak_bytes"), mem.get("tracker_bytes")),
             grads=_grads_text(mem, info.get("exact", True)) if mem else "", note=info.get("note", ""),

@@ -122,14 +122,10 @@ def backward_releasing_output(holder: list[torch.Tensor], grad: torch.Tensor) ->
     backward starts (unless the block's own graph saved it). Backing out of the output's gradient edge
     reproduces that, so the measured backward transient does not count the output on top of the saved bytes.
     """
-    out = holder.pop()
-    if not edge_backward_supported():
-        with autocast_off():
-            torch.autograd.backward(out, grad)
-        return
-    from torch.autograd.graph import get_gradient_edge
+    target: Any = holder.pop()
+    if edge_backward_supported():
+        from torch.autograd.graph import get_gradient_edge
 
-    edge = get_gradient_edge(out)
-    del out
+        target = get_gradient_edge(target)  # the edge only: the output itself is no longer referenced here
     with autocast_off():
-        torch.autograd.backward(edge, grad)
+        torch.autograd.backward(target, grad)
