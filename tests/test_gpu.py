@@ -95,6 +95,36 @@ def test_checkpointed_gpt2_gradients_equal_no_checkpointing_bitwise(
         assert handle.stats.total_calls >= len(fqns)  # every block really ran again in backward
 
 
+def test_recompute_timing_does_not_synchronise_within_a_step(
+    make_gpt2: Callable[..., nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Timing re-executions (the default) records CUDA events instead of synchronising around each block, so
+    the host keeps queueing ahead of the device; the seconds are read when asked for, and a loop that never
+    asks keeps a bounded number of event pairs."""
+    from remat import recompute_stats
+
+    model, batch = _gpt2_on_cuda(make_gpt2, batch=4, seq=64)
+    fqns = [fqn for fqn, _ in remat.find_blocks(model)]
+    handle = remat.apply(model, Plan(dict.fromkeys(fqns, "checkpoint")))
+    syncs: list[object] = []
+    real_sync = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(a) or real_sync(*a, **k))
+    monkeypatch.setattr(recompute_stats, "PENDING_LIMIT", 1)
+    try:
+        for _ in range(4):
+            model(**batch).loss.backward()
+        assert syncs == []
+        torch.cuda.current_stream().synchronize()  # every pair so far finished; the next step reads them
+        model(**batch).loss.backward()
+        assert syncs == []
+        assert len(handle.stats._pending) <= len(fqns)
+        assert handle.stats.total_calls == 5 * len(fqns)
+        assert all(s > 0 for s in handle.stats.seconds.values())
+        assert handle.stats._pending == []
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("attn_pdrop", [0.0, 0.1], ids=["kernel-saved", "kernel-drawing"])
 @pytest.mark.parametrize("policy", remat.policies.MENU)
 def test_menu_policies_on_sdpa_gpt2_gradients_equal_no_checkpointing_bitwise(
