@@ -219,6 +219,34 @@ def test_untimed_handle_counts_calls_only() -> None:
     handle.remove()
 
 
+@pytest.mark.parametrize("where", ["block", "global", "compiled"])
+def test_recomputation_runs_every_hook_but_remats_own(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recomputation may call a block's forward past remat's own (idle) hooks, but never past another's: a
+    block hook (FSDP's all-gather), a global module hook, a compiled call (``module.compile()``)."""
+    model, x = seeded_chain(n_blocks=3), chain_input()
+    reference = step(model, x)
+    block = model.blocks[1]
+    calls: list[bool] = []
+    if where == "block":
+        hook = block.register_forward_pre_hook(lambda m, a: calls.append(torch.is_grad_enabled()))
+    elif where == "global":
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, a: calls.append(torch.is_grad_enabled()) if m is block else None
+        )
+    else:  # what Module.__call__ runs for a compiled module, counted
+        real_call = block._call_impl
+        monkeypatch.setattr(block, "_compiled_call_impl", lambda *a, **k: calls.append(True) or real_call(*a, **k))
+    handle = remat.apply(model, Plan(dict.fromkeys(["blocks.0", "blocks.1", "blocks.2"], "checkpoint")))
+    try:
+        assert_same_step(reference, step(model, x))
+    finally:
+        handle.remove()
+        if where != "compiled":
+            hook.remove()
+    assert len(calls) == 2  # the forward and its recomputation
+    assert handle.stats.calls == {"blocks.0": 1, "blocks.1": 1, "blocks.2": 1}
+
+
 def test_recompute_stats_totals_and_reset() -> None:
     stats = RecomputeStats(["a", "b"])
     assert stats.calls == {"a": 0, "b": 0} and stats.total_seconds == 0

@@ -132,6 +132,13 @@ class CallPositions:
                     f"{fqn!r} has calls {named}; take the plan from a cost table of this model (remat.profile)"
                 )
 
+    def single_call_positions(self) -> list[int] | None:
+        """The plan position of each block where the plan names one call of every block (every call of a block
+        then runs under that entry: the runtime need not count calls); ``None`` otherwise."""
+        if any(n != 1 for n in self._calls):
+            return None
+        return [self._position[(i, 1)] for i in range(len(self._calls))]
+
     def position(self, i: int, k: int) -> int:
         """The plan position of block ``i``'s ``k``-th call."""
         return self._position[(i, (k - 1) % self._calls[i] + 1)]

@@ -126,6 +126,14 @@ class BlockIO:
         """This call's main input tensor."""
         return slot_value(args, kwargs, self.input_slot(args, kwargs))
 
+    def input_shape(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Size | None:
+        """This call's main input shape; ``None`` where the block is not told which argument it is (a kept
+        block need not say)."""
+        try:
+            return self.input_tensor(args, kwargs).shape
+        except ValueError:
+            return None
+
     def _named_slot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> InputSlot:
         name = self.main_input
         position = self.params.index(name) if isinstance(name, str) and name in self.params else name

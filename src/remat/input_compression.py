@@ -25,7 +25,7 @@ from torch.utils.checkpoint import noop_context_fn
 from .compression import pack
 from .lossy_actions import compresses_input, is_lossy, parse_input_compress
 from .regions import CallRecord, open_checkpoint_frame
-from .rng import forked
+from .rng import Forked
 
 
 def open_compressed_input_frame(
@@ -66,7 +66,7 @@ def run_compressed_input(module: Callable[..., Any], action: str, args: tuple[An
     record, main = CallRecord.take(0, args, kwargs)
 
     def rerun(restored: torch.Tensor) -> None:
-        with forked(record.rng.devices, record.rng.device_type):
+        with Forked(record.rng.devices, record.rng.device_type):
             record.rng.restore()
             call_args, call_kwargs = record.arguments(restored)
             module(*call_args, **call_kwargs)

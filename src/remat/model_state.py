@@ -144,10 +144,15 @@ def extra_run(module: nn.Module) -> AbstractContextManager[None]:
     """Run ``module`` in here when the step would not: its buffers are restored and its outputs not collected.
     Runs before every recomputation, so where there is nothing to guard (no persistent buffer, no Hugging Face
     output collection under way) it is a no-op context without generator frames."""
+    if not _buffer_slots(module) and not outputs_collected():  # a transformer layer: nothing to guard
+        return _NOTHING_TO_GUARD
     snapshot = BufferSnapshot(module)
     if not snapshot.saved and not outputs_collected():
-        return nullcontext()
+        return _NOTHING_TO_GUARD
     return _guarded(snapshot)
+
+
+_NOTHING_TO_GUARD = nullcontext()  # reusable: entering it does nothing
 
 
 @contextmanager

@@ -10,8 +10,8 @@ outermost autocast context exits. Two consequences for remat:
 * a block whose activations are not kept (checkpoint, selective, segments, offload) would still leave its casts
   alive, in the cache, for the rest of the forward, although nothing in backward needs them.
 
-So the profiler runs each block alone, and the runtime runs every block that is not ``keep``, inside a nested
-``torch.autocast(device_type, dtype, enabled=True, cache_enabled=False)`` (:func:`casts_uncached`): every cast is
+So the profiler runs each block alone, and the runtime runs every block that is not ``keep``, with the cache
+off (:func:`casts_uncached`: the flag a nested ``torch.autocast(..., cache_enabled=False)`` sets): every cast is
 made, counted and freed where it happens. torch's checkpoint replays the autocast state of the forward,
 ``cache_enabled`` included, so the recomputation runs uncached too. ``keep`` blocks run under the caller's
 settings: their casts are saved for backward either way, and the profiler counts them in the block's saved bytes.
@@ -32,9 +32,6 @@ import torch
 
 # Device types whose autocast state the runtime and the profiler look at (those torch offers autocast for).
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps", "xla")
-
-# Device types torch always builds autocast for, looked at first.
-_COMMON_DEVICE_TYPES = ("cpu", "cuda")
 
 # torch's own check that any device type has autocast on (what torch.utils.checkpoint asks); absent in old torch.
 _IS_ANY_AUTOCAST_ENABLED = getattr(torch._C, "_is_any_autocast_enabled", None)
@@ -173,18 +170,24 @@ def casts_uncached() -> AbstractContextManager[Any]:
     unchanged; decided when called (enter it right away).
 
     Outside autocast, or where the cache is already off, it is a no-op context. The cache switch is one flag for
-    every device type, so one nested context (on the first enabled device type) is enough. This runs for every
-    non-keep block of every step, so the common cases (no autocast, cache off) return before any per-device query.
+    every device type (what a nested ``torch.autocast(..., cache_enabled=False)`` sets, and torch's checkpoint
+    records and replays), so the context sets that flag alone: this runs for every non-keep block of every step.
     """
     if not _any_autocast() or not torch.is_autocast_cache_enabled():
         return nullcontext()
-    for device_type in _COMMON_DEVICE_TYPES:  # always available: no per-device availability query
-        if torch.is_autocast_enabled(device_type):
-            return AutocastSpec.current(device_type).context(cache_enabled=False)
-    devices = active_device_types()
-    if not devices:
-        return nullcontext()
-    return AutocastSpec.current(devices[0]).context(cache_enabled=False)
+    return _CastCacheOff()
+
+
+class _CastCacheOff:
+    """autocast's weight-cast cache off until exit, then on again (it was on: :func:`casts_uncached`)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        torch.set_autocast_cache_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_autocast_cache_enabled(True)
 
 
 def _any_autocast() -> bool:

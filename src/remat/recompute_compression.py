@@ -29,7 +29,7 @@ from .compression import CompressingHooks, Packed, block_tensors, saving_context
 from .lossy_actions import COMPRESS_PREFIX, RECOMPUTE_COMPRESS_PREFIX, compresses_recompute
 from .precision import AutocastSpec
 from .regions import CallRecord
-from .rng import forked
+from .rng import Forked
 
 
 class CompressedRecompute:
@@ -118,7 +118,7 @@ def run_recompute_compressed(
     record, main = CallRecord.take(0, args, kwargs)
 
     def rerun() -> None:
-        with forked(record.rng.devices, record.rng.device_type):
+        with Forked(record.rng.devices, record.rng.device_type):
             record.rng.restore()
             call_args, call_kwargs = record.arguments(main.detach().requires_grad_(main.requires_grad))
             module(*call_args, **call_kwargs)

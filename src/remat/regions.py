@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,19 +82,22 @@ class CallRecord:
 
 
 def _versions(main: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
-    return (_version(main), *(_version(t) for t in _tensors((*args, *kwargs.values()))))
+    found = [_version(main)]
+    _add_versions(args, found)
+    _add_versions(kwargs.values(), found)
+    return tuple(found)
 
 
-def _tensors(values: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``values`` and in the lists, tuples and dicts among them (a cheap ``tree_flatten``: this
-    runs twice per block and step)."""
+def _add_versions(values: Iterable[Any], found: list[int]) -> None:
+    """Append the version of every tensor in ``values`` and in the lists, tuples and dicts among them (a cheap
+    ``tree_flatten``: this runs twice per block and step)."""
     for v in values:
         if isinstance(v, torch.Tensor):
-            yield v
+            found.append(_version(v))
         elif isinstance(v, list | tuple):
-            yield from _tensors(v)
+            _add_versions(v, found)
         elif isinstance(v, dict):
-            yield from _tensors(v.values())
+            _add_versions(v.values(), found)
 
 
 def _version(t: torch.Tensor) -> int:

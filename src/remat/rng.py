@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +12,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 def _device_type(tensors: Sequence[Any]) -> str:
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
+        if isinstance(t, torch.Tensor) and not t.is_cpu and not t.is_meta:
             return t.device.type
     return "cuda"
 
@@ -41,8 +40,25 @@ class RngSnapshot:
             set_device_states(self.devices, self.device_states, device_type=self.device_type)
 
 
-@contextmanager
-def forked(devices: list[int], device_type: str) -> Iterator[None]:
-    """Run a block without disturbing the RNG streams of the surrounding code."""
-    with torch.random.fork_rng(devices=devices, device_type=device_type):
-        yield
+class Forked:
+    """Run a block without disturbing the RNG streams of the surrounding code: the CPU's and those of
+    ``devices`` are put back on exit, as ``torch.random.fork_rng(devices)`` does. A class, not a generator: it
+    is entered around every recomputation."""
+
+    __slots__ = ("devices", "device_type", "cpu", "device_states")
+
+    def __init__(self, devices: list[int], device_type: str) -> None:
+        self.devices, self.device_type = devices, device_type
+
+    def __enter__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        if self.devices:
+            module = torch.get_device_module(self.device_type)
+            self.device_states = [module.get_rng_state(d) for d in self.devices]
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.devices:
+            module = torch.get_device_module(self.device_type)
+            for device, state in zip(self.devices, self.device_states, strict=True):
+                module.set_rng_state(state, device)

@@ -48,9 +48,9 @@ from .regions import (
     output_refs,
     same_tensor,
 )
-from .rng import forked
+from .rng import Forked
 from .simulator import Plan, Unit
-from .suspension import all_suspended, counting
+from .suspension import Counting, all_suspended
 
 # Note [1] Segments.
 # A segment (blocks start..end of one unit) is one checkpoint frame: opened by the pre-hook of its first block
@@ -71,7 +71,7 @@ from .suspension import all_suspended, counting
 # Note [3] RNG replay.
 # A recomputation must draw the random numbers the forward drew (dropout), or gradients differ from a step
 # without checkpointing. Each CallRecord takes an RngSnapshot of its main input's devices before the block runs
-# in forward; a recomputation runs inside rng.forked (the step's own RNG stream does not advance) and restores a
+# in forward; a recomputation runs inside rng.Forked (the step's own RNG stream does not advance) and restores a
 # block's snapshot right before re-running it. So torch's frame is opened with preserve_rng_state=False
 # (regions.open_checkpoint_frame): the snapshots are per block, which segments and groups (one frame, several
 # blocks) need.
@@ -81,7 +81,8 @@ from .suspension import all_suspended, counting
 # (closes them, also when the block raises), and marks the model, so a second apply() is refused. Nothing is
 # wrapped: parameter names and state_dict keys stay. The hooks are kept out of torch.compile (regions.eager) and
 # do nothing while inactive: grad disabled, during a recomputation (a re-run block must not open a region of
-# its own), under handle.suspended() or suspend_all() (the profiler runs blocks alone).
+# its own), under handle.suspended() or suspend_all() (the profiler runs blocks alone). So a recomputation calls
+# the block's forward past them where no other hook or compiled call is on it (applied.forward_past_own_hooks).
 #
 # Note [5] What set_plan may change.
 # Between steps, set_plan may change every block's action and the grouping into segments and memory-poor
@@ -136,11 +137,14 @@ class RematHandle:
         self._memory_poor: dict[str, Any] | None = None
         self._calls = CallCounter(len(blocks))  # Note [8]
         self.set_plan(plan)
+        self._own_hook_ids: list[frozenset[int]] = []
         for i, (_, module) in enumerate(blocks):  # Note [4]
             pre_hook = applied.CopyRefusingHook(self._make_pre_hook(i))
             post_hook = applied.CopyRefusingHook(self._make_post_hook(i))
-            self._hooks.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            self._hooks.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+            pre = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+            post = module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+            self._hooks += [pre, post]
+            self._own_hook_ids.append(frozenset((pre.id, post.id)))
         model_entry = applied.CopyRefusingHook(eager(lambda *_: self._calls.reset()))  # Note [8]
         self._hooks.append(model.register_forward_pre_hook(model_entry))
         model_exit = applied.CopyRefusingHook(eager(self._after_model_forward))
@@ -154,6 +158,7 @@ class RematHandle:
             if unit.kind == "single" and unit.action.startswith(SELECTIVE_PREFIX):
                 policies.get(unit.action[len(SELECTIVE_PREFIX) :])
         self.plan, self._positions, self._names = plan, positions, list(plan.actions)
+        self._single_positions = positions.single_call_positions()  # None: some block's calls are planned apart
         self._unit_of = [None] * len(self._names)
         for unit in units:
             for i in range(unit.start, unit.end + 1):
@@ -184,7 +189,7 @@ class RematHandle:
 
     def suspended(self) -> contextlib.AbstractContextManager[None]:
         """Run the model with every block kept, e.g. for measurement."""
-        return counting(self._local, "suspended")
+        return Counting(self._local, "suspended")
 
     # ----- hooks -----
     def _inactive(self) -> bool:
@@ -197,13 +202,14 @@ class RematHandle:
         )
 
     def _recomputing(self) -> contextlib.AbstractContextManager[None]:
-        return counting(self._local, "recomputing")
+        return Counting(self._local, "recomputing")
 
     def _make_pre_hook(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._inactive():
                 return
-            p = self._positions.position(i, self._calls.enter(i))
+            single = self._single_positions
+            p = single[i] if single is not None else self._positions.position(i, self._calls.enter(i))
             unit = self._unit_of[p]
             if unit.kind == "single":
                 self._open_single(i, p, unit, module, args, kwargs)
@@ -221,7 +227,8 @@ class RematHandle:
             if output is None and exception_propagating():  # Note [6]
                 self._abandon_open_regions()
                 return
-            p = self._positions.position(i, self._calls.current(i))
+            single = self._single_positions
+            p = single[i] if single is not None else self._positions.position(i, self._calls.current(i))
             unit = self._unit_of[p]
             key = unit.start if unit.kind == "segment" else p
             region = self._open.get(key)
@@ -231,7 +238,11 @@ class RematHandle:
                 raise in_place_error(self._names[p], f"under action {self.plan.actions[self._names[p]]!r}")
             if region is None and not self._observers:  # a kept block, nobody watching
                 return
-            out = self.io[i].output(output, record.shape if record is not None else self._input_shape(i, args, kwargs))
+            io = self.io[i]
+            if unit.kind == "single" and not self._observers and io.main_output is None:  # no output to read
+                self._close(key)
+                return
+            out = io.output(output, record.shape if record is not None else io.input_shape(args, kwargs))
             if region is not None:
                 if unit.kind != "single":  # the next block's hand-off check needs these
                     region.last_output, region.last_outputs = out, output_refs(self.io[i], output)
@@ -245,12 +256,6 @@ class RematHandle:
                     observer(i, out, False)
 
         return eager(hook)
-
-    def _input_shape(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Size | None:
-        try:
-            return self.io[i].input_tensor(args, kwargs).shape
-        except ValueError:  # a kept block need not say which argument is its hidden state
-            return None
 
     def _after_model_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._open and output is None and exception_propagating():  # Note [6]: raised between blocks
@@ -279,7 +284,8 @@ class RematHandle:
         try:
             record.rng.restore()  # Note [3]
             with extra_run(module):
-                out = self.io[record.index].output(module(*args, **kwargs), record.shape)
+                run = applied.forward_past_own_hooks(module, self._own_hook_ids[record.index])  # Note [4]
+                out = self.io[record.index].output(run(*args, **kwargs), record.shape)
         finally:
             self.stats.stopped(fqn, started)
         if out is not None:
@@ -314,7 +320,7 @@ class RematHandle:
         region.generator = open_block_frame(action, recompute, context_fn, main, record.requires_grad)
 
     def _recompute_block(self, record: CallRecord, main: torch.Tensor) -> None:
-        with self._recomputing(), forked(record.rng.devices, record.rng.device_type):
+        with self._recomputing(), Forked(record.rng.devices, record.rng.device_type):
             self._run_block(record, main)
 
     def _enter_segment_block(self, i: int, p: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -325,7 +331,7 @@ class RematHandle:
             records = region.records
 
             def recompute(saved_main: torch.Tensor) -> None:
-                with self._recomputing(), forked(records[0].rng.devices, records[0].rng.device_type):
+                with self._recomputing(), Forked(records[0].rng.devices, records[0].rng.device_type):
                     current = saved_main
                     for rec in records:
                         current = self._run_block(rec, current)
@@ -359,7 +365,7 @@ class RematHandle:
         region = OpenRegion(unit, records=[record])
 
         def recompute(group_input: torch.Tensor) -> None:
-            with self._recomputing(), forked(record.rng.devices, record.rng.device_type):
+            with self._recomputing(), Forked(record.rng.devices, record.rng.device_type):
                 current = group_input
                 with torch.no_grad():
                     for rec in previous:

@@ -2,7 +2,7 @@
 
 :func:`suspend_all` is entered by code that runs blocks outside the step (the profiler, the meta estimator);
 the runtime's hooks ask :func:`all_suspended` and do nothing while it is true. The state is per thread, so a
-measurement in one thread does not switch plans off in another. :func:`counting` is the per-thread counter
+measurement in one thread does not switch plans off in another. :class:`Counting` is the per-thread counter
 it uses, shared with the runtime (a handle's own suspension and recomputation counters).
 """
 
@@ -10,25 +10,29 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 _STATE = threading.local()
 
 
-@contextmanager
-def counting(local: threading.local, name: str) -> Iterator[None]:
-    """Count ``local.<name>`` up while the context runs; restored on every exit, exceptions included."""
-    setattr(local, name, getattr(local, name, 0) + 1)
-    try:
-        yield
-    finally:
-        setattr(local, name, getattr(local, name) - 1)
+class Counting:
+    """Count ``local.<name>`` up while the context runs; restored on every exit, exceptions included. A class,
+    not a generator: it is entered around every recomputation, where a generator's frames cost."""
+
+    __slots__ = ("local", "name")
+
+    def __init__(self, local: threading.local, name: str) -> None:
+        self.local, self.name = local, name
+
+    def __enter__(self) -> None:
+        setattr(self.local, self.name, getattr(self.local, self.name, 0) + 1)
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self.local, self.name, getattr(self.local, self.name) - 1)
 
 
 def suspend_all() -> contextlib.AbstractContextManager[None]:
     """Within this context every applied plan is ignored in this thread (blocks run as without remat)."""
-    return counting(_STATE, "suspended")
+    return Counting(_STATE, "suspended")
 
 
 def all_suspended() -> bool:

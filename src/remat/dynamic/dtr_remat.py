@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..rng import forked
+from ..rng import Forked
 from ..sizes import format_bytes
 from .dtr_graph import CONST, FRESH, SCRATCH, SELF, ArgRef, Cell, Geometry, Record, Step, alias, geometry
 
@@ -44,7 +44,7 @@ def _conform(t: torch.Tensor, cell: Cell) -> torch.Tensor:
 def _run(step: Step, args: tuple, kwargs: dict) -> Any:
     if step.rng is None:
         return step.func(*args, **kwargs)
-    with forked(step.rng.devices, step.rng.device_type):
+    with Forked(step.rng.devices, step.rng.device_type):
         step.rng.restore()
         gen = kwargs.get("generator")
         if gen is None or step.generator_state is None:
