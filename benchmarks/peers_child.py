@@ -2,8 +2,8 @@
 
 ``python benchmarks/peers_child.py JOB_JSON`` prints one ``REMAT {json}`` line per record (the protocol of
 :mod:`remat.bench.childproc`). On the CPU the parent starts it with the whole-process meter's allocator
-settings (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``: freed tensors go back to the system);
-on CUDA the model, its copies and the batch live on the GPU and glibc is left alone. Then:
+settings (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 MALLOC_TOP_PAD_=131072``: freed tensors go
+back to the system); on CUDA the model, its copies and the batch live on the GPU and glibc is left alone. Then:
 
 1. ``remat.profile`` of the model, twice: eager, and with its blocks compiled (``compile_blocks``, the job's
    backend: the table remat plans compiled blocks from); on the CPU in a process of its own started with the

@@ -102,7 +102,8 @@ def measurement_section(res: Results) -> list[str]:
             "- `compile_budget` (torch.compile with `activation_memory_budget`) is invisible to the "
             "tracker; its memory is the whole-process high-water mark growth over the step (parameter "
             "gradients included), measured in a child process started with MALLOC_MMAP_THRESHOLD_=65536 "
-            "MALLOC_TRIM_THRESHOLD_=0, shown next to one eager no-checkpoint step measured the same way. "
+            "MALLOC_TRIM_THRESHOLD_=0 MALLOC_TOP_PAD_=131072, shown next to one eager no-checkpoint step measured "
+            "the same way. "
             "It is not comparable byte for byte with the tracker figures."
         )
     else:

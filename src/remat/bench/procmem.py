@@ -2,11 +2,12 @@
 
 The live-tensor tracker of :func:`remat.measure` does not see allocations made inside ``torch.compile``d
 code. On Linux the process's resident high-water mark does: in a process started with
-``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` (so tensors freed by the allocator go back to the
-operating system), writing ``5`` to ``/proc/self/clear_refs`` resets ``VmHWM`` to the current resident size;
-after the step, ``VmHWM`` minus the resident size before it is the step's peak growth. That growth includes
-the parameter gradients the step creates, which the tracker's ``activation_bytes`` leaves out, so the child
-also measures one eager no-checkpoint step of the same model the same way, and reports rank against that.
+``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 MALLOC_TOP_PAD_=131072`` (so tensors freed by the
+allocator go back to the operating system, and the heap grows by what is used), writing ``5`` to
+``/proc/self/clear_refs`` resets ``VmHWM`` to the current resident size; after the step, ``VmHWM`` minus the
+resident size before it is the step's peak growth. That growth includes the parameter gradients the step
+creates, which the tracker's ``activation_bytes`` leaves out, so the child also measures one eager
+no-checkpoint step of the same model the same way, and reports rank against that.
 
 The ``compile_budget`` run that uses this meter runs in a child process: see :mod:`remat.bench.compile_child`.
 """
@@ -18,7 +19,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+# MALLOC_TOP_PAD_ at glibc's default (128 KiB) as well: a parent started with the timing settings (a top pad of
+# 256 MiB) would otherwise pass its pad on, and the first sbrk of a step would lift the high-water mark by it.
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_TOP_PAD_": "131072"}
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 

@@ -16,8 +16,8 @@ Two ways compose correctly (``docs/compile.md`` has the details and examples):
 Measuring: remat's live-tensor tracker (``remat.measure()`` on CPU, the profiler) does not see buffers that
 compiled kernels allocate, so profile the model *before* compiling it (or pass ``costs=``), and measure compiled
 steps on CPU with the whole-process high-water mark (:func:`reset_peak_rss`, :func:`peak_rss_bytes`, in a
-process started with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so freed memory returns to the
-system) or on CUDA with ``torch.cuda.max_memory_allocated``.
+process started with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 MALLOC_TOP_PAD_=131072`` so freed
+memory returns to the system) or on CUDA with ``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
