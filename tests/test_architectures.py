@@ -26,6 +26,7 @@ import remat
 from remat.applied import COPY_MESSAGE
 from remat.chain import chain_name
 from remat.memory import LiveTensorTracker
+from remat.model_state import BufferSnapshot
 from remat.planners import minimum_peak_bytes
 from remat.profiler import BlockProfiler
 
@@ -193,6 +194,22 @@ def test_recomputation_leaves_batchnorm_statistics_as_a_plain_step(action: str) 
     after = _buffers(model)
     for name, value in plain.items():
         assert torch.equal(after[name], value), name
+
+
+def test_restored_statistics_leave_a_graph_that_saved_them_usable() -> None:
+    """BatchNorm in training saves its running statistics for backward; putting their values back after an extra
+    run must not move their versions, or that graph's backward fails as after an in-place change."""
+    norm = nn.BatchNorm1d(8).train()
+    before = {n: b.clone() for n, b in norm.named_buffers()}
+    snapshot = BufferSnapshot(norm)
+    x = torch.randn(16, 8, requires_grad=True)
+    loss = norm(x).square().sum()
+    assert not torch.equal(norm.running_mean, before["running_mean"])  # the run moved them
+    snapshot.restore()
+    loss.backward()
+    assert x.grad is not None
+    for name, value in norm.named_buffers():
+        assert torch.equal(value, before[name]), name
 
 
 def test_recomputation_sees_buffers_added_to_a_block_or_replaced_after_its_first_recompute() -> None:

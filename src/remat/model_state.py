@@ -6,8 +6,8 @@ plain step runs it once. Whatever such an extra run would change must be put bac
 * **buffers**: a BatchNorm in training mode updates its running statistics (and ``num_batches_tracked``) on every
   forward; torch's own checkpointing lets a recomputation update them a second time. :func:`buffers_kept`
   copies a module's persistent buffers (the ones in its ``state_dict``: model state, not constants or caches)
-  and puts back the values of those an extra run changed. Unchanged buffers are left alone, so a buffer that
-  an autograd graph saved (BatchNorm saves its running statistics) is not bumped to a new version.
+  and puts their values back without moving their versions, so a buffer that an autograd graph saved
+  (BatchNorm saves its running statistics) is not bumped to a new version.
 * **collected outputs**: Hugging Face collects ``output_hidden_states``, attentions and router logits with hooks
   on the layers while the model's forward runs; an isolated run inside that forward must not add to them
   (:func:`remat.hf_guards.outputs_not_collected`).
@@ -103,7 +103,7 @@ def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
 
 
 class BufferSnapshot:
-    """Copies of a module's persistent buffers; :meth:`restore` writes back the values that changed since.
+    """Copies of a module's persistent buffers; :meth:`restore` writes their values back.
 
     Both run outside every dispatch mode: inside a recomputation a selective-checkpoint mode counts the
     operators the block runs, and the copies are not the block's.
@@ -117,17 +117,19 @@ class BufferSnapshot:
         with torch.no_grad(), _disable_current_modes():
             self.saved = [(buffer, buffer.detach().clone()) for buffer in buffers]
 
-    def restore(self) -> int:
-        """Put back every buffer whose value changed; returns how many were."""
-        restored = 0
+    def restore(self) -> None:
+        """Put back every buffer's value. Through ``.data``: the buffer's version does not move (an autograd
+        graph may have saved it: BatchNorm saves its running statistics), and nothing is compared, which on
+        CUDA would wait for the device once per buffer."""
         if not self.saved:
-            return restored
+            return
         with torch.no_grad(), _disable_current_modes():
             for buffer, copy in self.saved:
-                if not torch.equal(buffer, copy):
-                    buffer.copy_(copy)
-                    restored += 1
-        return restored
+                if buffer.is_inference():  # no .data write outside inference mode: only where it changed
+                    if not torch.equal(buffer, copy):
+                        buffer.copy_(copy)
+                else:
+                    buffer.data.copy_(copy)
 
 
 @contextmanager
