@@ -8,7 +8,9 @@ benchmark (:mod:`peers_models`: HF GPT-2 with dropout 0.1 and Llama, built from 
 bf16 autocast. Each step is timed with ``time.process_time`` (CPU seconds, one intra-op thread), every
 contender once per round, the order reversed every other round; an A/A pair (the hand-written contender
 twice) shows the noise floor. Per case it prints the median of the per-round ratios remat / hand-written,
-with the 25th-75th percentile spread, and checks that remat's gradients equal the hand-written ones bitwise.
+with the 25th-75th percentile spread, the median per-round difference remat - hand-written of the forward
+(model call and loss) and of the backward (``+fwd ms``, ``+bwd ms``), and checks that remat's gradients equal
+the hand-written ones bitwise.
 
     python benchmarks/runtime_overhead.py [--rounds 30] [--models gpt2 llama] [--dtypes fp32 bf16]
         [--profile]   # also print remat's own Python time per step (cProfile) for CCCCCC
@@ -30,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_contenders import HandCheckpointed  # noqa: E402
-from peers_models import ModelSetting, block_list, build_model, forward_backward, make_batch  # noqa: E402
+from peers_device import precision_context  # noqa: E402
+from peers_models import ModelSetting, block_list, build_model, make_batch  # noqa: E402
 
 import remat  # noqa: E402
 
@@ -61,18 +64,21 @@ def run_setting(setting: ModelSetting, rounds: int, warmup: int, profile: bool) 
     handle = remat.apply(remat_model, remat_plan(remat_model, 0))
     plain = copy.deepcopy(base)
 
-    def step(model: torch.nn.Module, select: Callable[[], None]) -> Callable[[], float]:
-        def run() -> float:
+    def step(model: torch.nn.Module, select: Callable[[], None]) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:  # the forward's and the backward's CPU seconds
             select()
             model.zero_grad(set_to_none=True)
             torch.manual_seed(1)
             start = time.process_time()
-            forward_backward(model, batch, setting.dtype)
-            return time.process_time() - start
+            with precision_context(setting.dtype, "cpu"):
+                loss = model(**batch).loss
+            forward_done = time.process_time()
+            loss.backward()
+            return forward_done - start, time.process_time() - forward_done
 
         return run
 
-    contenders: dict[str, Callable[[], float]] = {"none": step(plain, lambda: None)}
+    contenders: dict[str, Callable[[], tuple[float, float]]] = {"none": step(plain, lambda: None)}
     for name, k in PLANS.items():
         plan = remat_plan(remat_model, k)
         contenders[f"hand-{name}"] = step(hand_model, lambda k=k: hand.use("plain", k))
@@ -91,11 +97,12 @@ def run_setting(setting: ModelSetting, rounds: int, warmup: int, profile: bool) 
     for _ in range(warmup):
         for run in contenders.values():
             run()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
+    parts: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     for r in range(rounds):
         order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
         for name in order:
-            times[name].append(contenders[name]())
+            parts[name].append(contenders[name]())
+    times = {name: [f + b for f, b in steps] for name, steps in parts.items()}
 
     rows: list[dict[str, float | str]] = []
     for name in PLANS:
@@ -103,12 +110,14 @@ def run_setting(setting: ModelSetting, rounds: int, warmup: int, profile: bool) 
         ratio = [a / b for a, b in zip(remat_t, hand_t, strict=True)]
         aa = [a / b for a, b in zip(aa_t, hand_t, strict=True)]
         vs_none = [a / b for a, b in zip(hand_t, times["none"], strict=True)]
+        remat_p, hand_p = parts[f"remat-{name}"], parts[f"hand-{name}"]
+        extra = [statistics.median((r[i] - h[i]) * 1e3 for r, h in zip(remat_p, hand_p, strict=True)) for i in (0, 1)]
         rows.append({
             "model": setting.model, "dtype": setting.dtype, "plan": name,
             "none_ms": statistics.median(times["none"]) * 1e3,
             "hand_ms": statistics.median(hand_t) * 1e3, "remat_ms": statistics.median(remat_t) * 1e3,
             "ratio": quantiles(ratio), "aa": quantiles(aa), "hand_vs_none": statistics.median(vs_none),
-            "exact": "yes" if exact[name] else "NO",
+            "exact": "yes" if exact[name] else "NO", "extra_fwd_ms": extra[0], "extra_bwd_ms": extra[1],
         })
     if profile:
         handle.set_plan(remat_plan(remat_model, 6))
@@ -144,7 +153,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s), CPU seconds "
           f"(time.process_time), {args.rounds} interleaved rounds, size {args.size!r}")
     header = (f"{'model':<6} {'dtype':<5} {'plan':<7} {'none ms':>8} {'hand ms':>8} {'remat ms':>9} "
-              f"{'remat/hand [q1-q3]':>22} {'A/A [q1-q3]':>22} {'hand/none':>9} {'grads equal':>11}")
+              f"{'remat/hand [q1-q3]':>22} {'A/A [q1-q3]':>22} {'hand/none':>9} {'grads equal':>11} "
+              f"{'+fwd ms':>8} {'+bwd ms':>8}")
     rows = []
     for model in args.models:
         for dtype in args.dtypes:
@@ -153,7 +163,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['model']:<6} {r['dtype']:<5} {r['plan']:<7} {r['none_ms']:>8.1f} {r['hand_ms']:>8.1f} "
               f"{r['remat_ms']:>9.1f} {fmt(r['ratio']):>22} {fmt(r['aa']):>22} {r['hand_vs_none']:>9.3f} "
-              f"{r['exact']:>11}")
+              f"{r['exact']:>11} {r['extra_fwd_ms']:>+8.2f} {r['extra_bwd_ms']:>+8.2f}")
 
 
 if __name__ == "__main__":
