@@ -146,10 +146,11 @@ def extra_run(module: nn.Module) -> AbstractContextManager[None]:
     """Run ``module`` in here when the step would not: its buffers are restored and its outputs not collected.
     Runs before every recomputation, so where there is nothing to guard (no persistent buffer, no Hugging Face
     output collection under way) it is a no-op context without generator frames."""
-    if not _buffer_slots(module) and not outputs_collected():  # a transformer layer: nothing to guard
+    collected = outputs_collected()
+    if not collected and not _buffer_slots(module):  # a transformer layer: nothing to guard, nothing to copy
         return _NOTHING_TO_GUARD
     snapshot = BufferSnapshot(module)
-    if not snapshot.saved and not outputs_collected():
+    if not snapshot.saved and not collected:
         return _NOTHING_TO_GUARD
     return _guarded(snapshot)
 

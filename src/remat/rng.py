@@ -59,6 +59,4 @@ class Forked:
     def __exit__(self, *exc: object) -> None:
         torch.set_rng_state(self.cpu)
         if self.devices:
-            module = torch.get_device_module(self.device_type)
-            for device, state in zip(self.devices, self.device_states, strict=True):
-                module.set_rng_state(state, device)
+            set_device_states(self.devices, self.device_states, device_type=self.device_type)
