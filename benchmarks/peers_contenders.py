@@ -166,9 +166,9 @@ def hand_contender(hand: HandCheckpointed, mode: str, k: int) -> Contender:
 
 def _short_actions(plan: remat.Plan) -> str:
     """``keep,checkpoint,segment:0,...`` as ``KCG..``: K keep, C checkpoint, S selective, G segment, M
-    memory-poor group, N nested, O offload."""
+    memory-poor group, N nested, O offload, P partition of a compiled block."""
     codes = {"keep": "K", "checkpoint": "C", "offload": "O"}
-    prefixes = {"selective": "S", "segment": "G", "memory_poor": "M", "nested": "N"}
+    prefixes = {"selective": "S", "segment": "G", "memory_poor": "M", "nested": "N", "partition": "P"}
     out = []
     for action in plan.actions.values():
         out.append(codes.get(action) or prefixes.get(action.split(":", 1)[0], "?"))

@@ -93,13 +93,14 @@ def test_dropout_under_compile_is_not_redrawn_in_recomputation() -> None:
 
 
 class CountingCompiler:
-    """An ``aot_eager``-like backend that counts compiled graphs and calls of the compiled forwards."""
+    """An ``aot_eager``-like backend that counts compiled graphs and calls of the compiled forwards; with
+    ``partition_fn`` (torch's min-cut partitioner, say) it partitions with that."""
 
     def __init__(self) -> None:
         self.graphs = 0
         self.calls = 0
 
-    def backend(self) -> object:
+    def backend(self, partition_fn: object = None) -> object:
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
 
@@ -114,7 +115,10 @@ class CountingCompiler:
             run._boxed_call = True  # type: ignore[attr-defined]
             return run
 
-        return aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, ex: make_boxed_func(gm.forward))
+        extra = {"partition_fn": partition_fn} if partition_fn is not None else {}
+        return aot_autograd(
+            fw_compiler=forward_compiler, bw_compiler=lambda gm, ex: make_boxed_func(gm.forward), **extra
+        )
 
 
 def test_sessions_refuse_to_profile_compiled_blocks() -> None:

@@ -5,8 +5,9 @@ run ``r`` is paired with keep's run ``r``. Per round, an action's recomputation 
 
 * ``checkpoint``, ``checkpoint+compress:`` and ``recompute+compress:``: keep's forward (the block runs again
   as it ran the first time; compressing and restoring fall into the overhead);
-* ``offload`` and ``compress:<format>``: the whole difference from keep (the copies or the compression in
-  forward, the copies back or the decompression in backward);
+* ``offload``, ``compress:<format>`` and ``partition:<budget>``: the whole difference from keep (the copies or
+  the compression in forward, the copies back or the decompression in backward; what the compiled backward
+  recomputes of a partitioned block);
 * a selective policy that offloads: its timed recomputation plus its forward's excess over keep's (the
   copies to host the forward queued);
 * any other selective policy: its timed recomputation, at most keep's forward.
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 from . import policies as _policies
 from .block_timing import Timing
+from .compiled_partitions import is_partition
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .lossy_actions import compresses_input, compresses_recompute, is_lossy
 
@@ -51,7 +53,7 @@ def recompute_of(action: str, run: Timing, keep: Timing) -> float:
         return 0.0
     if action == CHECKPOINT or compresses_input(action) or compresses_recompute(action):
         return keep_fwd
-    if action == OFFLOAD or is_lossy(action):
+    if action == OFFLOAD or is_lossy(action) or is_partition(action):
         return max((fwd - keep_fwd) + (bwd - keep_bwd), 0.0)
     if _policies.get(action[len(SELECTIVE_PREFIX) :]).offload is not None:
         return recompute + max(fwd - keep_fwd, 0.0)

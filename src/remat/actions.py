@@ -1,8 +1,9 @@
 """The action vocabulary of plans and how a chain's block actions group into units.
 
 A block's action is ``"keep"``, ``"checkpoint"``, ``"offload"``, ``"selective:<policy>"``, the lossy
-``"compress:<format>[:<policy>]"`` and ``"checkpoint+compress:<format>"`` (:mod:`remat.lossy_actions`), or a
-group action:
+``"compress:<format>[:<policy>]"`` and ``"checkpoint+compress:<format>"`` (:mod:`remat.lossy_actions`),
+``"partition:<budget>"`` on a compiled block (torch's partitioner under that budget, :mod:`remat.compiled_partitions`),
+or a group action:
 
 * ``"segment:<id>"``: consecutive blocks with the same id form one segment, recomputed in backward from the
   segment's stored input (the input of its first block).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from .compiled_partitions import budget_of, is_partition
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .lossy_actions import is_lossy, validate_lossy
 
@@ -83,12 +85,16 @@ def validate_action(action: str) -> None:
     if is_lossy(current):
         validate_lossy(current)
         return
+    if is_partition(current):
+        budget_of(current)
+        return
     for prefix in (SELECTIVE_PREFIX, SEGMENT_PREFIX, MEMORY_POOR_PREFIX):
         if current.startswith(prefix) and len(current) > len(prefix):
             return
     raise ValueError(
         f"unknown action {action!r}; use 'keep', 'checkpoint', 'offload', 'selective:<policy>', "
-        "'compress:<format>', 'checkpoint+compress:<format>', 'segment:<id>' or 'memory_poor:<id>'"
+        "'partition:<budget>', 'compress:<format>', 'checkpoint+compress:<format>', 'segment:<id>' or "
+        "'memory_poor:<id>'"
     )
 
 

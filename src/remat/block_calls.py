@@ -139,6 +139,11 @@ class CallPositions:
             return None
         return [self._position[(i, 1)] for i in range(len(self._calls))]
 
+    def planned(self, plan: Plan) -> list[set[str]]:
+        """Per block, the actions ``plan`` (whose entries these positions index) gives its calls."""
+        actions = list(plan.actions.values())
+        return [{actions[self._position[(i, k)]] for k in range(1, n + 1)} for i, n in enumerate(self._calls)]
+
     def position(self, i: int, k: int) -> int:
         """The plan position of block ``i``'s ``k``-th call."""
         return self._position[(i, (k - 1) % self._calls[i] + 1)]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import compiled_partitions
 from .action_times import action_times
 from .alloc_tracker import AllocationTracker, is_compiled
 from .block_bytes import ByteTerms, run_tracked, tensor_bytes, warm_up
@@ -23,7 +24,7 @@ from .blocks import (
     slot_value,
     without_caches,
 )
-from .costs import BlockCost
+from .costs import KEEP, BlockCost
 from .grad_error import block_grad_error
 from .lossy_actions import is_lossy
 from .memory import LiveTensorTracker
@@ -74,8 +75,12 @@ def measure_block(
         torch.random.fork_rng(devices=rng_devices, device_type=device.type),
         casts_uncached(),
     ):
-        if compiled:
-            for action in actions:  # what dynamo compiles on a first call is no cost of the action
+        if compiled:  # what dynamo compiles on a first call is no cost of the action
+            with compiled_partitions.RandomDraws(device) as draws:
+                warm_up(module, KEEP, args, kwargs, main, pick)
+            if draws.seen:  # a partition's recomputation would draw them anew (compiled_partitions, Invariant 3)
+                actions = [a for a in actions if not compiled_partitions.is_partition(a)]
+            for action in actions:
                 warm_up(module, action, args, kwargs, main, pick)
         for action in actions:
             trackers[action] = meter(device)

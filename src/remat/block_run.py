@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import compiled_partitions
 from .checkpointing import checkpoint
 from .compression import compressed_saving
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
@@ -29,11 +30,25 @@ from .precision import autocast_off
 from .recompute_compression import run_recompute_compressed
 
 
-def run_action(module: Callable[..., Any], action: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def run_action(
+    module: Callable[..., Any],
+    action: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    compiled: nn.Module | None = None,
+) -> Any:
     """``module(*args, **kwargs)`` under ``action``: plainly (``keep``), in a non-reentrant checkpoint
     (``checkpoint``, ``selective:<policy>``), with saved tensors on CPU (``offload``) or compressed
-    (``compress:<format>``), checkpointed from a compressed input (``checkpoint+compress:<format>``)."""
-    if action == KEEP:
+    (``compress:<format>``), checkpointed from a compressed input (``checkpoint+compress:<format>``), or as the
+    compiled variant of ``partition:<budget>``; ``compiled``: the module whose variant that is, where ``module``
+    is a callable around it."""
+    with compiled_partitions.running(compiled if compiled is not None else module, action):
+        return _run(module, action, args, kwargs)
+
+
+def _run(module: Callable[..., Any], action: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if action == KEEP or compiled_partitions.is_partition(action):
         return module(*args, **kwargs)
     if action == CHECKPOINT:
         return checkpoint(module, *args, **kwargs)

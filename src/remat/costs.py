@@ -90,6 +90,7 @@ KEEP = "keep"
 CHECKPOINT = "checkpoint"
 OFFLOAD = "offload"
 SELECTIVE_PREFIX = "selective:"
+PARTITION_PREFIX = "partition:"  # a compiled block partitioned under a budget (remat.compiled_partitions)
 
 
 @dataclass

@@ -1,15 +1,17 @@
 """The actions a block is profiled under: keep, checkpoint, the selective policies asked for, offload on CUDA
 and the lossy actions asked for (:func:`remat.lossy_actions.lossy_actions`, checked before any block runs); on
-a compiled block (``module.compile()``) only those that leave its compiled code compiled
-(:func:`compiled_block_actions`)."""
+a compiled block (``module.compile()``) only those that leave its compiled code compiled, and the partition
+actions it was compiled for (:func:`compiled_block_actions`, :mod:`remat.compiled_partitions`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch import nn
 
 from . import policies as _policies
+from .compiled_partitions import partition_actions
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .lossy_actions import lossy_actions
 
@@ -34,15 +36,20 @@ def default_actions(
     return actions + lossy_actions(lossy)
 
 
-def compiled_block_actions(fqn: str, actions: Sequence[str], asked: Sequence[str] = ()) -> list[str]:
-    """Of ``actions``, those a compiled block can run (:data:`COMPILED_BLOCK_ACTIONS`); the per-op policies
-    of the default set are left out. ``asked``: actions the caller named (``actions=``, ``lossy=``), refused
-    with an error when the compiled block cannot run them."""
-    refused = [a for a in asked if a not in COMPILED_BLOCK_ACTIONS]
+def compiled_block_actions(
+    fqn: str, actions: Sequence[str], asked: Sequence[str] = (), module: nn.Module | None = None
+) -> list[str]:
+    """Of ``actions``, those a compiled block can run (:data:`COMPILED_BLOCK_ACTIONS`), then the partition
+    actions ``module`` was compiled for (:mod:`remat.compiled_partitions`); the per-op policies of the default set
+    are left out. ``asked``: actions the caller named (``actions=``, ``lossy=``), refused with an error when the
+    compiled block cannot run them."""
+    partitions = partition_actions(module) if module is not None else []
+    refused = [a for a in asked if a not in COMPILED_BLOCK_ACTIONS and a not in partitions]
     if refused:
         raise ValueError(
             f"block {fqn!r} is compiled (module.compile()) and cannot be profiled under {refused}: a per-op "
             "policy does not reach the operators inside compiled code, and compression is not profiled there. "
             f"Profile compiled blocks under {list(COMPILED_BLOCK_ACTIONS)} only, or profile before compiling"
         )
-    return [a for a in actions if a in COMPILED_BLOCK_ACTIONS]
+    chosen = [a for a in actions if a in COMPILED_BLOCK_ACTIONS]
+    return chosen + [a for a in partitions if a not in chosen and (not asked or a in actions)]

@@ -32,8 +32,8 @@ A block the forward calls more than once has a row per call, ``<fqn>@<k>`` (:mod
 
 Compiled blocks (``module.compile()``, :func:`remat.integrations.compile.compile_blocks`) stay compiled: their
 bytes come from the allocator's events (:class:`~remat.alloc_tracker.AllocationTracker`), the step's tracker
-ignores compiled code, and they are profiled under keep, checkpoint and offload only
-(:func:`~remat.profiled_actions.compiled_block_actions`).
+ignores compiled code, and they are profiled under keep, checkpoint, offload and the partitions they were
+compiled for only (:func:`~remat.profiled_actions.compiled_block_actions`).
 It serves :func:`profile` and in-training profiling (the dynamic controllers wrap a first training step in it).
 """
 
@@ -177,7 +177,7 @@ class BlockProfiler:
                 self._tracker.mark(f"call{key[0]}.{key[1]}")
             actions = self.actions or default_actions(main.device, self.policies, self.lossy)
             if is_compiled(module):
-                actions = compiled_block_actions(name, actions, [*(self.actions or ()), *self.lossy])
+                actions = compiled_block_actions(name, actions, [*(self.actions or ()), *self.lossy], module)
             self._busy = True
             try:
                 # Step off every dispatch mode (the step's tracker included) so the block is timed and

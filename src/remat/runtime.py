@@ -10,9 +10,8 @@ forward the hooks read the current plan's units and open/close the matching regi
 * ``offload``, ``compress:`` and ``recompute+compress:``: saved tensors on the host, compressed, or re-run
   and compressed in backward (:mod:`remat.recompute_compression`); ``checkpoint+compress:``: its own frame.
 
-Nothing is re-wrapped on ``handle.set_plan``; ``handle.remove()`` leaves the model as it was; ``handle.stats``
-counts re-executions and recompute seconds. Recomputation replays RNG state (dropout), regions run with
-autocast's cast cache off, a block called more than once per forward is planned per call: Notes [1] to [8].
+``partition:<budget>`` runs a compiled block's variant of that budget. Nothing is re-wrapped on ``set_plan``;
+``remove()`` leaves the model as it was; ``stats`` counts re-executions and recompute seconds. Notes [1] to [8].
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import noop_context_fn
 
-from . import applied, policies
+from . import applied, compiled_partitions, policies
 from .actions import MEMORY_POOR
 from .block_calls import CallCounter, planned_calls
 from .blocks import BlockIO, BlocksArg, InputName, OutputName, block_ios, resolve_blocks
@@ -90,7 +89,7 @@ from .suspension import Counting, all_suspended
 # selective policies are looked up there, so a bad plan fails in set_plan, not in the middle of a forward. It is
 # not called during a forward (the hooks would look up units the open regions were not opened under). A backward
 # still to come for a finished forward recomputes under the plan that forward ran with: its frames hold their
-# own records.
+# own records. 'partition:<budget>' blocks run as keep does, their compiled variant chosen here (compiled_partitions).
 #
 # Note [6] Teardown.
 # remove() removes every hook, forgets open regions and deletes the mark on the model, which then behaves and
@@ -157,12 +156,10 @@ class RematHandle:
         for unit in units:
             if unit.kind == "single" and unit.action.startswith(SELECTIVE_PREFIX):
                 policies.get(unit.action[len(SELECTIVE_PREFIX) :])
+        compiled_partitions.select_for(self.blocks, positions.planned(plan))  # Note [5]
         self.plan, self._positions, self._names = plan, positions, list(plan.actions)
         self._single_positions = positions.single_call_positions()  # None: some block's calls are planned apart
-        self._unit_of = [None] * len(self._names)
-        for unit in units:
-            for i in range(unit.start, unit.end + 1):
-                self._unit_of[i] = unit
+        self._unit_of = [unit for unit in units for _ in range(unit.size)]
 
     @property
     def mask(self) -> dict[str, bool]:
@@ -178,6 +175,7 @@ class RematHandle:
     # ----- lifecycle -----
     def remove(self) -> None:
         """Remove every hook; the model behaves and serialises exactly as before ``apply`` (Note [6])."""
+        compiled_partitions.select_for(self.blocks, None)  # Note [5]
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -297,7 +295,7 @@ class RematHandle:
         self, i: int, p: int, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         action = unit.action
-        if action == KEEP:
+        if action == KEEP or compiled_partitions.is_partition(action):  # Note [5]: its compiled variant runs it
             return
         region = OpenRegion(unit)
         if action == OFFLOAD or (is_lossy(action) and not compresses_input(action)):

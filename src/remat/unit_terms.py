@@ -55,6 +55,7 @@ from itertools import accumulate
 import numpy as np
 
 from .actions import MEMORY_POOR, SEGMENT, SINGLE, Unit
+from .compiled_partitions import is_partition
 from .costs import CHECKPOINT, KEEP, OFFLOAD, BlockCost, CostTable
 
 GROUP_KINDS = (SEGMENT, MEMORY_POOR)
@@ -81,7 +82,7 @@ def temp_bytes(block: BlockCost) -> int:
 
 def reruns(action: str) -> int:
     """How often a block under the single-block ``action`` re-runs in backward."""
-    return 0 if action in (KEEP, OFFLOAD) else 1
+    return 0 if action in (KEEP, OFFLOAD) or is_partition(action) else 1
 
 
 def check_group_kind(kind: str) -> None:

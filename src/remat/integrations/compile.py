@@ -30,15 +30,23 @@ from torch import nn
 from ..applied import owner_of
 from ..blocks import resolve_blocks
 from ..chain import find_blocks
+from ..compiled_partitions import add_partitions
 
 
 def compile_blocks(
-    model: nn.Module, blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None = None, **compile_options: Any
+    model: nn.Module,
+    blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None = None,
+    *,
+    partition_budgets: Sequence[float] = (),
+    **compile_options: Any,
 ) -> list[tuple[str, nn.Module]]:
     """``module.compile(**compile_options)`` on every block of the chain, in place; returns the chain.
 
     The chain is the one remat applied to ``model`` (if any), else ``blocks`` or :func:`remat.find_blocks`.
-    Parameter names and ``state_dict`` keys do not change.
+    Parameter names and ``state_dict`` keys do not change. ``partition_budgets`` (fractions in [0, 1)) compile
+    each block once more per budget, partitioned by torch's min-cut partitioner under that activation memory
+    budget: :func:`remat.profile` then measures the actions ``partition:<budget>`` too, and plans may give each
+    block its own (:mod:`remat.compiled_partitions`). Each variant compiles on its first call.
     """
     handle = owner_of(model)
     if blocks is not None:
@@ -49,6 +57,8 @@ def compile_blocks(
         chain = find_blocks(model)
     for _, block in chain:
         block.compile(**compile_options)
+        if partition_budgets:
+            add_partitions(block, partition_budgets, **compile_options)
     return chain
 
 

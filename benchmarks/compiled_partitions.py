@@ -1,0 +1,185 @@
+"""remat on compiled blocks, with and without per-block partitions, against torch.compile's activation memory
+budget, at the same byte budgets.
+
+One model and precision of the peers benchmark (:mod:`peers_models`; Llama has no dropout, so its blocks can be
+partitioned exactly, see :mod:`remat.compiled_partitions`). Contenders, each on its own copy of the model:
+
+* ``torch.compile`` of the whole model, twice (the reference and its A/A pair);
+* ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` at each budget;
+* ``remat optimal`` on compiled blocks (``compile_blocks(..., partition_budgets=...)``), planned from
+  ``remat.profile`` of the compiled blocks at each budget's share of torch.compile's measured peak: with the
+  partitions (``partition:<b>`` actions among keep and checkpoint) and without them (keep, checkpoint and
+  segments only, what remat planned on compiled blocks before partitions).
+
+Peaks by ``remat.measure(allocations=True)`` (the allocator's events; they see compiled code), as ratios to
+torch.compile's; steps in CPU seconds (one intra-op thread), every contender once per round, the order reversed
+every other round, as ratios to torch.compile's step of the same round (median and 25th-75th percentiles).
+Gradients of remat's plans are compared with keep-all on the same compiled blocks (bitwise).
+
+    python benchmarks/compiled_partitions.py [--model llama] [--dtype fp32] [--rounds 10]
+        [--budgets 0.25 0.5 0.75] [--partitions 0.1 0.25 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers_child import use_timing_allocator  # noqa: E402
+from peers_contenders import budget_backend  # noqa: E402
+from peers_device import precision_context  # noqa: E402
+from peers_models import ModelSetting, build_model, forward_backward, make_batch  # noqa: E402
+
+import remat  # noqa: E402
+from remat.integrations.compile import compile_blocks  # noqa: E402
+
+WITHOUT_PARTITIONS = ["keep", "checkpoint", "segment", "memory_poor"]
+
+
+@dataclass
+class Contender:
+    name: str
+    budget: float | None
+    model: torch.nn.Module
+    forward: Callable[..., Any]
+    select: Callable[[], None] = lambda: None
+    plan: remat.Plan | None = None
+    peak: int = 0
+    grads: list[torch.Tensor] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+
+def step(c: Contender, batch: dict[str, torch.Tensor], dtype: str) -> float:
+    c.model.zero_grad(set_to_none=True)
+    c.select()
+    torch.manual_seed(0)
+    start = time.process_time()
+    forward_backward(c.forward, batch, dtype)
+    return time.process_time() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama")
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    parser.add_argument("--partitions", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    parser.add_argument("--backend", default="inductor")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    use_timing_allocator()
+    setting = ModelSetting(args.model, args.dtype)
+    batch = make_batch(setting)
+    base = build_model(setting)
+
+    contenders = [Contender("torch.compile", None, m := copy.deepcopy(base), torch.compile(m, backend=args.backend))]
+    contenders.append(
+        Contender("torch.compile (A/A)", None, m := copy.deepcopy(base), torch.compile(m, backend=args.backend))
+    )
+    for b in args.budgets:
+        contenders.append(
+            Contender(
+                "torch.compile + activation_memory_budget",
+                b,
+                m := copy.deepcopy(base),
+                torch.compile(m, backend=budget_backend(args.backend, b)),
+            )
+        )
+    blocks = copy.deepcopy(base)
+    compile_blocks(blocks, backend=args.backend, partition_budgets=args.partitions)
+    started = time.perf_counter()
+    with precision_context(setting.dtype, "cpu"):
+        costs = remat.profile(blocks, batch, clock=time.process_time, holds_output=False)
+    profile_s = time.perf_counter() - started
+    handle = remat.apply(blocks, remat.plan(costs, "none"))
+    keep_all = Contender(
+        "remat keep-all on compiled blocks",
+        None,
+        blocks,
+        blocks,
+        select=lambda: handle.set_plan(remat.plan(costs, "none")),
+    )
+
+    def measure(c: Contender) -> None:
+        for _ in range(2):
+            step(c, batch, setting.dtype)
+        with remat.measure("cpu", allocations=True) as meter:
+            step(c, batch, setting.dtype)
+        c.peak = meter.activation_bytes
+        c.grads = [p.grad.clone() for p in c.model.parameters()]
+
+    for c in contenders:
+        measure(c)
+    measure(keep_all)
+    reference = contenders[0].peak
+    for b in args.budgets:
+        for name, actions in (
+            ("remat optimal, partitions", None),
+            ("remat optimal, no partitions", WITHOUT_PARTITIONS),
+        ):
+            try:
+                plan = remat.plan(costs, "optimal", int(b * reference), actions=actions)
+            except remat.BudgetError as err:
+                print(f"{name} at {b:g}: {err}")
+                continue
+            c = Contender(name, b, blocks, blocks, select=lambda plan=plan: handle.set_plan(plan), plan=plan)
+            measure(c)
+            contenders.append(c)
+    timed = [*contenders, keep_all]
+    for r in range(args.rounds):
+        for c in timed if r % 2 == 0 else timed[::-1]:
+            c.seconds.append(step(c, batch, setting.dtype))
+    for r in range(args.rounds):
+        for c in timed:
+            c.ratios.append(c.seconds[r] / contenders[0].seconds[r])
+
+    print(f"# remat on compiled blocks with partitions, against torch.compile's budget ({args.model} {args.dtype})\n")
+    print(f"Command: `python benchmarks/compiled_partitions.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ")
+    print(
+        f"torch {torch.__version__}, backend `{args.backend}`, 1 intra-op thread, {args.rounds} rounds; "
+        f"partition budgets {args.partitions}; profile of the compiled blocks {profile_s:.1f} s wall; "
+        f"torch.compile's peak {reference / 2**20:.2f} MiB, step {statistics.median(contenders[0].seconds) * 1e3:.1f} "
+        "ms CPU\n"
+    )
+    print(
+        "| contender | budget | plan | peak/ref | fits | step/ref median [q1-q3] | pred/meas step | pred/meas peak | "
+        "gradients |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in timed:
+        q = statistics.quantiles(c.ratios, n=4) if len(c.ratios) > 1 else [c.ratios[0]] * 3
+        fits = "—" if c.budget is None else ("yes" if c.peak <= c.budget * reference * 1.02 else "no")
+        plan = pred_step = pred_peak = grads = "—"
+        if c.plan is not None:
+            sim = remat.simulate(costs, c.plan.actions)
+            plan = " ".join(a.replace("partition:", "P") for a in c.plan.actions.values())
+            pred_step = f"{sim.step_s / statistics.median(c.seconds):.2f}"
+            pred_peak = f"{sim.peak_bytes / c.peak:.2f}"
+            grads = (
+                "bitwise"
+                if all(torch.equal(a, b) for a, b in zip(c.grads, keep_all.grads, strict=True))
+                else ("differ")
+            )
+        budget = "ref" if c.budget is None else f"{c.budget:.0%}"
+        print(
+            f"| {c.name} | {budget} | {plan} | {c.peak / reference:.2f} | {fits} | {q[1]:.2f} [{q[0]:.2f}-{q[2]:.2f}] "
+            f"| {pred_step} | {pred_peak} | {grads} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,263 @@
+"""Compiled blocks partitioned under torch.compile's activation memory budget: one compiled variant per budget,
+and the ``partition:<budget>`` actions that choose among them.
+
+Inside a compiled graph, torch.compile's min-cut partitioner decides which values the forward saves for the
+backward and which the backward recomputes; ``torch._functorch.config.activation_memory_budget`` (a fraction in
+[0, 1] of what saving everything would keep) caps what it saves, recomputing the cheapest operators first. torch
+applies one budget to one graph. For a block compiled with ``module.compile()``, :func:`add_partitions` compiles
+one more callable per budget (the same code, partitioned under that budget) and :func:`select` makes one of
+them the block's compiled call, by swapping the module's ``_compiled_call_impl``: no recompilation once a
+variant has run. So a plan can give every block its own partition (``"partition:0.5"``), measured by the
+profiler like any other action, and the planner chooses per block among keep, checkpoint and the partitions
+under one byte budget; ``keep``, ``checkpoint`` and ``offload`` run the block's own compiled call.
+
+Invariants, enforced here:
+
+1. A block runs the variant of a partition action only while :func:`running` or :func:`select` put it there;
+   :func:`running` puts the block's own compiled call back on every exit path.
+2. A partition action names a budget the block was compiled for (:func:`add_partitions`); any other is refused
+   with the budgets it has, before a step runs.
+3. Partitions stay exact: the profiler measures them only on blocks whose forward draws no random numbers
+   (:class:`RandomDraws`; dropout in training mode does). torch's partitioner may recompute a random operator in
+   the backward, where it draws anew (under a budget of 0 it recomputes everything), so on such a block the
+   gradients would differ from a step that keeps everything. A hand-written plan is not checked for this.
+
+The budget takes effect where the compiler partitions with torch's min-cut partitioner: ``inductor`` (the
+default) and ``aot_eager_decomp_partition``. Under another backend every variant saves what keep saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .costs import KEEP, PARTITION_PREFIX
+
+__all__ = [
+    "RandomDraws",
+    "add_partitions",
+    "budget_of",
+    "check",
+    "is_partition",
+    "partition_action",
+    "partition_actions",
+    "running",
+    "select",
+    "select_for",
+    "variants_for",
+]
+
+
+class _Variants:
+    """A compiled block's own compiled call and one compiled call per budget."""
+
+    def __init__(self, own: Callable[..., Any]) -> None:
+        self.own = own
+        self.by_budget: dict[float, Callable[..., Any]] = {}
+
+
+_VARIANTS: weakref.WeakKeyDictionary[nn.Module, _Variants] = weakref.WeakKeyDictionary()
+
+
+class RandomDraws:
+    """Whether the code run within this context advanced the CPU generator or ``device``'s (``.seen``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seen = False
+
+    def _states(self) -> list[torch.Tensor]:
+        states = [torch.get_rng_state()]
+        if self.device.type == "cuda":
+            states.append(torch.cuda.get_rng_state(self.device))
+        return states
+
+    def __enter__(self) -> RandomDraws:
+        self._before = self._states()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        after = self._states()
+        self.seen = any(not torch.equal(a, b) for a, b in zip(self._before, after, strict=True))
+
+
+def is_partition(action: str) -> bool:
+    return action.startswith(PARTITION_PREFIX)
+
+
+def partition_action(budget: float) -> str:
+    """The action name of ``budget``: ``"partition:0.5"``."""
+    return f"{PARTITION_PREFIX}{float(budget):g}"
+
+
+def budget_of(action: str) -> float:
+    """The budget a ``partition:<budget>`` action names; ValueError for a malformed one."""
+    text = action[len(PARTITION_PREFIX) :]
+    try:
+        budget = float(text)
+    except ValueError:
+        budget = -1.0
+    if not 0.0 <= budget < 1.0:
+        raise ValueError(
+            f"action {action!r}: a partition action names a budget in [0, 1) (a fraction of what the compiled "
+            "block saves without one), like 'partition:0.5'"
+        )
+    return budget
+
+
+_BACKENDS: dict[Hashable, Callable[..., Any]] = {}
+
+
+def _budgeted(
+    backend: str | Callable[..., Any],
+    mode: str | None,
+    options: dict[str, Any] | None,
+    dynamic: bool | None,
+    budget: float,
+) -> Callable[..., Any]:
+    """The compiler ``torch.compile(backend=..., mode=..., options=...)`` would use, run with the activation
+    memory budget ``budget``, as a backend of its own: dynamo keeps compiled graphs per backend, so each budget
+    gets its own graph. One callable per setting and budget, shared by every block and model of the process:
+    dynamo compiles a new entry for each backend callable it has not seen, up to its recompile limit."""
+    key = (backend, mode, repr(sorted((options or {}).items())), dynamic, budget)
+    if key not in _BACKENDS:
+        compiler = _compiler(backend, mode, options, dynamic)
+        import torch._functorch.config as functorch_config
+
+        def budgeted(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            with functorch_config.patch(activation_memory_budget=budget):
+                return compiler(graph, example_inputs)
+
+        _BACKENDS[key] = budgeted
+    return _BACKENDS[key]
+
+
+def _compiler(
+    backend: str | Callable[..., Any], mode: str | None, options: dict[str, Any] | None, dynamic: bool | None
+) -> Callable[..., Any]:
+    """The compiler ``torch.compile(backend=..., mode=..., options=...)`` would use."""
+    if callable(backend):
+        if mode is not None or options is not None:
+            raise ValueError("mode= and options= go with the 'inductor' backend, not with a backend callable")
+        return backend
+    if backend == "inductor":
+        return torch._TorchCompileInductorWrapper(mode, options, dynamic)
+    if mode is not None or options is not None:
+        raise ValueError(f"mode= and options= go with the 'inductor' backend, not with {backend!r}")
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend(backend)
+
+
+def add_partitions(module: nn.Module, budgets: Iterable[float], **compile_options: Any) -> list[str]:
+    """Compile ``module`` (already ``module.compile(**compile_options)``d) once more per budget in ``budgets``,
+    with the same ``compile_options``, partitioned under that activation memory budget; returns the actions
+    (``partition:<budget>``). Each variant compiles on its first call. Dynamo's recompile limit is raised to 8
+    entries per variant (the block's own call included): they all compile the same code (``Module._call_impl``)."""
+    own = getattr(module, "_compiled_call_impl", None)
+    if own is None:
+        raise ValueError(
+            f"{type(module).__name__} is not compiled: call module.compile(...) (or "
+            "remat.integrations.compile.compile_blocks) before adding partition budgets"
+        )
+    options = dict(compile_options)
+    setting = (options.pop("backend", "inductor"), options.pop("mode", None), options.pop("options", None))
+    variants = _VARIANTS.get(module)
+    if variants is None:
+        variants = _VARIANTS[module] = _Variants(own)
+    actions = []
+    for budget in budgets:
+        action = partition_action(budget)
+        budget = budget_of(action)
+        if budget not in variants.by_budget:
+            backend = _budgeted(*setting, options.get("dynamic"), budget)
+            variants.by_budget[budget] = torch.compile(module._call_impl, backend=backend, **options)
+        actions.append(action)
+    dynamo = torch._dynamo.config
+    dynamo.cache_size_limit = max(dynamo.cache_size_limit, 8 * (1 + len(variants.by_budget)))
+    return actions
+
+
+def partition_actions(module: nn.Module) -> list[str]:
+    """The partition actions ``module`` was compiled for, smallest budget first (none where it has none)."""
+    variants = _VARIANTS.get(module)
+    return [partition_action(b) for b in sorted(variants.by_budget)] if variants is not None else []
+
+
+def _variant(module: nn.Module, action: str) -> Callable[..., Any]:
+    variants = _VARIANTS.get(module)
+    if not is_partition(action):
+        return variants.own if variants is not None else module._compiled_call_impl
+    budget = budget_of(action)
+    if variants is None or budget not in variants.by_budget:
+        has = partition_actions(module)
+        raise ValueError(
+            f"action {action!r}: {type(module).__name__} was not compiled for that budget (it has "
+            f"{has or 'no partition budgets'}); compile it with "
+            f"remat.integrations.compile.compile_blocks(model, partition_budgets=[{budget:g}, ...])"
+        )
+    return variants.by_budget[budget]
+
+
+def check(module: nn.Module, action: str) -> None:
+    """Raise ValueError unless ``module`` can run ``action`` (Invariant 2)."""
+    if is_partition(action):
+        _variant(module, action)
+
+
+def select(module: nn.Module, action: str) -> None:
+    """Make the variant of ``action`` ``module``'s compiled call (its own one for every non-partition action)."""
+    if is_partition(action) or module in _VARIANTS:
+        module._compiled_call_impl = _variant(module, action)
+
+
+def variants_for(blocks: Sequence[tuple[str, nn.Module]], planned: Sequence[set[str]]) -> list[str]:
+    """Per block, the action whose compiled variant it runs in a step whose plan gives its calls the actions
+    ``planned[i]``: its partition action, else ``keep`` (its own compiled call). Raises ValueError where a block
+    cannot run its partition action (Invariant 2) or its calls disagree: the variant is chosen before a block's
+    compiled call starts, so every call of a block in a step runs the same one."""
+    chosen = []
+    for (fqn, module), actions in zip(blocks, planned, strict=True):
+        partitions = {a for a in actions if is_partition(a)}
+        if partitions and len(actions) > 1:
+            raise ValueError(
+                f"block {fqn!r} is called more than once per forward and its calls are planned {sorted(actions)}: "
+                "a compiled block runs one partition per step, so give all its calls the same partition action"
+            )
+        action = partitions.pop() if partitions else KEEP
+        try:
+            check(module, action)
+        except ValueError as err:
+            raise ValueError(f"block {fqn!r}: {err}") from None
+        chosen.append(action)
+    return chosen
+
+
+def select_for(blocks: Sequence[tuple[str, nn.Module]], planned: Sequence[set[str]] | None) -> None:
+    """Make each block's compiled call the variant :func:`variants_for` chooses (its own one where ``planned`` is
+    None); nothing changes where any block's choice is refused."""
+    actions = variants_for(blocks, planned) if planned is not None else [KEEP] * len(blocks)
+    for (_, module), action in zip(blocks, actions, strict=True):
+        select(module, action)
+
+
+@contextlib.contextmanager
+def running(module: Any, action: str) -> Iterator[None]:
+    """``module`` runs the variant of ``action`` within this context (its own compiled call for any other
+    action, where it has variants), and what it ran before after it (Invariant 1). Nothing changes for a module
+    without variants under a non-partition action."""
+    has_variants = isinstance(module, nn.Module) and module in _VARIANTS
+    if not is_partition(action) and not has_variants:
+        yield
+        return
+    previous = module._compiled_call_impl
+    module._compiled_call_impl = _variant(module, action)
+    try:
+        yield
+    finally:
+        module._compiled_call_impl = previous

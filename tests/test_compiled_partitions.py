@@ -1,0 +1,140 @@
+"""Compiled blocks partitioned under torch.compile's activation memory budget (``partition:<budget>``): profiled
+like any action, chosen per block by the planner, switched between steps without recompiling, measured within 5%
+of their prediction by the allocation meter, with gradients bitwise equal to keep-all on the compiled blocks; not
+offered on blocks that draw random numbers (dropout), whose recomputation would draw them anew.
+
+The backend is the counting ``aot_eager``-like one of ``test_integration_compile``, partitioning with torch's
+min-cut partitioner (which reads the budget): no code generation."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch._dynamo
+from functorch.compile import min_cut_rematerialization_partition
+from test_integration_compile import CountingCompiler
+from torch import nn
+from toy_models import lm_step
+
+import remat
+from remat import compiled_partitions
+from remat.integrations.compile import compile_blocks
+from remat.simulator import no_checkpoint_peak
+
+BATCH_IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+BATCH = {"input_ids": BATCH_IDS, "labels": BATCH_IDS}
+BUDGETS = (0.0, 0.5)
+
+
+@pytest.fixture
+def model() -> nn.Module:
+    """A tiny Llama (no dropout)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=3, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=256, max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def _applied(model: nn.Module, counter: CountingCompiler, budgets: tuple[float, ...] = BUDGETS) -> remat.RematHandle:
+    handle = remat.apply(model, remat.Plan({fqn: "keep" for fqn, _ in remat.find_blocks(model)}))
+    backend = counter.backend(partition_fn=min_cut_rematerialization_partition)  # the partitioner reading budgets
+    compile_blocks(model, backend=backend, partition_budgets=budgets)
+    return handle
+
+
+def test_partitions_are_profiled_and_save_less_under_smaller_budgets(model: nn.Module) -> None:
+    _applied(model, CountingCompiler())
+    costs = remat.profile(model, BATCH, holds_output=False)
+    for row in costs.blocks:
+        assert set(row.saved_bytes) == {"keep", "checkpoint", "partition:0", "partition:0.5"}
+        assert row.saved("partition:0") < row.saved("partition:0.5") < row.saved("keep")
+        assert row.time_cost("partition:0") >= 0
+
+
+def test_plans_with_partitions_fit_and_keep_gradients(model: nn.Module) -> None:
+    counter = CountingCompiler()
+    handle = _applied(model, counter)
+    lm_step(model, BATCH)
+    reference = lm_step(model, BATCH)  # keep-all on the compiled blocks
+    costs = remat.profile(model, BATCH, holds_output=False)
+    chosen = set()
+    for share in (0.6, 0.75, 0.9):
+        plan = remat.plan(costs, "optimal", share)
+        chosen |= set(plan.actions.values())
+        handle.set_plan(plan)
+        lm_step(model, BATCH)  # a variant compiles on its first call
+        calls = counter.calls
+        with remat.measure("cpu", allocations=True) as measured:
+            step = lm_step(model, BATCH)
+        assert counter.calls > calls  # ran compiled, not eagerly
+        assert measured.activation_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.05), plan.actions
+        assert measured.activation_bytes <= share * no_checkpoint_peak(costs) * 1.02
+        torch.testing.assert_close(step, reference, rtol=0, atol=0)  # loss and gradients bitwise
+    assert any(compiled_partitions.is_partition(a) for a in chosen), chosen
+
+
+def test_blocks_that_draw_random_numbers_are_not_partitioned(make_gpt2: Callable[..., nn.Module]) -> None:
+    torch._dynamo.reset()
+    dropout = make_gpt2(n_layer=2, n_embd=32, n_head=2, seed=0)  # dropout 0.1, training mode
+    _applied(dropout, CountingCompiler())
+    costs = remat.profile(dropout, BATCH, holds_output=False)
+    assert all(set(row.saved_bytes) == {"keep", "checkpoint"} for row in costs.blocks)
+    without = make_gpt2(n_layer=2, n_embd=32, n_head=2, seed=0, dropout=0.0)
+    _applied(without, CountingCompiler())
+    costs = remat.profile(without, BATCH, holds_output=False)
+    assert all("partition:0.5" in row.saved_bytes for row in costs.blocks)
+
+
+def test_set_plan_switches_variants_without_recompiling(model: nn.Module) -> None:
+    counter = CountingCompiler()
+    handle = _applied(model, counter)
+    fqns = [fqn for fqn, _ in remat.find_blocks(model)]
+    plans = [remat.Plan({fqn: action for fqn in fqns}) for action in ("partition:0", "partition:0.5", "keep")]
+    saved = []
+    for plan in plans:  # each variant compiles once
+        handle.set_plan(plan)
+        lm_step(model, BATCH)
+    graphs = counter.graphs
+    for plan in plans * 2:
+        handle.set_plan(plan)
+        with remat.measure("cpu", allocations=True) as measured:
+            lm_step(model, BATCH)
+        saved.append(measured.activation_bytes)
+    assert counter.graphs == graphs
+    assert saved[:3] == saved[3:]
+    assert saved[0] < saved[1] < saved[2]
+
+
+def test_remove_puts_each_blocks_own_compiled_call_back(model: nn.Module) -> None:
+    handle = _applied(model, CountingCompiler())
+    blocks = [block for _, block in remat.find_blocks(model)]
+    own = [block._compiled_call_impl for block in blocks]
+    handle.set_plan(remat.Plan({fqn: "partition:0" for fqn, _ in remat.find_blocks(model)}))
+    assert all(block._compiled_call_impl is not o for block, o in zip(blocks, own, strict=True))
+    handle.remove()
+    assert all(block._compiled_call_impl is o for block, o in zip(blocks, own, strict=True))
+
+
+def test_partition_actions_name_what_is_missing(model: nn.Module) -> None:
+    eager = copy.deepcopy(model)
+    handle = _applied(model, CountingCompiler())
+    fqns = [fqn for fqn, _ in remat.find_blocks(model)]
+    with pytest.raises(ValueError, match=r"not compiled for that budget \(it has \['partition:0', 'partition:0.5'\]"):
+        handle.set_plan(remat.Plan({fqn: "partition:0.3" for fqn in fqns}))
+    assert handle.plan.actions == {fqn: "keep" for fqn in fqns}  # the refused plan left the handle as it was
+    with pytest.raises(ValueError, match=r"budget in \[0, 1\)"):
+        remat.Plan({fqn: "partition:1.5" for fqn in fqns})
+    with pytest.raises(ValueError, match="partition_budgets="):
+        remat.apply(eager, remat.Plan({fqn: "partition:0.5" for fqn in fqns}))
+    with pytest.raises(ValueError, match="is not compiled"):
+        compiled_partitions.add_partitions(nn.Linear(2, 2), [0.5])
+    with pytest.raises(ValueError, match="called more than once"):
+        compiled_partitions.variants_for([("layers.0", eager.model.layers[0])], [{"partition:0.5", "keep"}])
