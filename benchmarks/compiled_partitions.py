@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_child import use_timing_allocator  # noqa: E402
-from peers_contenders import budget_backend  # noqa: E402
+from peers_contenders import PARTITION_BUDGETS, budget_backend  # noqa: E402
 from peers_device import precision_context  # noqa: E402
 from peers_models import ModelSetting, build_model, forward_backward, make_batch  # noqa: E402
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75])
-    parser.add_argument("--partitions", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    parser.add_argument("--partitions", type=float, nargs="+", default=list(PARTITION_BUDGETS))
     parser.add_argument("--backend", default="inductor")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

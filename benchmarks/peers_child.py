@@ -83,7 +83,7 @@ def profile(job: dict[str, Any], compiled: bool = False) -> remat.CostTable:
     device = pd.check_device(job.get("device", "cpu"))
     model = pm.build_model(setting, seed=job["seed"]).to(device)
     if compiled:
-        compile_blocks(model, backend=job["backend"])  # the chain remat.profile finds
+        compile_blocks(model, backend=job["backend"], partition_budgets=pc.PARTITION_BUDGETS)  # the chain profiled
     # Times in the clock the steps are timed in: CPU seconds with one intra-op thread on the CPU, however busy
     # the machine; wall-clock otherwise.
     clock = time.process_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter

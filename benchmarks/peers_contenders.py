@@ -16,8 +16,9 @@ Peers, written as a user writes them:
 
 remat, through its public API: ``remat.profile`` once, then ``remat.plan`` + ``remat.apply`` for the static
 strategies and ``optimal``, ``remat.PGAC`` and ``remat.DTR`` at the budget; and ``optimal`` on compiled blocks
-(``remat.integrations.compile.compile_blocks``), planned from ``remat.profile`` of the compiled-block model
-(what the compiled graphs save and how long they take, under keep and checkpoint). Compiled contenders are
+(``remat.integrations.compile.compile_blocks`` with :data:`PARTITION_BUDGETS`), planned from ``remat.profile``
+of the compiled-block model (what the compiled graphs save and how long they take, under keep, checkpoint and
+each partition budget, on blocks without random draws). Compiled contenders are
 measured with ``remat.measure(allocations=True)`` (the allocator's events), which sees compiled code and
 leaves it compiled, where eager ones use the live-tensor tracker.
 """
@@ -42,6 +43,8 @@ from remat.simulator import no_checkpoint_peak
 
 EAGER = "eager"
 COMPILED = "compiled"
+# torch.compile's activation memory budgets each compiled block is also compiled under (partition:<budget> actions)
+PARTITION_BUDGETS = (0.1, 0.25, 0.5)
 
 aten = torch.ops.aten
 # What a user's "save the matmuls" policy names: matrix products and the attention kernels, the CPU's and
@@ -209,7 +212,7 @@ class ContenderSet:
         self.add(Contender("compiled", "torch.compile", COMPILED, model, compiled, grad_reference="compiled",
                            tracker=False, allocations=True), None)
         handle = remat.apply(model := self.copy(), remat.plan(self.costs, "none"))
-        compile_blocks(model, backend=self.backend)
+        compile_blocks(model, backend=self.backend, partition_budgets=PARTITION_BUDGETS)
         self._remat_compiled = handle
         keep = handle.plan
         predicted = remat.plan(self.compiled_costs, "none") if self.compiled_costs is not None else None

@@ -29,7 +29,6 @@ default) and ``aot_eager_decomp_partition``. Under another backend every variant
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -61,7 +60,13 @@ class _Variants:
         self.by_budget: dict[float, Callable[..., Any]] = {}
 
 
-_VARIANTS: weakref.WeakKeyDictionary[nn.Module, _Variants] = weakref.WeakKeyDictionary()
+# Held by the module itself, as its own compiled call is: each variant refers to the module (a bound method), so
+# a registry outside it would keep it alive.
+_ATTRIBUTE = "_remat_partitions"
+
+
+def _variants_of(module: Any) -> _Variants | None:
+    return module.__dict__.get(_ATTRIBUTE) if isinstance(module, nn.Module) else None
 
 
 class RandomDraws:
@@ -167,9 +172,9 @@ def add_partitions(module: nn.Module, budgets: Iterable[float], **compile_option
         )
     options = dict(compile_options)
     setting = (options.pop("backend", "inductor"), options.pop("mode", None), options.pop("options", None))
-    variants = _VARIANTS.get(module)
+    variants = _variants_of(module)
     if variants is None:
-        variants = _VARIANTS[module] = _Variants(own)
+        variants = module.__dict__[_ATTRIBUTE] = _Variants(own)
     actions = []
     for budget in budgets:
         action = partition_action(budget)
@@ -185,12 +190,12 @@ def add_partitions(module: nn.Module, budgets: Iterable[float], **compile_option
 
 def partition_actions(module: nn.Module) -> list[str]:
     """The partition actions ``module`` was compiled for, smallest budget first (none where it has none)."""
-    variants = _VARIANTS.get(module)
+    variants = _variants_of(module)
     return [partition_action(b) for b in sorted(variants.by_budget)] if variants is not None else []
 
 
 def _variant(module: nn.Module, action: str) -> Callable[..., Any]:
-    variants = _VARIANTS.get(module)
+    variants = _variants_of(module)
     if not is_partition(action):
         return variants.own if variants is not None else module._compiled_call_impl
     budget = budget_of(action)
@@ -212,7 +217,7 @@ def check(module: nn.Module, action: str) -> None:
 
 def select(module: nn.Module, action: str) -> None:
     """Make the variant of ``action`` ``module``'s compiled call (its own one for every non-partition action)."""
-    if is_partition(action) or module in _VARIANTS:
+    if is_partition(action) or _variants_of(module) is not None:
         module._compiled_call_impl = _variant(module, action)
 
 
@@ -251,8 +256,7 @@ def running(module: Any, action: str) -> Iterator[None]:
     """``module`` runs the variant of ``action`` within this context (its own compiled call for any other
     action, where it has variants), and what it ran before after it (Invariant 1). Nothing changes for a module
     without variants under a non-partition action."""
-    has_variants = isinstance(module, nn.Module) and module in _VARIANTS
-    if not is_partition(action) and not has_variants:
+    if not is_partition(action) and _variants_of(module) is None:
         yield
         return
     previous = module._compiled_call_impl
