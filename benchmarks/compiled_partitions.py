@@ -104,14 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     with precision_context(setting.dtype, "cpu"):
         costs = remat.profile(blocks, batch, clock=time.process_time, holds_output=False)
     profile_s = time.perf_counter() - started
-    handle = remat.apply(blocks, remat.plan(costs, "none"))
+    keep_plan = remat.plan(costs, "none")
+    handle = remat.apply(blocks, keep_plan)
     keep_all = Contender(
-        "remat keep-all on compiled blocks",
-        None,
-        blocks,
-        blocks,
-        select=lambda: handle.set_plan(remat.plan(costs, "none")),
-    )
+        "remat keep-all on compiled blocks", None, blocks, blocks, select=lambda: handle.set_plan(keep_plan),
+        plan=keep_plan,
+    )  # fmt: skip
 
     def measure(c: Contender) -> None:
         for _ in range(2):
@@ -138,6 +136,24 @@ def main(argv: list[str] | None = None) -> int:
             c = Contender(name, b, blocks, blocks, select=lambda plan=plan: handle.set_plan(plan), plan=plan)
             measure(c)
             contenders.append(c)
+    # remat at the peak torch.compile's budget measured: the comparison at the same measured peak
+    same_peak: list[tuple[Contender, Contender]] = []
+    for peer in [c for c in contenders if c.name.startswith("torch.compile +")]:
+        try:
+            plan = remat.plan(costs, "optimal", peer.peak)
+        except remat.BudgetError:
+            continue
+        c = Contender(
+            f"remat optimal, partitions, at the peak of torch's budget {peer.budget:g}",
+            peer.peak / reference,
+            blocks,
+            blocks,
+            select=lambda plan=plan: handle.set_plan(plan),
+            plan=plan,
+        )
+        measure(c)
+        contenders.append(c)
+        same_peak.append((peer, c))
     timed = [*contenders, keep_all]
     for r in range(args.rounds):
         for c in timed if r % 2 == 0 else timed[::-1]:
@@ -177,6 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {c.name} | {budget} | {plan} | {c.peak / reference:.2f} | {fits} | {q[1]:.2f} [{q[0]:.2f}-{q[2]:.2f}] "
             f"| {pred_step} | {pred_peak} | {grads} |"
+        )
+    print("\nAt the same measured peak (remat planned at the peak torch.compile's budget reached; paired per round):\n")
+    print(
+        "| torch.compile budget | its peak/ref | its step/ref | remat plan | remat peak/ref | remat step/ref | "
+        "remat / torch.compile |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for peer, c in same_peak:
+        paired = statistics.median(a / b for a, b in zip(c.seconds, peer.seconds, strict=True))
+        plan = " ".join(a.replace("partition:", "P") for a in c.plan.actions.values())
+        print(
+            f"| {peer.budget:g} | {peer.peak / reference:.2f} | {statistics.median(peer.ratios):.2f} | {plan} | "
+            f"{c.peak / reference:.2f} | {statistics.median(c.ratios):.2f} | {paired:.3f} |"
         )
     return 0
 
