@@ -18,7 +18,8 @@ Invariants, enforced here:
 2. A partition action names a budget the block was compiled for (:func:`add_partitions`); any other is refused
    with the budgets it has, before a step runs.
 3. Partitions stay exact: the profiler measures them only on blocks whose forward draws no random numbers
-   (:class:`RandomDraws`; dropout in training mode does). torch's partitioner may recompute a random operator in
+   (:class:`RandomDraws` here, applied by :func:`remat.block_measure.measure_block`; dropout in training mode
+   draws). torch's partitioner may recompute a random operator in
    the backward, where it draws anew (under a budget of 0 it recomputes everything), so on such a block the
    gradients would differ from a step that keeps everything. A hand-written plan is not checked for this.
 
