@@ -38,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import remat
 from remat.bench.static_plans import uniform_plan
+from remat.compiled_partitions import budgeted_backend
 from remat.integrations.compile import compile_blocks
 from remat.simulator import no_checkpoint_peak
 
@@ -298,18 +299,10 @@ class ContenderSet:
 
 def budget_backend(name: str, budget: float) -> Callable[..., Any]:
     """The compiler ``name`` called with ``torch._functorch.config.activation_memory_budget = budget``, as a
-    backend of its own: dynamo keeps compiled graphs per backend, and two models of one class would otherwise
-    share the graph compiled first, whatever the budget was then."""
-    import torch._functorch.config as functorch_config
-    from torch._dynamo import lookup_backend
-
-    compiler = lookup_backend(name)
-
-    def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        with functorch_config.patch(activation_memory_budget=budget):
-            return compiler(graph, example_inputs)
-
-    return backend
+    backend of its own (remat's, which its partitions of compiled blocks use): dynamo keeps compiled graphs per
+    backend, and two models of one class would otherwise share the graph compiled first, whatever the budget was
+    then."""
+    return budgeted_backend(name, None, None, None, budget)
 
 
 def _dtr_info(dtr: Any) -> dict[str, Any]:

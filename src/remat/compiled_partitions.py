@@ -42,6 +42,7 @@ __all__ = [
     "RandomDraws",
     "add_partitions",
     "budget_of",
+    "budgeted_backend",
     "check",
     "is_partition",
     "partition_action",
@@ -119,7 +120,7 @@ def budget_of(action: str) -> float:
 _BACKENDS: dict[Hashable, Callable[..., Any]] = {}
 
 
-def _budgeted(
+def budgeted_backend(
     backend: str | Callable[..., Any],
     mode: str | None,
     options: dict[str, Any] | None,
@@ -181,7 +182,7 @@ def add_partitions(module: nn.Module, budgets: Iterable[float], **compile_option
         action = partition_action(budget)
         budget = budget_of(action)
         if budget not in variants.by_budget:
-            backend = _budgeted(*setting, options.get("dynamic"), budget)
+            backend = budgeted_backend(*setting, options.get("dynamic"), budget)
             variants.by_budget[budget] = torch.compile(module._call_impl, backend=backend, **options)
         actions.append(action)
     dynamo = torch._dynamo.config
