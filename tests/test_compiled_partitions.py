@@ -1,10 +1,11 @@
 """Compiled blocks partitioned under torch.compile's activation memory budget (``partition:<budget>``): profiled
 like any action, chosen per block by the planner, switched between steps without recompiling, measured within 5%
-of their prediction by the allocation meter, with gradients bitwise equal to keep-all on the compiled blocks; not
-offered on blocks that draw random numbers (dropout), whose recomputation would draw them anew.
+of their prediction by the allocation meter, with gradients bitwise equal to keep-all on the compiled blocks; on
+blocks that draw random numbers (dropout) offered only where the variant saves what the forward drew (inductor,
+a budget in (0, 1)).
 
-The backend is the counting ``aot_eager``-like one of ``test_integration_compile``, partitioning with torch's
-min-cut partitioner (which reads the budget): no code generation."""
+The backend is mostly the counting ``aot_eager``-like one of ``test_integration_compile``, partitioning with
+torch's min-cut partitioner (which reads the budget): no code generation; one test compiles with inductor."""
 
 from __future__ import annotations
 
@@ -93,6 +94,26 @@ def test_blocks_that_draw_random_numbers_are_not_partitioned(make_gpt2: Callable
     assert all("partition:0.5" in row.saved_bytes for row in costs.blocks)
 
 
+def test_inductor_partitions_keep_dropout_exact(make_gpt2: Callable[..., nn.Module]) -> None:
+    """Under inductor the variants of budgets in (0, 1) save the forward's seeds (``save_draws_pass``), so blocks
+    with dropout are partitioned and their gradients stay bitwise equal to keep-all on the compiled blocks. torch's
+    own budget path, without the pass, recomputes the seeds in the backward and the gradients differ
+    (pytorch/pytorch#190758); under a budget of 0 torch recomputes everything, so it is not offered here."""
+    torch._dynamo.reset()
+    model = make_gpt2(n_layer=2, n_embd=32, n_head=2, seed=0)  # dropout 0.1, training mode
+    handle = remat.apply(model, remat.Plan({fqn: "keep" for fqn, _ in remat.find_blocks(model)}))
+    compile_blocks(model, backend="inductor", partition_budgets=(0.0, 0.5))
+    reference = lm_step(model, BATCH)
+    costs = remat.profile(model, BATCH, holds_output=False)
+    assert all(set(row.saved_bytes) == {"keep", "checkpoint", "partition:0.5"} for row in costs.blocks)
+    fqns = [fqn for fqn, _ in remat.find_blocks(model)]
+    handle.set_plan(remat.Plan({fqn: "partition:0.5" for fqn in fqns}))
+    with remat.measure("cpu", allocations=True) as measured:
+        step = lm_step(model, BATCH)
+    assert measured.activation_bytes < 0.9 * no_checkpoint_peak(costs)
+    torch.testing.assert_close(step, reference, rtol=0, atol=0)  # loss and gradients bitwise
+
+
 def test_set_plan_switches_variants_without_recompiling(model: nn.Module) -> None:
     counter = CountingCompiler()
     handle = _applied(model, counter)
@@ -138,3 +159,24 @@ def test_partition_actions_name_what_is_missing(model: nn.Module) -> None:
         compiled_partitions.add_partitions(nn.Linear(2, 2), [0.5])
     with pytest.raises(ValueError, match="called more than once"):
         compiled_partitions.variants_for([("layers.0", eager.model.layers[0])], [{"partition:0.5", "keep"}])
+
+
+def test_save_draws_pass_marks_seeded_operators_after_the_passes_before_it() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    draw = graph.call_function(torch.ops.aten.rand_like.default, (x,))
+    plain = graph.call_function(torch.ops.aten.mul.Tensor, (x, draw))
+    graph.output(plain)
+    seen: list[str] = []
+    mark = compiled_partitions.save_draws_pass([lambda g: seen.append("first"), lambda g: seen.append("second")])
+    mark(graph)
+    assert seen == ["first", "second"]
+    assert draw.meta["recompute"] == CheckpointPolicy.MUST_SAVE
+    assert "recompute" not in plain.meta
+    assert compiled_partitions.save_draws_pass().uuid() != mark.uuid()
+    assert compiled_partitions.saves_draws_under("inductor", None, 0.5)
+    assert not compiled_partitions.saves_draws_under("inductor", None, 0.0)
+    assert not compiled_partitions.saves_draws_under("aot_eager", None, 0.5)
+    assert not compiled_partitions.saves_draws_under("inductor", {"joint_custom_post_pass": None}, 0.5)

@@ -78,8 +78,12 @@ def measure_block(
         if compiled:  # what dynamo compiles on a first call is no cost of the action
             with compiled_partitions.RandomDraws(device) as draws:
                 warm_up(module, KEEP, args, kwargs, main, pick)
-            if draws.seen:  # a partition's recomputation would draw them anew (compiled_partitions, Invariant 3)
-                actions = [a for a in actions if not compiled_partitions.is_partition(a)]
+            if draws.seen:  # a partition's recomputation may draw them anew (compiled_partitions, Invariant 3)
+                actions = [
+                    a
+                    for a in actions
+                    if not compiled_partitions.is_partition(a) or compiled_partitions.saves_draws(module, a)
+                ]
             for action in actions:
                 warm_up(module, action, args, kwargs, main, pick)
         for action in actions:

@@ -17,11 +17,16 @@ Invariants, enforced here:
    :func:`running` puts the block's own compiled call back on every exit path.
 2. A partition action names a budget the block was compiled for (:func:`add_partitions`); any other is refused
    with the budgets it has, before a step runs.
-3. Partitions stay exact: the profiler measures them only on blocks whose forward draws no random numbers
-   (:class:`RandomDraws` here, applied by :func:`remat.block_measure.measure_block`; dropout in training mode
-   draws). torch's partitioner may recompute a random operator in
-   the backward, where it draws anew (under a budget of 0 it recomputes everything), so on such a block the
-   gradients would differ from a step that keeps everything. A hand-written plan is not checked for this.
+3. Partitions stay exact: on a block whose forward draws random numbers (:class:`RandomDraws` here, applied by
+   :func:`remat.block_measure.measure_block` around the block's first call; dropout in training mode draws),
+   the profiler measures only the partitions whose compiled variant keeps what the forward drew
+   (:func:`saves_draws`). torch's partitioner, under a budget below 1, may recompute a random operator in the
+   backward, where it draws anew, and the gradients differ from a step that keeps everything
+   (pytorch/pytorch#190758). Under inductor with a budget in (0, 1) the variant is compiled with
+   :func:`save_draws_pass`, a joint-graph pass that marks every seeded operator (inductor's seeds, one small integer
+   tensor per graph) ``MUST_SAVE``: the backward regenerates the same masks from the saved seeds. A budget of 0
+   returns the graph inputs as the saved set whatever is marked, and other backends do not run inductor's
+   joint-graph passes, so their variants do not save draws. A hand-written plan is not checked for this.
 
 The budget takes effect where the compiler partitions with torch's min-cut partitioner: ``inductor`` (the
 default) and ``aot_eager_decomp_partition``. Under another backend every variant saves what keep saves.
@@ -30,11 +35,13 @@ default) and ``aot_eager_decomp_partition``. Under another backend every variant
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 from .costs import KEEP, PARTITION_PREFIX
 
@@ -48,6 +55,9 @@ __all__ = [
     "partition_action",
     "partition_actions",
     "running",
+    "save_draws_pass",
+    "saves_draws",
+    "saves_draws_under",
     "select",
     "select_for",
     "variants_for",
@@ -60,6 +70,7 @@ class _Variants:
     def __init__(self, own: Callable[..., Any]) -> None:
         self.own = own
         self.by_budget: dict[float, Callable[..., Any]] = {}
+        self.saves_draws: dict[float, bool] = {}
 
 
 # Held by the module itself, as its own compiled call is: each variant refers to the module (a bound method), so
@@ -91,6 +102,43 @@ class RandomDraws:
     def __exit__(self, *exc: Any) -> None:
         after = self._states()
         self.seen = any(not torch.equal(a, b) for a, b in zip(self._before, after, strict=True))
+
+
+def save_draws_pass(previous: Any = None) -> Callable[[torch.fx.Graph], None]:
+    """An inductor joint-graph pass (``torch._inductor.config.joint_custom_post_pass``) that marks every seeded
+    operator's output (inductor's seeds; aten's random operators where inductor leaves them) ``MUST_SAVE``, so
+    the partitioner saves it rather than drawing it again in the backward (Invariant 3); it runs ``previous``,
+    the passes configured before (one, a list or None), first."""
+    return _save_draws_type()(previous)
+
+
+@functools.cache
+def _save_draws_type() -> type:
+    from torch._inductor.custom_graph_pass import CustomGraphPass  # imported on use: 2 s at import time
+
+    class SaveDraws(CustomGraphPass):
+        def __init__(self, previous: Any) -> None:
+            # torch takes one pass or a list of them
+            self.previous = (
+                list(previous) if isinstance(previous, (list, tuple)) else [] if previous is None else [previous]
+            )
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for earlier in self.previous:
+                earlier(graph)
+            for node in graph.nodes:
+                if node.op == "call_function" and _seeded(node.target):
+                    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+        def uuid(self) -> Any:  # the FX graph cache's key
+            earlier = [p.uuid() if isinstance(p, CustomGraphPass) else p for p in self.previous]
+            return ("remat.compiled_partitions.save_draws_pass", 1, *earlier)
+
+    return SaveDraws
+
+
+def _seeded(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
 def is_partition(action: str) -> bool:
@@ -134,14 +182,28 @@ def budgeted_backend(
     key = (backend, mode, repr(sorted((options or {}).items())), dynamic, budget)
     if key not in _BACKENDS:
         compiler = _compiler(backend, mode, options, dynamic)
+        save_draws = saves_draws_under(backend, options, budget)
         import torch._functorch.config as functorch_config
 
         def budgeted(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            with functorch_config.patch(activation_memory_budget=budget):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(functorch_config.patch(activation_memory_budget=budget))
+                if save_draws:
+                    import torch._inductor.config as inductor_config
+
+                    marks = save_draws_pass(inductor_config.joint_custom_post_pass)
+                    stack.enter_context(inductor_config.patch(joint_custom_post_pass=marks))
                 return compiler(graph, example_inputs)
 
         _BACKENDS[key] = budgeted
     return _BACKENDS[key]
+
+
+def saves_draws_under(backend: str | Callable[..., Any], options: dict[str, Any] | None, budget: float) -> bool:
+    """Whether :func:`budgeted_backend` compiles variants that keep what the forward draws (Invariant 3):
+    inductor, under a budget in (0, 1), with no joint-graph pass of the user's in ``options`` to replace
+    :func:`save_draws_pass`."""
+    return backend == "inductor" and 0.0 < budget < 1.0 and "joint_custom_post_pass" not in (options or {})
 
 
 def _compiler(
@@ -184,6 +246,7 @@ def add_partitions(module: nn.Module, budgets: Iterable[float], **compile_option
         if budget not in variants.by_budget:
             backend = budgeted_backend(*setting, options.get("dynamic"), budget)
             variants.by_budget[budget] = torch.compile(module._call_impl, backend=backend, **options)
+            variants.saves_draws[budget] = saves_draws_under(setting[0], setting[2], budget)
         actions.append(action)
     dynamo = torch._dynamo.config
     dynamo.cache_size_limit = max(dynamo.cache_size_limit, 8 * (1 + len(variants.by_budget)))
@@ -194,6 +257,15 @@ def partition_actions(module: nn.Module) -> list[str]:
     """The partition actions ``module`` was compiled for, smallest budget first (none where it has none)."""
     variants = _variants_of(module)
     return [partition_action(b) for b in sorted(variants.by_budget)] if variants is not None else []
+
+
+def saves_draws(module: nn.Module, action: str) -> bool:
+    """Whether ``module``'s variant of the partition ``action`` keeps what its forward draws, so that it stays
+    exact on a block with dropout (Invariant 3); False for any other action or a budget it was not compiled for."""
+    variants = _variants_of(module)
+    if variants is None or not is_partition(action):
+        return False
+    return variants.saves_draws.get(budget_of(action), False)
 
 
 def _variant(module: nn.Module, action: str) -> Callable[..., Any]:
