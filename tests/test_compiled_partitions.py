@@ -107,10 +107,12 @@ def test_inductor_partitions_keep_dropout_exact(make_gpt2: Callable[..., nn.Modu
     costs = remat.profile(model, BATCH, holds_output=False)
     assert all(set(row.saved_bytes) == {"keep", "checkpoint", "partition:0.5"} for row in costs.blocks)
     fqns = [fqn for fqn, _ in remat.find_blocks(model)]
-    handle.set_plan(remat.Plan({fqn: "partition:0.5" for fqn in fqns}))
+    plan = remat.Plan.from_actions(costs, ["partition:0.5"] * len(fqns))
+    handle.set_plan(plan)
     with remat.measure("cpu", allocations=True) as measured:
         step = lm_step(model, BATCH)
     assert measured.activation_bytes < 0.9 * no_checkpoint_peak(costs)
+    assert measured.activation_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.05)
     torch.testing.assert_close(step, reference, rtol=0, atol=0)  # loss and gradients bitwise
 
 
@@ -180,3 +182,31 @@ def test_save_draws_pass_marks_seeded_operators_after_the_passes_before_it() -> 
     assert not compiled_partitions.saves_draws_under("inductor", None, 0.0)
     assert not compiled_partitions.saves_draws_under("aot_eager", None, 0.5)
     assert not compiled_partitions.saves_draws_under("inductor", {"joint_custom_post_pass": None}, 0.5)
+
+
+class _Marks:
+    """A tracker's readings by mark, as ``ByteTerms.from_trackers`` reads them."""
+
+    def __init__(self, fwd_peak: int, saved: int, bwd_peak: int) -> None:
+        self.fwd_peak, self.saved, self.bwd_peak = fwd_peak, saved, bwd_peak
+
+    def bytes_at(self, mark: str) -> int:
+        assert mark == "fwd_end"
+        return self.saved
+
+    def peak_between(self, start: str, end: str) -> int:
+        return self.fwd_peak if (start, end) == ("start", "fwd_end") else self.bwd_peak
+
+
+def test_a_partitions_backward_term_is_its_own_peak_below_or_above_keeps() -> None:
+    """A partitioned backward recomputes only what the compiled backward needs next, so its peak may stay below
+    keep's; its forward computes what keep's does while saving less, so its own forward peak bounds it too."""
+    from remat.block_bytes import ByteTerms
+
+    keep = _Marks(fwd_peak=100, saved=80, bwd_peak=120)
+    lower = ByteTerms.from_trackers({"keep": keep, "partition:0.1": _Marks(fwd_peak=100, saved=10, bwd_peak=60)})
+    assert lower.bwd_extra == {"partition:0.1": 100 - 120}  # the forward's peak, above the backward's
+    low = ByteTerms.from_trackers({"keep": keep, "partition:0.1": _Marks(fwd_peak=40, saved=10, bwd_peak=60)})
+    assert low.bwd_extra == {"partition:0.1": 60 - 120}
+    checkpointed = ByteTerms.from_trackers({"keep": keep, "checkpoint": _Marks(fwd_peak=40, saved=10, bwd_peak=60)})
+    assert checkpointed.bwd_extra == {}  # others are read as rebuilding keep's saved tensors, never lower

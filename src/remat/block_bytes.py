@@ -18,6 +18,7 @@ from torch import nn
 from .alloc_tracker import AllocationTracker
 from .block_run import backward_releasing_output, clear_grads, run_action
 from .blocks import main_tensor
+from .compiled_partitions import is_partition
 from .costs import KEEP
 from .lossy_actions import compresses_input, is_lossy
 from .memory import LiveTensorTracker
@@ -100,9 +101,10 @@ class ByteTerms:
                 # the block retains, and its backward peak counts the input once.
                 saved[action] -= input_bytes
                 bwd_peak[action] -= input_bytes
-            if is_lossy(action):
-                # A lossy forward holds full tensors and their compressed copies at once, above what keep's
-                # forward transient predicts: its higher peak goes into the one term the simulator reads.
+            if is_lossy(action) or is_partition(action):
+                # A lossy forward holds full tensors and their compressed copies at once, and a partitioned one
+                # computes what keep's does while saving less: keep's forward transient does not describe either,
+                # so the action's own forward peak goes into the one term the simulator reads.
                 bwd_peak[action] = max(bwd_peak[action], t.peak_between("start", "fwd_end"))
         keep = trackers[KEEP]
         return cls(
@@ -110,10 +112,11 @@ class ByteTerms:
             fwd_temp=max(0, keep.peak_between("start", "fwd_end") - saved[KEEP]),
             bwd_temp=max(0, bwd_peak[KEEP] - saved[KEEP]),
             # how much higher the backward peaked under an action than under keep (only the positive ones, but
-            # also the negative ones of lossy actions: their backward restores one node's tensors at a time)
+            # also the negative ones of lossy and partitioned actions: their backward restores one node's
+            # tensors at a time, or recomputes only what the compiled backward needs next)
             bwd_extra={
                 a: p - bwd_peak[KEEP]
                 for a, p in bwd_peak.items()
-                if a != KEEP and (p > bwd_peak[KEEP] or (is_lossy(a) and p < bwd_peak[KEEP]))
+                if a != KEEP and (p > bwd_peak[KEEP] or ((is_lossy(a) or is_partition(a)) and p < bwd_peak[KEEP]))
             },
         )
