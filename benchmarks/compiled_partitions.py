@@ -6,6 +6,7 @@ inductor remat's partitions save the forward's seeds and stay exact with dropout
 :mod:`remat.compiled_partitions`). Contenders, each on its own copy of the model:
 
 * ``torch.compile`` of the whole model, twice (the reference and its A/A pair);
+* ``block.compile()`` on each block, without remat: what compiling blocks instead of the whole model costs;
 * ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` at each budget;
 * ``remat optimal`` on compiled blocks (``compile_blocks(..., partition_budgets=...)``), planned from
   ``remat.profile`` of the compiled blocks at each budget's share of torch.compile's measured peak: with the
@@ -15,9 +16,9 @@ inductor remat's partitions save the forward's seeds and stay exact with dropout
 Peaks by ``remat.measure(allocations=True)`` (the allocator's events; they see compiled code), as ratios to
 torch.compile's; steps in CPU seconds (one intra-op thread), every contender once per round, the order reversed
 every other round, as ratios to torch.compile's step of the same round (median and 25th-75th percentiles).
-Gradients of remat's plans are compared with keep-all on the same compiled blocks, those of torch.compile's
-budgets with torch.compile's own (every step from the same seed; compiled code draws dropout its own way, so each
-is compared with its own reference).
+Gradients of remat's plans (and of the blocks compiled without remat) are compared with keep-all on the same
+compiled blocks, those of torch.compile's budgets with torch.compile's own (every step from the same seed;
+compiled code draws dropout its own way, so each is compared with its own reference).
 
     python benchmarks/compiled_partitions.py [--model llama] [--dtype fp32] [--rounds 10]
         [--budgets 0.25 0.5 0.75] [--partitions 0.1 0.25 0.5]
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_child import use_timing_allocator  # noqa: E402
 from peers_contenders import PARTITION_BUDGETS, budget_backend  # noqa: E402
 from peers_device import precision_context  # noqa: E402
-from peers_models import ModelSetting, build_model, forward_backward, make_batch  # noqa: E402
+from peers_models import ModelSetting, block_list, build_model, forward_backward, make_batch  # noqa: E402
 
 import remat  # noqa: E402
 from remat.integrations.compile import compile_blocks  # noqa: E402
@@ -110,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
                 torch.compile(m, backend=budget_backend(args.backend, b)),
             )
         )
+    plain_blocks = copy.deepcopy(base)
+    for block in block_list(plain_blocks):  # what compiling blocks costs without remat: the floor of remat's plans
+        block.compile(backend=args.backend)
+    per_block = Contender("block.compile() on each block, no remat", None, plain_blocks, plain_blocks)
     blocks = copy.deepcopy(base)
     compile_blocks(blocks, backend=args.backend, partition_budgets=args.partitions)
     started = time.perf_counter()
@@ -133,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for c in contenders:
         measure(c)
+    measure(per_block)
     measure(keep_all)
     reference = contenders[0].peak
     for b in args.budgets:
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         measure(c)
         contenders.append(c)
         same_peak.append((peer, c))
-    timed = [*contenders, keep_all]
+    timed = [*contenders, per_block, keep_all]
     for r in range(args.rounds):
         for c in timed if r % 2 == 0 else timed[::-1]:
             c.seconds.append(step(c, batch, setting.dtype))
@@ -196,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = " ".join(a.replace("partition:", "P") for a in c.plan.actions.values())
             pred_step = f"{sim.step_s / statistics.median(c.seconds):.2f}"
             pred_peak = f"{sim.peak_bytes / c.peak:.2f}"
+            grads = compare_grads(c.grads, keep_all.grads)
+        elif c is per_block:
             grads = compare_grads(c.grads, keep_all.grads)
         elif c is not contenders[0]:
             grads = compare_grads(c.grads, contenders[0].grads)
