@@ -85,9 +85,14 @@ def test_plans_with_partitions_fit_and_keep_gradients(model: nn.Module) -> None:
 def test_blocks_that_draw_random_numbers_are_not_partitioned(make_gpt2: Callable[..., nn.Module]) -> None:
     torch._dynamo.reset()
     dropout = make_gpt2(n_layer=2, n_embd=32, n_head=2, seed=0)  # dropout 0.1, training mode
-    _applied(dropout, CountingCompiler())
+    handle = _applied(dropout, CountingCompiler())
     costs = remat.profile(dropout, BATCH, holds_output=False)
     assert all(set(row.saved_bytes) == {"keep", "checkpoint"} for row in costs.blocks)
+    handle.set_plan(remat.Plan({fqn: "partition:0.5" for fqn, _ in remat.find_blocks(dropout)}))  # by hand
+    with pytest.raises(RuntimeError, match=r"drew random numbers .* under 'partition:0.5'"):
+        lm_step(dropout, BATCH)
+    dropout.eval()  # draws nothing: the same variants run
+    lm_step(dropout, BATCH)
     without = make_gpt2(n_layer=2, n_embd=32, n_head=2, seed=0, dropout=0.0)
     _applied(without, CountingCompiler())
     costs = remat.profile(without, BATCH, holds_output=False)

@@ -26,7 +26,8 @@ Invariants, enforced here:
    :func:`save_draws_pass`, a joint-graph pass that marks every seeded operator (inductor's seeds, one small integer
    tensor per graph) ``MUST_SAVE``: the backward regenerates the same masks from the saved seeds. A budget of 0
    returns the graph inputs as the saved set whatever is marked, and other backends do not run inductor's
-   joint-graph passes, so their variants do not save draws. A hand-written plan is not checked for this.
+   joint-graph passes, so their variants do not save draws: such a variant raises once a call of it draws
+   (a hand-written plan), before the backward could use what it drew.
 
 The budget takes effect where the compiler partitions with torch's min-cut partitioner: ``inductor`` (the
 default) and ``aot_eager_decomp_partition``. Under another backend every variant saves what keep saves.
@@ -245,12 +246,37 @@ def add_partitions(module: nn.Module, budgets: Iterable[float], **compile_option
         budget = budget_of(action)
         if budget not in variants.by_budget:
             backend = budgeted_backend(*setting, options.get("dynamic"), budget)
-            variants.by_budget[budget] = torch.compile(module._call_impl, backend=backend, **options)
+            variant = torch.compile(module._call_impl, backend=backend, **options)
             variants.saves_draws[budget] = saves_draws_under(setting[0], setting[2], budget)
+            if not variants.saves_draws[budget]:
+                variant = _refusing_draws(variant, module, action)
+            variants.by_budget[budget] = variant
         actions.append(action)
     dynamo = torch._dynamo.config
     dynamo.cache_size_limit = max(dynamo.cache_size_limit, 8 * (1 + len(variants.by_budget)))
     return actions
+
+
+def _refusing_draws(variant: Callable[..., Any], module: nn.Module, action: str) -> Callable[..., Any]:
+    """``variant``, raising once a call with grad enabled draws random numbers (Invariant 3: its backward may
+    draw them anew)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return variant(*args, **kwargs)
+        device = next(module.parameters(), torch.empty(0)).device
+        with RandomDraws(device) as draws:
+            output = variant(*args, **kwargs)
+        if draws.seen:
+            raise RuntimeError(
+                f"{type(module).__name__} drew random numbers (dropout in training mode?) under {action!r}, whose "
+                "compiled variant may draw them again in the backward, so the gradients would differ from keep's. "
+                "Plan this block with a partition budget in (0, 1) compiled with the 'inductor' backend (its "
+                "variants save the forward's seeds), or with keep or checkpoint; remat.profile offers only those"
+            )
+        return output
+
+    return run
 
 
 def partition_actions(module: nn.Module) -> list[str]:
