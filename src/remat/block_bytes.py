@@ -77,6 +77,12 @@ def warm_up(
     clear_grads(module)
 
 
+def _reads_own_peaks(action: str) -> bool:
+    """Whether the simulator reads ``action``'s own forward and backward peaks, lower than keep's included:
+    lossy actions and compiled partitions (see :meth:`ByteTerms.from_trackers`)."""
+    return is_lossy(action) or is_partition(action)
+
+
 @dataclass
 class ByteTerms:
     """The byte fields of a :class:`BlockCost`, read from one tracked run per action (see :func:`run_tracked`)."""
@@ -101,7 +107,7 @@ class ByteTerms:
                 # the block retains, and its backward peak counts the input once.
                 saved[action] -= input_bytes
                 bwd_peak[action] -= input_bytes
-            if is_lossy(action) or is_partition(action):
+            if _reads_own_peaks(action):
                 # A lossy forward holds full tensors and their compressed copies at once, and a partitioned one
                 # computes what keep's does while saving less: keep's forward transient does not describe either,
                 # so the action's own forward peak goes into the one term the simulator reads.
@@ -117,6 +123,6 @@ class ByteTerms:
             bwd_extra={
                 a: p - bwd_peak[KEEP]
                 for a, p in bwd_peak.items()
-                if a != KEEP and (p > bwd_peak[KEEP] or ((is_lossy(a) or is_partition(a)) and p < bwd_peak[KEEP]))
+                if a != KEEP and (p > bwd_peak[KEEP] or (_reads_own_peaks(a) and p < bwd_peak[KEEP]))
             },
         )

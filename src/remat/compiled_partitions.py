@@ -264,8 +264,8 @@ def _refusing_draws(variant: Callable[..., Any], module: nn.Module, action: str)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return variant(*args, **kwargs)
-        device = next(module.parameters(), torch.empty(0)).device
-        with RandomDraws(device) as draws:
+        parameter = next(module.parameters(), None)
+        with RandomDraws(parameter.device if parameter is not None else torch.device("cpu")) as draws:
             output = variant(*args, **kwargs)
         if draws.seen:
             raise RuntimeError(
