@@ -8,6 +8,8 @@ inductor remat's partitions save the forward's seeds and stay exact with dropout
 * ``torch.compile`` of the whole model, twice (the reference and its A/A pair);
 * ``block.compile()`` on each block, without remat: what compiling blocks instead of the whole model costs;
 * ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` at each budget;
+* ``torch.compile`` with the ``activation_memory_budget`` that remat's ``fit_compile_budget`` finds fastest
+  among those whose measured peak fits each byte budget (whole model, one graph);
 * ``remat optimal`` on compiled blocks (``compile_blocks(..., partition_budgets=...)``), planned from
   ``remat.profile`` of the compiled blocks at each budget's share of torch.compile's measured peak: with the
   partitions (``partition:<b>`` actions among keep and checkpoint) and without them (keep, checkpoint and
@@ -21,7 +23,7 @@ compiled blocks, those of torch.compile's budgets with torch.compile's own (ever
 compiled code draws dropout its own way, so each is compared with its own reference).
 
     python benchmarks/compiled_partitions.py [--model llama] [--dtype fp32] [--rounds 10]
-        [--budgets 0.25 0.5 0.75] [--partitions 0.1 0.25 0.5]
+        [--budgets 0.25 0.5 0.75] [--partitions 0.1 0.25 0.5] [--fit-budgets 0 0.05 0.1 0.2 0.3 0.5 0.7]
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from peers_device import precision_context  # noqa: E402
 from peers_models import ModelSetting, block_list, build_model, forward_backward, make_batch  # noqa: E402
 
 import remat  # noqa: E402
-from remat.integrations.compile import compile_blocks  # noqa: E402
+from remat.integrations.compile import compile_blocks, fit_compile_budget  # noqa: E402
+from remat.integrations.compile_budget import DEFAULT_BUDGETS  # noqa: E402
 
 WITHOUT_PARTITIONS = ["keep", "checkpoint", "segment", "memory_poor"]
 
@@ -58,6 +61,7 @@ class Contender:
     forward: Callable[..., Any]
     select: Callable[[], None] = lambda: None
     plan: remat.Plan | None = None
+    detail: str = ""
     peak: int = 0
     grads: list[torch.Tensor] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     parser.add_argument("--partitions", type=float, nargs="+", default=list(PARTITION_BUDGETS))
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--fit-budgets", type=float, nargs="+", default=[0.0, *DEFAULT_BUDGETS],
+                        help="the activation memory budgets fit_compile_budget tries on the whole model")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
@@ -141,6 +147,24 @@ def main(argv: list[str] | None = None) -> int:
     measure(per_block)
     measure(keep_all)
     reference = contenders[0].peak
+    fitted_model = copy.deepcopy(base)
+    autocast = torch.bfloat16 if setting.dtype == "bf16" else None
+    for b in args.budgets:
+        try:
+            fit = fit_compile_budget(
+                fitted_model, batch, int(b * reference), budgets=args.fit_budgets, backend=args.backend,
+                autocast=autocast, clock=time.process_time, holds_output=False,
+            )  # fmt: skip
+        except remat.BudgetError as err:
+            print(f"fit_compile_budget at {b:g}: {err}")
+            continue
+        print(f"fit_compile_budget at {b:g}:\n{fit.describe()}")
+        c = Contender(
+            "torch.compile, budget fitted by remat", b, fitted_model, fit.compile(fitted_model),
+            detail=f"budget={fit.budget:g}",
+        )  # fmt: skip
+        measure(c)
+        contenders.append(c)
     for b in args.budgets:
         for name, actions in (
             ("remat optimal, partitions", None),
@@ -196,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in timed:
         q = statistics.quantiles(c.ratios, n=4) if len(c.ratios) > 1 else [c.ratios[0]] * 3
         fits = "—" if c.budget is None else ("yes" if c.peak <= c.budget * reference * 1.02 else "no")
-        plan = pred_step = pred_peak = grads = "—"
+        plan = c.detail or "—"
+        pred_step = pred_peak = grads = "—"
         if c.plan is not None:
             sim = remat.simulate(costs, c.plan.actions)
             plan = " ".join(a.replace("partition:", "P") for a in c.plan.actions.values())
@@ -225,6 +250,14 @@ def main(argv: list[str] | None = None) -> int:
             f"| {peer.budget:g} | {peer.peak / reference:.2f} | {statistics.median(peer.ratios):.2f} | {plan} | "
             f"{c.peak / reference:.2f} | {statistics.median(c.ratios):.2f} | {paired:.3f} |"
         )
+    print("\nAt each byte budget, what fits, fastest first (step/ref median):\n")
+    for b in args.budgets:
+        fitting = [c for c in timed if c.budget == b and c.peak <= b * reference * 1.02]
+        ranked = sorted(fitting, key=lambda c: statistics.median(c.ratios))
+        listed = "; ".join(
+            f"{c.name}{f' ({c.detail})' if c.detail else ''} {statistics.median(c.ratios):.2f}" for c in ranked
+        )
+        print(f"- {b:.0%}: {listed or 'nothing'}")
     return 0
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import subprocess
 import sys
@@ -48,11 +49,12 @@ import peers_models as pm
 import peers_table as pt
 import torch
 import torch._dynamo
+from torch import nn
 
 import remat
 from remat.bench.childproc import child_env, emit, parse
 from remat.bench.procmem import ProcessPeakMeter, process_meter_problem
-from remat.integrations.compile import compile_blocks
+from remat.integrations.compile import CompileBudgetFit, compile_blocks, fit_compile_budget
 from remat.simulator import no_checkpoint_peak
 
 # glibc mallopt parameters
@@ -267,6 +269,15 @@ class Bench:
                     self.emit("duel", budget=budget, key=label, round=r, **fields)
 
 
+def fit_whole_model(job: dict[str, Any], bench: Bench, model: nn.Module) -> CompileBudgetFit:
+    """``fit_compile_budget``'s trials on ``model`` with the unit's batch, precision and backend: every budget of
+    its default grid measured once, to be chosen from per byte budget (``CompileBudgetFit.refit``)."""
+    clock = time.process_time if bench.device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    autocast = torch.bfloat16 if bench.setting.dtype == "bf16" else False
+    return fit_compile_budget(model, bench.batch, 1.0, backend=job["backend"], autocast=autocast, clock=clock,
+                              holds_output=False)
+
+
 def run(job: dict[str, Any]) -> None:
     torch.set_num_threads(job["threads"])
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
@@ -300,6 +311,8 @@ def run(job: dict[str, Any]) -> None:
         cs.remat_pgac(budget)
         cs.remat_dtr(budget)
         cs.compile_budget(budget)
+        cs.compile_fitted(budget, int(budget * compiled_bytes) if compiled_bytes else None,
+                          functools.partial(fit_whole_model, job, bench))
         cs.remat_compiled(budget, int(budget * compiled_bytes) if compiled_bytes else None)
     for key in list(cs.contenders):
         bench.measure(cs.contenders[key])

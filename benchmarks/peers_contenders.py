@@ -18,7 +18,9 @@ remat, through its public API: ``remat.profile`` once, then ``remat.plan`` + ``r
 strategies and ``optimal``, ``remat.PGAC`` and ``remat.DTR`` at the budget; and ``optimal`` on compiled blocks
 (``remat.integrations.compile.compile_blocks`` with :data:`PARTITION_BUDGETS`), planned from ``remat.profile``
 of the compiled-block model (what the compiled graphs save and how long they take, under keep, checkpoint and
-each partition budget, on blocks without random draws). Compiled contenders are
+each partition budget, on blocks without random draws), and ``torch.compile`` of the whole model under the
+``activation_memory_budget`` that ``remat.integrations.compile.fit_compile_budget`` measures fastest among
+those whose peak fits (its trials run once per model and precision). Compiled contenders are
 measured with ``remat.measure(allocations=True)`` (the allocator's events), which sees compiled code and
 leaves it compiled, where eager ones use the live-tensor tracker.
 """
@@ -39,13 +41,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import remat
 from remat.bench.static_plans import uniform_plan
 from remat.compiled_partitions import budgeted_backend
-from remat.integrations.compile import compile_blocks
+from remat.integrations.compile import CompileBudgetFit, compile_blocks
 from remat.simulator import no_checkpoint_peak
 
 EAGER = "eager"
 COMPILED = "compiled"
 # torch.compile's activation memory budgets each compiled block is also compiled under (partition:<budget> actions)
 PARTITION_BUDGETS = (0.1, 0.25, 0.5)
+FITTED = "torch.compile, budget fitted by remat"
 
 aten = torch.ops.aten
 # What a user's "save the matmuls" policy names: matrix products and the attention kernels, the CPU's and
@@ -192,6 +195,8 @@ class ContenderSet:
         self._remat_eager: Any = None
         self._remat_compiled: Any = None
         self._dtr_model: nn.Module | None = None
+        self._fit: CompileBudgetFit | None = None
+        self._fitted_model: nn.Module | None = None
 
     def copy(self) -> nn.Module:
         return copy.deepcopy(self.base)
@@ -275,6 +280,25 @@ class ContenderSet:
             f"compiled-budget-{budget:g}", "torch.compile + activation_memory_budget", COMPILED, model, compiled,
             grad_reference="compiled", tracker=False, allocations=True, exact=False, detail=f"budget={budget:g}",
             note="the partitioner's recomputation changes the kernels (rounding) and redraws dropout masks"), budget)
+
+    def compile_fitted(self, budget: float, budget_bytes: int | None,
+                       measure_fit: Callable[[nn.Module], CompileBudgetFit]) -> None:
+        """``torch.compile`` of the whole model under the budget ``fit_compile_budget`` finds fastest among those
+        whose measured peak fits ``budget_bytes`` (or the fraction ``budget`` of the unbudgeted peak);
+        ``measure_fit(model)`` runs the trials, once, on the first budget asked for."""
+        if self._fit is None:
+            self._fitted_model = self.copy()
+            self._fit = measure_fit(self._fitted_model)
+        try:
+            fit = self._fit.refit(budget_bytes or budget)
+        except remat.BudgetError as err:
+            self.refused.append(Refused(budget, FITTED, COMPILED, str(err)))
+            return
+        model = self._fitted_model
+        self.add(Contender(
+            f"compiled-fitted-{fit.budget:g}", FITTED, COMPILED, model, fit.compile(model), grad_reference="compiled",
+            tracker=False, allocations=True, exact=False, detail=f"budget={fit.budget:g}",
+            note="the partitioner's recomputation changes the kernels (rounding); dropout masks are kept"), budget)
 
     def remat_compiled(self, budget: float, budget_bytes: int | None) -> None:
         """remat's optimal plan on the compiled blocks at ``budget_bytes`` (the budget's share of the compiled

@@ -31,6 +31,7 @@ CONTENDERS = (
     "torch.compile + activation_memory_budget",
     "remat: compiled blocks, keep all",
     "remat optimal on compiled blocks",
+    "torch.compile, budget fitted by remat",
     "ckptplan (PyPI)",
 )
 
@@ -86,6 +87,11 @@ def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsy
             # its budget is a share of the whole compiled model's peak, which can fall below what any plan of
             # the compiled blocks (beside an eager stem and head) reaches: a refusal naming its minimum is right
             assert "minimum feasible peak" in cells[-1], cells
+            continue
+        if cells[3] == "torch.compile, budget fitted by remat" and "refused" in cells[-1]:
+            # aot_eager does not save dropout's draws, so on GPT-2 only no budget is tried: the refusal names the
+            # least peak measured and why the budgets were not tried
+            assert "least peak measured" in cells[-1] and "were not tried" in cells[-1], cells
             continue
         assert "refused" not in cells[-1], cells
         assert cells[8] != "—", f"{cells[3]} has no step-time ratio"  # timed against its reference

@@ -57,6 +57,7 @@ def timed_step(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     autocast: Any = None,
     clock: Callable[[], float] = time.perf_counter,
+    holds_output: bool = True,
 ) -> float:
     """Seconds of one plain step, read from ``clock`` (gradients set to None first, as ``zero_grad`` does;
     the CUDA devices of the parameters synchronised around it). The caller restores gradients and RNG state
@@ -66,7 +67,7 @@ def timed_step(
     for device in devices:
         torch.cuda.synchronize(device)
     start = clock()
-    run_step(model, batch, loss_fn, autocast=autocast)
+    run_step(model, batch, loss_fn, autocast=autocast, holds_output=holds_output)
     for device in devices:
         torch.cuda.synchronize(device)
     return clock() - start

@@ -12,6 +12,10 @@ Two ways compose correctly (``docs/compile.md`` has the details and examples):
   recomputation calls the same compiled forward again, and ``handle.set_plan`` switches actions between steps
   without recompiling. Compiling the whole model around an applied plan is not supported: the forward would
   run compiled and the recomputation eagerly, and torch's checkpoint rejects the mismatch.
+* **torch.compile's own budget, fitted to bytes**: :func:`fit_compile_budget` (:mod:`.compile_budget`) compiles
+  the whole model under a grid of ``activation_memory_budget`` fractions, measures each step's peak and time,
+  and returns the fastest that fits a byte budget. One graph takes one budget, so below the least peak it
+  reaches, plans on compiled blocks (above) are the way down.
 
 Measuring: remat's live-tensor tracker (``remat.measure()`` on CPU, the profiler) does not see buffers that
 compiled kernels allocate, so profile the model *before* compiling it (or pass ``costs=``), and measure compiled
@@ -31,6 +35,9 @@ from ..applied import owner_of
 from ..blocks import resolve_blocks
 from ..chain import find_blocks
 from ..compiled_partitions import add_partitions
+from .compile_budget import CompileBudgetFit, fit_compile_budget
+
+__all__ = ["CompileBudgetFit", "compile_blocks", "fit_compile_budget", "peak_rss_bytes", "reset_peak_rss"]
 
 
 def compile_blocks(

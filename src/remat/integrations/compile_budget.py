@@ -1,0 +1,231 @@
+"""torch.compile's whole-model activation memory budget, fitted to a byte budget by measurement.
+
+``torch._functorch.config.activation_memory_budget`` is a fraction of what torch's partitioner saves without a
+budget, for one graph: not a byte count. What a fraction saves depends on the graph (on the peers benchmark's
+Llama, ``docs/results/compiled-partitions.md``, 0.05 kept 0.37 of the unbudgeted peak, 0.5 kept 0.66), and 0
+can cost more than no budget: the compiled backward is one graph, and what it recomputes is alive in it at once.
+:func:`fit_compile_budget` compiles the whole model under each budget of a grid, measures each step's peak
+activation memory (the allocator's events, ``remat.measure(..., allocations=True)``) and its time, and returns
+the fastest budget whose measured peak fits (:class:`CompileBudgetFit`), or raises :class:`remat.BudgetError`
+naming the least peak it measured.
+
+One graph takes one budget (torch's ``torch.autograd.graph.region_activation_memory_budget`` must cover a whole
+graph too), so a byte budget below what the whole-model grid reaches needs a graph per block:
+``compile_blocks(model, partition_budgets=...)`` and ``remat.plan(costs, "optimal", ...)``
+(:mod:`remat.compiled_partitions`) reach lower peaks, at the price of compiling blocks instead of the model.
+
+Invariants, enforced here:
+
+1. Exact steps: every budget tried keeps what the forward draws. Under inductor with a budget in (0, 1) the
+   compiled step saves the forward's random seeds (:func:`remat.compiled_partitions.save_draws_pass`), so the
+   backward regenerates the forward's dropout masks; on a model whose step draws random numbers, a budget whose
+   compilation cannot save them (0, or a backend other than inductor) is not tried, and the fit says why.
+2. The model is left as it was: parameter gradients, the RNG state and the module itself (the trials compile
+   wrappers, ``torch.compile(model, ...)``; the model is not compiled in place).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..compiled_partitions import RandomDraws, budgeted_backend, saves_draws_under
+from ..memory import measure, model_device
+from ..planners.errors import BudgetError
+from ..precision import AutocastArg, autocast_spec
+from ..sizes import format_bytes, parse_budget
+from ..training_step import Batch, timed_step
+
+DEFAULT_BUDGETS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
+NO_BUDGET = 1.0
+
+
+@dataclass(frozen=True)
+class BudgetTrial:
+    """One whole-model compilation under ``budget`` (1.0: torch.compile's default) and what its step measured:
+    peak activation bytes and the median step time in seconds; ``skipped`` says why it was not run."""
+
+    budget: float
+    peak_bytes: int | None = None
+    step_s: float | None = None
+    skipped: str = ""
+
+
+@dataclass(frozen=True)
+class CompileBudgetFit:
+    """The fastest budget whose measured peak fits ``max_bytes``, every trial, and the backend that compiles it."""
+
+    max_bytes: int
+    chosen: BudgetTrial
+    trials: tuple[BudgetTrial, ...]
+    backends: Mapping[float, Callable[..., Any]] = field(repr=False)
+    dynamic: bool | None = None
+
+    @property
+    def budget(self) -> float:
+        return self.chosen.budget
+
+    @property
+    def backend(self) -> Callable[..., Any]:
+        """The ``torch.compile`` backend of the chosen budget."""
+        return self.backends[self.chosen.budget]
+
+    def refit(self, max_bytes: int | float | str) -> CompileBudgetFit:
+        """The fit for another byte budget, chosen from the same measurements (nothing compiles or runs)."""
+        return _choose(self.trials, max_bytes, self.backends, self.dynamic)
+
+    def compile(self, model: nn.Module) -> nn.Module:
+        """``torch.compile(model)`` under the chosen budget (the backend the fit measured, already compiled)."""
+        return torch.compile(model, backend=self.backend, dynamic=self.dynamic)
+
+    def describe(self) -> str:
+        lines = [f"activation_memory_budget fitted to {format_bytes(self.max_bytes)}: {self.budget:g}"]
+        reference = next((t for t in self.trials if t.budget == NO_BUDGET), None)
+        for t in self.trials:
+            name = "none" if t.budget == NO_BUDGET else f"{t.budget:g}"
+            if t.skipped:
+                lines.append(f"  budget {name:>5}: not tried ({t.skipped})")
+                continue
+            assert t.peak_bytes is not None and t.step_s is not None
+            peak, step = f"peak {format_bytes(t.peak_bytes)}", f"step {t.step_s * 1e3:.1f} ms"
+            if reference is not None and reference.peak_bytes and reference.step_s:
+                peak += f" ({t.peak_bytes / reference.peak_bytes:.2f}x)"
+                step += f" ({t.step_s / reference.step_s:.2f}x)"
+            fits = "fits" if t.peak_bytes <= self.max_bytes else "over"
+            mark = "  <- chosen" if t is self.chosen else ""
+            lines.append(f"  budget {name:>5}: {peak}, {step}, {fits}{mark}")
+        return "\n".join(lines)
+
+
+def fit_compile_budget(
+    model: nn.Module,
+    batch: Batch,
+    max_bytes: int | float | str,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    budgets: Sequence[float] = DEFAULT_BUDGETS,
+    backend: str | Callable[..., Any] = "inductor",
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    dynamic: bool | None = None,
+    autocast: AutocastArg = None,
+    rounds: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+    holds_output: bool = True,
+) -> CompileBudgetFit:
+    """Compile the whole ``model`` under no budget and under each of ``budgets``, measure one training step of
+    each on ``batch`` (peak activation bytes by the allocator's events; then ``rounds`` rounds of one timed step
+    per budget, interleaved, read from ``clock``: the median) and return the fastest whose peak fits
+    ``max_bytes``: bytes, a string like ``"2GiB"``, or a float in (0, 1], a fraction of the unbudgeted
+    compiled step's measured peak.
+
+    ``loss_fn``, ``autocast``, ``holds_output`` and ``batch`` are those of :func:`remat.profile`; ``backend``,
+    ``mode``, ``options`` and ``dynamic`` those of ``torch.compile``. Each budget compiles once (seconds to a
+    minute on a CPU), and dynamo keeps every compiled entry: its recompile limit is raised to hold them, so that
+    :meth:`CompileBudgetFit.compile` reuses the chosen one; :meth:`CompileBudgetFit.refit` chooses for another
+    byte budget from the same measurements. Raises :class:`remat.BudgetError` (``floor``: the
+    least peak measured) when no budget fits."""
+    candidates = _check_budgets(budgets)
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: at least one timed step per budget is needed")
+    device = model_device(model)
+    spec = autocast_spec(autocast, device.type)
+    dynamo = torch._dynamo.config
+    dynamo.cache_size_limit = max(dynamo.cache_size_limit, 8 * (1 + len(candidates)))
+    gradients = [p.grad for p in model.parameters()]
+    skipped: dict[float, str] = {}
+    peaks: dict[float, int] = {}
+    steps: dict[float, Callable[[], float]] = {}
+    backends: dict[float, Callable[..., Any]] = {}
+    try:
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type):
+            draws = False
+            for budget in (NO_BUDGET, *candidates):
+                if draws and not saves_draws_under(backend, options, budget):
+                    skipped[budget] = _WHY_NOT_EXACT.format(backend=backend)
+                    continue
+                backends[budget] = budgeted_backend(backend, mode, options, dynamic, budget)
+                compiled = torch.compile(model, backend=backends[budget], dynamic=dynamic)
+
+                def step(compiled: nn.Module = compiled) -> float:
+                    return timed_step(compiled, batch, loss_fn, spec, clock, holds_output)
+
+                torch.manual_seed(0)  # every step draws what the others draw
+                with RandomDraws(device) as drawn:
+                    step()  # compiles
+                draws = draws or drawn.seen
+                torch.manual_seed(0)
+                with measure(device, allocations=True) as meter:
+                    step()
+                peaks[budget], steps[budget] = meter.activation_bytes, step
+            seconds: dict[float, list[float]] = {budget: [] for budget in steps}
+            order = list(steps)
+            for r in range(rounds):  # interleaved, the order reversed every other round: drift hits all alike
+                for budget in order if r % 2 == 0 else order[::-1]:
+                    torch.manual_seed(0)
+                    seconds[budget].append(steps[budget]())
+    finally:
+        for parameter, gradient in zip(model.parameters(), gradients, strict=True):
+            parameter.grad = gradient
+    trials = [
+        BudgetTrial(b, skipped=skipped[b]) if b in skipped else BudgetTrial(b, peaks[b], statistics.median(seconds[b]))
+        for b in (NO_BUDGET, *candidates)
+    ]
+    return _choose(tuple(trials), max_bytes, backends, dynamic)
+
+
+def _choose(
+    trials: tuple[BudgetTrial, ...],
+    max_bytes: int | float | str,
+    backends: Mapping[float, Callable[..., Any]],
+    dynamic: bool | None,
+) -> CompileBudgetFit:
+    """The fastest trial whose peak fits ``max_bytes`` (a fraction: of the unbudgeted trial's peak)."""
+    reference = trials[0].peak_bytes
+    assert trials[0].budget == NO_BUDGET and reference is not None
+    limit = parse_budget(max_bytes, reference)
+    assert limit is not None
+    run = [t for t in trials if not t.skipped]
+    fitting = [t for t in run if t.peak_bytes is not None and t.peak_bytes <= limit]
+    if not fitting:
+        least = min(run, key=lambda t: t.peak_bytes or 0)
+        skipped = [t for t in trials if t.skipped]
+        raise BudgetError(
+            f"no activation_memory_budget of the whole compiled model fits {format_bytes(limit)}: the least peak "
+            f"measured is {format_bytes(least.peak_bytes or 0)} (budget {least.budget:g}; without one "
+            f"{format_bytes(reference)})"
+            + (f"; budgets {[t.budget for t in skipped]} were not tried ({skipped[0].skipped})" if skipped else "")
+            + ". One graph takes one budget; lower peaks need a graph per block: "
+            "remat.integrations.compile.compile_blocks(model, partition_budgets=[...]) and "
+            "remat.plan(remat.profile(model, batch), 'optimal', budget)",
+            floor=least.peak_bytes,
+        )
+    chosen = min(fitting, key=lambda t: t.step_s or 0.0)
+    return CompileBudgetFit(limit, chosen, trials, dict(backends), dynamic)
+
+
+_WHY_NOT_EXACT = (
+    "the model draws random numbers and {backend!r} under this budget may draw them again in the backward; "
+    "inductor with a budget in (0, 1) keeps them"
+)
+
+
+def _check_budgets(budgets: Sequence[float]) -> list[float]:
+    candidates = []
+    for budget in budgets:
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0.0 <= budget < 1.0:
+            raise ValueError(
+                f"budget {budget!r}: activation memory budgets are fractions in [0, 1) (1, no budget, is always "
+                "tried), like (0.05, 0.1, 0.3)"
+            )
+        if float(budget) not in candidates:
+            candidates.append(float(budget))
+    if not candidates:
+        raise ValueError("budgets is empty: give the activation memory budgets to try, like (0.05, 0.1, 0.3)")
+    return candidates
