@@ -7,7 +7,9 @@ inductor remat's partitions save the forward's seeds and stay exact with dropout
 
 * ``torch.compile`` of the whole model, twice (the reference and its A/A pair);
 * ``block.compile()`` on each block, without remat: what compiling blocks instead of the whole model costs;
-* ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` at each budget;
+* ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` at each budget, compiled with
+  remat's pass that saves the forward's random seeds (``peers_contenders.budget_backend``; torch's partitioner
+  alone may draw dropout anew in the backward, pytorch/pytorch#190758: its gradients are printed too);
 * ``torch.compile`` with the ``activation_memory_budget`` that remat's ``fit_compile_budget`` finds fastest
   among those whose measured peak fits each byte budget (whole model, one graph);
 * ``remat optimal`` on compiled blocks (``compile_blocks(..., partition_budgets=...)``), planned from
@@ -84,6 +86,20 @@ def compare_grads(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> s
     diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, reference, strict=True))
     scale = max(float(b.float().abs().max()) for b in reference)
     return f"differ: max abs diff {diff:.1e} ({diff / scale:.0e} of max)"
+
+
+def torch_alone(backend: str, budget: float) -> Callable[..., Any]:
+    """``backend`` under ``activation_memory_budget = budget`` with nothing of remat's: torch's partitioner alone."""
+    import torch._functorch.config as functorch_config
+    from torch._dynamo import lookup_backend
+
+    compiler = lookup_backend(backend)
+
+    def budgeted(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compiler(graph, example_inputs)
+
+    return budgeted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +194,16 @@ def main(argv: list[str] | None = None) -> int:
             c = Contender(name, b, blocks, blocks, select=lambda plan=plan: handle.set_plan(plan), plan=plan)
             measure(c)
             contenders.append(c)
+    # What torch's partitioner gives on its own (without remat's seed-saving pass, which budget_backend adds):
+    # one step at each budget, its gradients against torch.compile's
+    alone: list[str] = []
+    for b in args.budgets:
+        m = copy.deepcopy(base)
+        c = Contender("torch alone", b, m, torch.compile(m, backend=torch_alone(args.backend, b)))
+        step(c, batch, setting.dtype)
+        step(c, batch, setting.dtype)
+        grads = [p.grad.clone() for p in c.model.parameters()]
+        alone.append(f"{b:g}: {compare_grads(grads, contenders[0].grads)}")
     # remat at the peak torch.compile's budget measured: the comparison at the same measured peak
     same_peak: list[tuple[Contender, Contender]] = []
     for peer in [c for c in contenders if c.name.startswith("torch.compile +")]:
@@ -250,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {peer.budget:g} | {peer.peak / reference:.2f} | {statistics.median(peer.ratios):.2f} | {plan} | "
             f"{c.peak / reference:.2f} | {statistics.median(c.ratios):.2f} | {paired:.3f} |"
         )
+    print(
+        "\ntorch.compile's budgets as torch compiles them alone, without the pass that saves the forward's seeds "
+        "(the rows above have it), gradients against torch.compile's: " + "; ".join(alone)
+    )
     print("\nAt each byte budget, what fits, fastest first (step/ref median):\n")
     for b in args.budgets:
         fitting = [c for c in timed if c.budget == b and c.peak <= b * reference * 1.02]

@@ -274,8 +274,9 @@ def fit_whole_model(job: dict[str, Any], bench: Bench, model: nn.Module) -> Comp
     its default grid measured once, to be chosen from per byte budget (``CompileBudgetFit.refit``)."""
     clock = time.process_time if bench.device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
     autocast = torch.bfloat16 if bench.setting.dtype == "bf16" else False
+    # the steps (Bench.step) zero the gradients in place: measured so, a compiled backward's gradients add up
     return fit_compile_budget(model, bench.batch, 1.0, backend=job["backend"], autocast=autocast, clock=clock,
-                              holds_output=False)
+                              holds_output=False, set_to_none=False)
 
 
 def run(job: dict[str, Any]) -> None:

@@ -99,8 +99,26 @@ def test_dropout_model_tries_only_budgets_that_keep_its_draws() -> None:
         ({"budgets": (True,)}, "fractions in \\[0, 1\\)"),
         ({"budgets": ()}, "budgets is empty"),
         ({"rounds": 0}, "at least one timed step"),
+        ({"max_bytes": -5}, "cannot be negative"),
+        ({"max_bytes": None}, "max_bytes is None"),
     ],
 )
 def test_bad_arguments_say_what_to_pass(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        fit_compile_budget(_mlp(), X, 0.5, backend=BACKEND, **options)
+        fit_compile_budget(_mlp(), X, **{"max_bytes": 0.5, "backend": BACKEND, **options})
+
+
+def test_gradients_zeroed_in_place_are_measured_as_the_loop_keeps_them() -> None:
+    """A compiled backward returns every parameter's gradient at its end; kept from the last step (zeroed in place)
+    they are accumulated into, so a graph that recomputes much peaks higher than with gradients set to None."""
+    model = _mlp()
+    cleared = fit_compile_budget(model, X, 1.0, backend=BACKEND, budgets=(0.1,), rounds=1)
+    kept = fit_compile_budget(model, X, 1.0, backend=BACKEND, budgets=(0.1,), rounds=1, set_to_none=False)
+    assert kept.trials[1].peak_bytes > cleared.trials[1].peak_bytes
+    compiled = torch.compile(model, backend=kept.backends[0.1])
+    compiled(X).sum().backward()
+    for p in model.parameters():
+        p.grad.zero_()
+    with remat.measure("cpu", allocations=True) as measured:
+        compiled(X).sum().backward()
+    assert measured.activation_bytes == pytest.approx(kept.trials[1].peak_bytes, rel=0.05)

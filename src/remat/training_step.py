@@ -58,12 +58,13 @@ def timed_step(
     autocast: Any = None,
     clock: Callable[[], float] = time.perf_counter,
     holds_output: bool = True,
+    set_to_none: bool = True,
 ) -> float:
-    """Seconds of one plain step, read from ``clock`` (gradients set to None first, as ``zero_grad`` does;
-    the CUDA devices of the parameters synchronised around it). The caller restores gradients and RNG state
-    if it cares."""
+    """Seconds of one plain step, read from ``clock`` (gradients set to None first, as ``zero_grad`` does, or
+    zeroed in place with ``set_to_none=False``; the CUDA devices of the parameters synchronised around it). The
+    caller restores gradients and RNG state if it cares."""
     devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
-    model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=set_to_none)
     for device in devices:
         torch.cuda.synchronize(device)
     start = clock()

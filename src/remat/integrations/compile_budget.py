@@ -39,7 +39,7 @@ from ..compiled_partitions import RandomDraws, budgeted_backend, saves_draws_und
 from ..memory import measure, model_device
 from ..planners.errors import BudgetError
 from ..precision import AutocastArg, autocast_spec
-from ..sizes import format_bytes, parse_budget
+from ..sizes import format_bytes, normalize_budget, parse_budget
 from ..training_step import Batch, timed_step
 
 DEFAULT_BUDGETS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
@@ -118,6 +118,7 @@ def fit_compile_budget(
     rounds: int = 3,
     clock: Callable[[], float] = time.perf_counter,
     holds_output: bool = True,
+    set_to_none: bool = True,
 ) -> CompileBudgetFit:
     """Compile the whole ``model`` under no budget and under each of ``budgets``, measure one training step of
     each on ``batch`` (peak activation bytes by the allocator's events; then ``rounds`` rounds of one timed step
@@ -126,12 +127,17 @@ def fit_compile_budget(
     compiled step's measured peak.
 
     ``loss_fn``, ``autocast``, ``holds_output`` and ``batch`` are those of :func:`remat.profile`; ``backend``,
-    ``mode``, ``options`` and ``dynamic`` those of ``torch.compile``. Each budget compiles once (seconds to a
+    ``mode``, ``options`` and ``dynamic`` those of ``torch.compile``. ``set_to_none``: how the training loop
+    clears gradients (``optimizer.zero_grad()``'s default, True, or in place): a compiled backward returns every
+    parameter's gradient at its end, and gradients kept from the last step add them at the peak of graphs that
+    recompute much. Each budget compiles once (seconds to a
     minute on a CPU), and dynamo keeps every compiled entry: its recompile limit is raised to hold them, so that
     :meth:`CompileBudgetFit.compile` reuses the chosen one; :meth:`CompileBudgetFit.refit` chooses for another
-    byte budget from the same measurements. Raises :class:`remat.BudgetError` (``floor``: the
-    least peak measured) when no budget fits."""
+    byte budget from the same measurements. Raises :class:`remat.BudgetError` (``floor``: the least peak
+    measured) when no budget fits."""
     candidates = _check_budgets(budgets)
+    if normalize_budget(max_bytes) is None:  # checked before anything compiles
+        raise ValueError("max_bytes is None: give bytes, a string like '2GiB' or a fraction in (0, 1]")
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: at least one timed step per budget is needed")
     device = model_device(model)
@@ -154,7 +160,7 @@ def fit_compile_budget(
                 compiled = torch.compile(model, backend=backends[budget], dynamic=dynamic)
 
                 def step(compiled: nn.Module = compiled) -> float:
-                    return timed_step(compiled, batch, loss_fn, spec, clock, holds_output)
+                    return timed_step(compiled, batch, loss_fn, spec, clock, holds_output, set_to_none)
 
                 torch.manual_seed(0)  # every step draws what the others draw
                 with RandomDraws(device) as drawn:
