@@ -279,7 +279,8 @@ class ContenderSet:
         self.add(Contender(
             f"compiled-budget-{budget:g}", "torch.compile + activation_memory_budget", COMPILED, model, compiled,
             grad_reference="compiled", tracker=False, allocations=True, exact=False, detail=f"budget={budget:g}",
-            note="the partitioner's recomputation changes the kernels (rounding) and redraws dropout masks"), budget)
+            note="the partitioner's recomputation changes the kernels (rounding); budget_backend saves the "
+                 "forward's seeds, so dropout masks are kept"), budget)
 
     def compile_fitted(self, budget: float, budget_bytes: int | None,
                        measure_fit: Callable[[nn.Module], CompileBudgetFit]) -> None:
