@@ -165,12 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     reference = contenders[0].peak
     fitted_model = copy.deepcopy(base)
     autocast = torch.bfloat16 if setting.dtype == "bf16" else None
+    trials = fit_compile_budget(  # every budget measured once; each byte budget chooses from the same trials
+        fitted_model, batch, 1.0, budgets=args.fit_budgets, backend=args.backend, autocast=autocast,
+        clock=time.process_time, holds_output=False,
+    )  # fmt: skip
     for b in args.budgets:
         try:
-            fit = fit_compile_budget(
-                fitted_model, batch, int(b * reference), budgets=args.fit_budgets, backend=args.backend,
-                autocast=autocast, clock=time.process_time, holds_output=False,
-            )  # fmt: skip
+            fit = trials.refit(int(b * reference))
         except remat.BudgetError as err:
             print(f"fit_compile_budget at {b:g}: {err}")
             continue

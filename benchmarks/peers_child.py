@@ -40,6 +40,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import peers_ckptplan
@@ -78,6 +79,12 @@ def use_timing_allocator() -> bool:
     return ok
 
 
+def step_clock(device: str) -> Callable[[], float]:
+    """The clock the steps are timed in: CPU seconds with one intra-op thread on the CPU, however busy the
+    machine; wall-clock otherwise."""
+    return time.process_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
+
 def profile(job: dict[str, Any], compiled: bool = False) -> remat.CostTable:
     """``remat.profile`` of the job's model (in its precision) on its batch: eager, or with its blocks
     compiled (``compile_blocks`` with the job's backend)."""
@@ -86,9 +93,7 @@ def profile(job: dict[str, Any], compiled: bool = False) -> remat.CostTable:
     model = pm.build_model(setting, seed=job["seed"]).to(device)
     if compiled:
         compile_blocks(model, backend=job["backend"], partition_budgets=pc.PARTITION_BUDGETS)  # the chain profiled
-    # Times in the clock the steps are timed in: CPU seconds with one intra-op thread on the CPU, however busy
-    # the machine; wall-clock otherwise.
-    clock = time.process_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    clock = step_clock(device)
     # The step (peers_models.forward_backward) keeps only the loss: the logits are freed before the backward.
     with pd.precision_context(setting.dtype, device):
         return remat.profile(model, pm.make_batch(setting, seed=job["seed"], device=device), clock=clock,
@@ -272,7 +277,7 @@ class Bench:
 def fit_whole_model(job: dict[str, Any], bench: Bench, model: nn.Module) -> CompileBudgetFit:
     """``fit_compile_budget``'s trials on ``model`` with the unit's batch, precision and backend: every budget of
     its default grid measured once, to be chosen from per byte budget (``CompileBudgetFit.refit``)."""
-    clock = time.process_time if bench.device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    clock = step_clock(bench.device)
     autocast = torch.bfloat16 if bench.setting.dtype == "bf16" else False
     # the steps (Bench.step) zero the gradients in place: measured so, a compiled backward's gradients add up
     return fit_compile_budget(model, bench.batch, 1.0, backend=job["backend"], autocast=autocast, clock=clock,
