@@ -15,7 +15,10 @@ inductor remat's partitions save the forward's seeds and stay exact with dropout
 * ``remat optimal`` on compiled blocks (``compile_blocks(..., partition_budgets=...)``), planned from
   ``remat.profile`` of the compiled blocks at each budget's share of torch.compile's measured peak: with the
   partitions (``partition:<b>`` actions among keep and checkpoint) and without them (keep, checkpoint and
-  segments only, what remat planned on compiled blocks before partitions).
+  segments only, what remat planned on compiled blocks before partitions);
+* ``fit_compiled`` at each byte budget, on a copy of its own: whichever of the two routes above (the whole
+  model's fitted budget, the plan on compiled blocks) its own head-to-head rounds measure faster among those that
+  fit (its whole-model grid holds the fit budgets and the byte budgets' fractions).
 
 Peaks by ``remat.measure(allocations=True)`` (the allocator's events; they see compiled code), as ratios to
 torch.compile's; steps in CPU seconds (one intra-op thread), every contender once per round, the order reversed
@@ -26,6 +29,7 @@ compiled code draws dropout its own way, so each is compared with its own refere
 
     python benchmarks/compiled_partitions.py [--model llama] [--dtype fp32] [--rounds 10]
         [--budgets 0.25 0.5 0.75] [--partitions 0.1 0.25 0.5] [--fit-budgets 0 0.05 0.1 0.2 0.3 0.5 0.7]
+        [--choice-rounds 5]
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from peers_device import precision_context  # noqa: E402
 from peers_models import ModelSetting, block_list, build_model, forward_backward, make_batch  # noqa: E402
 
 import remat  # noqa: E402
-from remat.integrations.compile import compile_blocks, fit_compile_budget  # noqa: E402
+from remat.integrations.compile import compile_blocks, fit_compile_budget, fit_compiled  # noqa: E402
 from remat.integrations.compile_budget import DEFAULT_BUDGETS  # noqa: E402
 
 WITHOUT_PARTITIONS = ["keep", "checkpoint", "segment", "memory_poor"]
@@ -112,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--fit-budgets", type=float, nargs="+", default=[0.0, *DEFAULT_BUDGETS],
                         help="the activation memory budgets fit_compile_budget tries on the whole model")
+    parser.add_argument("--choice-rounds", type=int, default=5, help="fit_compiled's head-to-head rounds (0: skip it)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
@@ -182,6 +187,25 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         measure(c)
         contenders.append(c)
+    chosen: list[Contender] = []
+    for b in args.budgets if args.choice_rounds else ():
+        own = copy.deepcopy(base)
+        try:
+            choice = fit_compiled(
+                own, batch, int(b * reference), budgets=sorted({*args.fit_budgets, *args.budgets}),
+                partition_budgets=args.partitions, backend=args.backend, autocast=autocast, rounds=args.choice_rounds,
+                clock=time.process_time, holds_output=False,
+            )  # fmt: skip
+        except remat.BudgetError as err:
+            print(f"fit_compiled at {b:g}: {err}")
+            continue
+        print(f"fit_compiled at {b:g}:\n{choice.describe()}")
+        c = Contender(
+            "remat fit_compiled", b, own, choice.module, detail=f"{choice.route}: {choice.chosen.detail}",
+        )  # fmt: skip
+        measure(c)
+        contenders.append(c)
+        chosen.append(c)
     for b in args.budgets:
         for name, actions in (
             ("remat optimal, partitions", None),
@@ -281,6 +305,24 @@ def main(argv: list[str] | None = None) -> int:
         "\ntorch.compile's budgets as torch compiles them alone, without the pass that saves the forward's seeds "
         "(the rows above have it), gradients against torch.compile's: " + "; ".join(alone)
     )
+    print("\nfit_compiled against torch.compile's own budget at each byte budget (paired per round):\n")
+    print("| byte budget | fit_compiled's route | its peak/ref | its step/ref | torch's budget at the fraction: "
+          "peak/ref, step/ref | fit_compiled / it | torch.compile, budget fitted by remat: step/ref | "
+          "fit_compiled / it |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in chosen:
+        cells = []
+        for name in ("torch.compile + activation_memory_budget", "torch.compile, budget fitted by remat"):
+            peer = next((p for p in contenders if p.name == name and p.budget == c.budget), None)
+            if peer is None:
+                cells += ["no fit", "—"] if name.endswith("by remat") else ["—", "—"]
+                continue
+            paired = statistics.median(a / b for a, b in zip(c.seconds, peer.seconds, strict=True))
+            over = "" if peer.peak <= c.budget * reference * 1.02 else " (over)"
+            head = f"{peer.peak / reference:.2f}{over}, " if name.startswith("torch.compile +") else ""
+            cells += [f"{head}{statistics.median(peer.ratios):.2f}", f"{paired:.3f}"]
+        print(f"| {c.budget:.0%} | {c.detail} | {c.peak / reference:.2f} | {statistics.median(c.ratios):.2f} | "
+              + " | ".join(cells) + " |")
     print("\nAt each byte budget, what fits, fastest first (step/ref median):\n")
     for b in args.budgets:
         fitting = [c for c in timed if c.budget == b and c.peak <= b * reference * 1.02]

@@ -55,6 +55,7 @@ __all__ = [
     "is_partition",
     "partition_action",
     "partition_actions",
+    "remove_partitions",
     "running",
     "save_draws_pass",
     "saves_draws",
@@ -255,6 +256,12 @@ def add_partitions(module: nn.Module, budgets: Iterable[float], **compile_option
     dynamo = torch._dynamo.config
     dynamo.cache_size_limit = max(dynamo.cache_size_limit, 8 * (1 + len(variants.by_budget)))
     return actions
+
+
+def remove_partitions(module: nn.Module) -> None:
+    """Forget ``module``'s partition variants (nothing happens where it has none); its compiled call is left as
+    it is."""
+    module.__dict__.pop(_ATTRIBUTE, None)
 
 
 def _refusing_draws(variant: Callable[..., Any], module: nn.Module, action: str) -> Callable[..., Any]:

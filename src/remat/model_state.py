@@ -41,12 +41,18 @@ from .hf_guards import outputs_collected, outputs_not_collected
 # registration hooks then drop the cache of every tree holding that module. A global generation counter would
 # not do: Hugging Face models slice their ModuleList in every forward, registering modules of a new list. A tree
 # with a module class that is not hashable is walked at every call.
+# Inside code torch.compile traces, the hook returns at once: dynamo would trace the cache lookup and guard the
+# compiled graph on the cache's size, so every model whose forward registers a module (that ModuleList slice)
+# would recompile whenever remat cached another tree. A module registered there is new (the slice's list, held by
+# no cached tree); a buffer registered in compiled code on a module of a cached tree would not reach the cache.
 _Slot = tuple[weakref.ref[nn.Module], str]
 _SLOTS: weakref.WeakKeyDictionary[nn.Module, tuple[_Slot, ...]] = weakref.WeakKeyDictionary()
 _TREES_HOLDING: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def _registered(module: nn.Module, *_: Any) -> None:
+    if torch.compiler.is_compiling():  # Note [1]
+        return
     try:
         trees = _TREES_HOLDING.get(module)
     except TypeError:  # a module class that is not hashable is never cached (_buffer_slots)

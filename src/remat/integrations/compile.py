@@ -16,6 +16,8 @@ Two ways compose correctly (``docs/compile.md`` has the details and examples):
   the whole model under a grid of ``activation_memory_budget`` fractions, measures each step's peak and time,
   and returns the fastest that fits a byte budget. One graph takes one budget, so below the least peak it
   reaches, plans on compiled blocks (above) are the way down.
+* **Whichever is faster**: :func:`fit_compiled` (:mod:`.compiled_choice`) measures both routes under a byte budget,
+  head to head, and sets the model up for the faster that fits.
 
 Measuring: remat's live-tensor tracker (``remat.measure()`` on CPU, the profiler) does not see buffers that
 compiled kernels allocate, so profile the model *before* compiling it (or pass ``costs=``), and measure compiled
@@ -26,47 +28,20 @@ memory returns to the system) or on CUDA with ``torch.cuda.max_memory_allocated`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-from torch import nn
-
-from ..applied import owner_of
-from ..blocks import resolve_blocks
-from ..chain import find_blocks
-from ..compiled_partitions import add_partitions
 from .compile_budget import CompileBudgetFit, fit_compile_budget
+from .compiled_blocks import compile_blocks, uncompile_blocks
+from .compiled_choice import CompiledFit, fit_compiled
 
-__all__ = ["CompileBudgetFit", "compile_blocks", "fit_compile_budget", "peak_rss_bytes", "reset_peak_rss"]
-
-
-def compile_blocks(
-    model: nn.Module,
-    blocks: Sequence[str] | Sequence[tuple[str, nn.Module]] | None = None,
-    *,
-    partition_budgets: Sequence[float] = (),
-    **compile_options: Any,
-) -> list[tuple[str, nn.Module]]:
-    """``module.compile(**compile_options)`` on every block of the chain, in place; returns the chain.
-
-    The chain is the one remat applied to ``model`` (if any), else ``blocks`` or :func:`remat.find_blocks`.
-    Parameter names and ``state_dict`` keys do not change. ``partition_budgets`` (fractions in [0, 1)) compile
-    each block once more per budget, partitioned by torch's min-cut partitioner under that activation memory
-    budget: :func:`remat.profile` then measures the actions ``partition:<budget>`` too, and plans may give each
-    block its own (:mod:`remat.compiled_partitions`). Each variant compiles on its first call.
-    """
-    handle = owner_of(model)
-    if blocks is not None:
-        chain = resolve_blocks(model, blocks)
-    elif handle is not None:
-        chain = list(handle.blocks)
-    else:
-        chain = find_blocks(model)
-    for _, block in chain:
-        block.compile(**compile_options)
-        if partition_budgets:
-            add_partitions(block, partition_budgets, **compile_options)
-    return chain
+__all__ = [
+    "CompileBudgetFit",
+    "CompiledFit",
+    "compile_blocks",
+    "fit_compile_budget",
+    "fit_compiled",
+    "peak_rss_bytes",
+    "reset_peak_rss",
+    "uncompile_blocks",
+]
 
 
 _STATUS = "/proc/self/status"

@@ -1,0 +1,338 @@
+"""Compiled training within a byte budget, by whichever of the two compiled routes measures faster.
+
+Below the peak of ``torch.compile(model)`` a compiled step fits a byte budget in one of two ways:
+
+* **whole model**: ``torch.compile(model)`` under the ``activation_memory_budget`` fraction fitted to the bytes by
+  measurement (:func:`remat.integrations.compile_budget.fit_compile_budget`). One graph, so nothing is lost at
+  block edges, but the least peak its fractions reach is a floor (0.37 to 0.62 of the unbudgeted peak on the
+  peers benchmark's models, ``docs/results/compiled-partitions.md``).
+* **blocks**: remat's ``optimal`` plan on compiled blocks with partition variants
+  (:func:`remat.integrations.compiled_blocks.compile_blocks`): a graph and a budget per block, which reaches
+  lower peaks.
+
+Which is faster where both fit depends on the model (within a few percent either way round in that document).
+:func:`fit_compiled` measures both on the caller's step: each route's peak by the allocator's events, then their
+steps head to head with ``torch.compile``'s unbudgeted step in interleaved rounds; it leaves the model set up for
+the faster route that fits and returns a :class:`CompiledFit`.
+
+Invariants, enforced here:
+
+1. One meter, one step: both routes' peaks are ``remat.measure(..., allocations=True)`` of the same training
+   step (:func:`remat.training_step.timed_step`), and a route fits when its *measured* peak does. A blocks plan
+   predicted to fit but measured over is planned once more, for its budget less what the prediction missed.
+2. The model ends set up for the chosen route only. ``"whole model"``: no plan applied and no block compiled;
+   ``CompiledFit.module`` is the compiled wrapper. ``"blocks"``: the plan applied to the compiled blocks;
+   ``module`` is the model and ``handle`` the plan's. Parameter gradients and the RNG state are as they were;
+   after an error the model is as it came.
+3. The model comes plain (no plan applied, no block compiled; else ValueError): both routes start from it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..applied import owner_of
+from ..blocks import BlocksArg, resolve_blocks
+from ..compiled_partitions import budget_of, partition_action
+from ..costs import KEEP
+from ..memory import measure, model_device
+from ..planners import plan as make_plan
+from ..planners.errors import BudgetError
+from ..precision import AutocastArg, autocast_spec
+from ..profiler import profile
+from ..runtime import RematHandle, apply
+from ..simulator import Plan
+from ..sizes import format_bytes, normalize_budget, parse_budget
+from ..training_step import Batch, timed_step
+from .compile_budget import DEFAULT_BUDGETS, NO_BUDGET, CompileBudgetFit, fit_compile_budget
+from .compiled_blocks import compile_blocks, uncompile_blocks
+
+WHOLE_MODEL, BLOCKS = "whole model", "blocks"
+DEFAULT_PARTITIONS: tuple[float, ...] = (0.1, 0.25, 0.5)
+_REFERENCE = "torch.compile, no budget"
+
+
+@dataclass(frozen=True)
+class RouteTrial:
+    """One route (or the unbudgeted reference) as measured: what it runs, its peak activation bytes, its step's
+    per-round ratios to the reference's, and ``refused``: why it does not fit (empty where it fits)."""
+
+    route: str
+    detail: str
+    peak_bytes: int | None = None
+    predicted_bytes: int | None = None
+    ratios: tuple[float, ...] = ()
+    refused: str = ""
+
+    @property
+    def step_ratio(self) -> float | None:
+        """Median of the per-round step ratios to ``torch.compile``'s unbudgeted step."""
+        return statistics.median(self.ratios) if self.ratios else None
+
+
+@dataclass(frozen=True)
+class CompiledFit:
+    """The route chosen for ``max_bytes``, what to train (``module``), and every route as measured."""
+
+    max_bytes: int
+    route: str
+    module: nn.Module
+    trials: tuple[RouteTrial, ...]
+    budgets: CompileBudgetFit = field(repr=False)
+    plan: Plan | None = None
+    handle: RematHandle | None = field(default=None, repr=False)
+
+    @property
+    def chosen(self) -> RouteTrial:
+        return next(t for t in self.trials if t.route == self.route)
+
+    def describe(self) -> str:
+        reference = self.trials[0].peak_bytes or 0
+        ratio = self.chosen.step_ratio
+        lines = [
+            f"compiled within {format_bytes(self.max_bytes)}: {self.route} ({self.chosen.detail})"
+            + (f", {ratio:.3f}x torch.compile's step" if ratio is not None else "")
+        ]
+        for t in self.trials:
+            if t.peak_bytes is None:
+                lines.append(f"  {t.route}: {t.refused}")
+                continue
+            peak = f"peak {format_bytes(t.peak_bytes)} ({t.peak_bytes / reference:.2f}x)" if reference else ""
+            if t.predicted_bytes is not None:
+                peak += f", predicted {format_bytes(t.predicted_bytes)}"
+            step = ""
+            if t.ratios:
+                step = f", step {t.step_ratio:.3f}x [{min(t.ratios):.3f}-{max(t.ratios):.3f}]"
+            verdict = "" if t.route == _REFERENCE else f", {t.refused}" if t.refused else ", fits"
+            mark = "  <- chosen" if t.route == self.route else ""
+            lines.append(f"  {t.route} ({t.detail}): {peak}{step}{verdict}{mark}")
+        return "\n".join(lines)
+
+
+def fit_compiled(
+    model: nn.Module,
+    batch: Batch,
+    max_bytes: int | float | str,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    blocks: BlocksArg = None,
+    budgets: Sequence[float] = DEFAULT_BUDGETS,
+    partition_budgets: Sequence[float] = DEFAULT_PARTITIONS,
+    backend: str | Callable[..., Any] = "inductor",
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    dynamic: bool | None = None,
+    autocast: AutocastArg = None,
+    rounds: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+    holds_output: bool = True,
+    set_to_none: bool = True,
+) -> CompiledFit:
+    """Measure both compiled routes of ``model`` on ``batch`` under ``max_bytes`` and set the model up for the
+    faster that fits (module docstring): ``torch.compile``'s whole-model budget (fractions ``budgets``, as
+    :func:`fit_compile_budget`) and remat's ``optimal`` plan on compiled blocks (the chain ``blocks`` or
+    :func:`remat.find_blocks`'s, each also compiled under ``partition_budgets``). ``max_bytes``: bytes, a string
+    like ``"2GiB"``, or a float in (0, 1], a fraction of the unbudgeted compiled step's measured peak.
+
+    ``rounds``: timed steps per contender, head to head (and per budget in the whole-model trials); ``loss_fn``,
+    ``autocast``, ``holds_output``, ``clock`` are :func:`remat.profile`'s, ``backend``, ``mode``, ``options``,
+    ``dynamic`` ``torch.compile``'s, ``set_to_none`` how the loop clears gradients (:func:`fit_compile_budget`).
+    Raises :class:`remat.BudgetError` (``floor``: the least peak either route reached) when neither fits."""
+    if normalize_budget(max_bytes) is None:
+        raise ValueError("max_bytes is None: give bytes, a string like '2GiB' or a fraction in (0, 1]")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: at least one timed step per contender is needed")
+    partitions = sorted({budget_of(partition_action(b)) for b in partition_budgets})
+    chain = resolve_blocks(model, blocks)
+    _refuse_prepared(model, chain)
+    compile_options: dict[str, Any] = {"backend": backend, "mode": mode, "options": options, "dynamic": dynamic}
+    measured = fit_compile_budget(
+        model, batch, NO_BUDGET, loss_fn=loss_fn, budgets=budgets, autocast=autocast, rounds=rounds, clock=clock,
+        holds_output=holds_output, set_to_none=set_to_none, **compile_options,
+    )  # fmt: skip
+    reference_peak = measured.trials[0].peak_bytes
+    limit = parse_budget(max_bytes, reference_peak)
+    assert limit is not None and reference_peak is not None
+    spec = autocast_spec(autocast, model_device(model).type)
+
+    def step(module: nn.Module) -> float:
+        torch.manual_seed(0)  # every contender draws what the others draw
+        return timed_step(module, batch, loss_fn, spec, clock, holds_output, set_to_none)
+
+    routes = _Routes(model, chain, step)
+    gradients = [p.grad for p in model.parameters()]
+    device = model_device(model)
+    try:
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type):
+            whole = _whole_route(measured, limit)
+            routes.prepare_blocks(partitions, compile_options)
+            costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, autocast=autocast, clock=clock,
+                            holds_output=holds_output)  # fmt: skip
+            blocks_trial, blocks_plan = routes.plan_blocks(costs, limit)
+            trials = [RouteTrial(_REFERENCE, "no activation_memory_budget", reference_peak), whole, blocks_trial]
+            fitting = [t for t in trials[1:] if not t.refused]
+            if not fitting:
+                raise _neither_fits(limit, reference_peak, trials[1:])
+            unbudgeted = measured.backends[NO_BUDGET]
+            wrappers = {_REFERENCE: torch.compile(model, backend=unbudgeted, dynamic=dynamic)}
+            if not whole.refused:
+                wrappers[WHOLE_MODEL] = measured.refit(limit).compile(model)
+            ratios = routes.head_to_head(wrappers, blocks=not blocks_trial.refused, rounds=rounds)
+            trials = [_with_ratios(t, ratios.get(t.route, ())) for t in trials]
+            chosen = min((t for t in trials[1:] if not t.refused), key=lambda t: t.step_ratio or 0.0)
+            module = routes.finish(chosen.route, wrappers.get(WHOLE_MODEL))
+    except BaseException:
+        routes.undo()
+        raise
+    finally:
+        for parameter, gradient in zip(model.parameters(), gradients, strict=True):
+            parameter.grad = gradient
+    return CompiledFit(
+        limit, chosen.route, module, tuple(trials), measured, blocks_plan if chosen.route == BLOCKS else None,
+        routes.handle if chosen.route == BLOCKS else None,
+    )  # fmt: skip
+
+
+class _Routes:
+    """The model in one route's state at a time: blocks compiled with a plan applied, or plain for the whole-model
+    wrappers (the blocks' compiled calls set aside, so switching back recompiles nothing)."""
+
+    def __init__(self, model: nn.Module, chain: list[tuple[str, nn.Module]], step: Callable[[nn.Module], float]):
+        self.model, self.chain, self.step = model, chain, step
+        self.handle: RematHandle | None = None
+        self.plan: Plan | None = None
+        self.compiled: list[Any] | None = None
+        self.set_aside: list[Any] | None = None
+
+    def prepare_blocks(self, partitions: Sequence[float], compile_options: dict[str, Any]) -> None:
+        self.plan = Plan({fqn: KEEP for fqn, _ in self.chain})
+        self.handle = apply(self.model, self.plan, blocks=self.chain)
+        compile_blocks(self.model, self.chain, partition_budgets=partitions, **compile_options)
+        self.compiled = [block._compiled_call_impl for _, block in self.chain]
+        self.step(self.model)  # compiles the blocks' own calls
+
+    def plan_blocks(self, costs: Any, limit: int) -> tuple[RouteTrial, Plan | None]:
+        """remat's optimal plan for ``limit``, applied and measured (Invariant 1: replanned once if over)."""
+        assert self.handle is not None
+        budget, plan, peak = limit, None, None
+        for _ in range(2):
+            try:
+                plan = make_plan(costs, "optimal", budget)
+            except BudgetError as err:
+                least = f"least predicted peak {format_bytes(err.floor)}" if err.floor else str(err)
+                refused = f"no plan fits ({least})"
+                return RouteTrial(BLOCKS, "remat optimal", predicted_bytes=err.floor, refused=refused), None
+            self.handle.set_plan(plan)
+            self.plan = plan
+            self.step(self.model)  # a variant the profile did not run compiles here
+            with measure(model_device(self.model), allocations=True) as meter:
+                self.step(self.model)
+            peak = meter.activation_bytes
+            if peak <= limit:
+                break
+            budget = limit - (peak - (plan.predicted_peak_bytes or peak))  # what the prediction missed
+        assert plan is not None and peak is not None
+        refused = "" if peak <= limit else f"measured over {format_bytes(limit)} twice"
+        return RouteTrial(BLOCKS, f"plan {_summary(plan)}", peak, plan.predicted_peak_bytes, refused=refused), plan
+
+    def whole_model(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+            self.set_aside = [block._compiled_call_impl for _, block in self.chain]
+            for _, block in self.chain:
+                block._compiled_call_impl = None
+
+    def blocks(self) -> None:
+        if self.handle is None and self.set_aside is not None and self.plan is not None:
+            for (_, block), call in zip(self.chain, self.set_aside, strict=True):
+                block._compiled_call_impl = call
+            self.handle = apply(self.model, self.plan, blocks=self.chain)
+
+    def head_to_head(self, wrappers: dict[str, nn.Module], blocks: bool, rounds: int) -> dict[str, tuple[float, ...]]:
+        """Per contender, its step over the reference's in each of ``rounds`` interleaved rounds (the order
+        reversed every other round, the whole-model wrappers next to each other to switch the model's state
+        least)."""
+        order = [*wrappers, *([BLOCKS] if blocks else [])]
+        seconds: dict[str, list[float]] = {name: [] for name in order}
+        for r in range(rounds):
+            for name in order if r % 2 == 0 else order[::-1]:
+                if name == BLOCKS:
+                    self.blocks()
+                    seconds[name].append(self.step(self.model))
+                else:
+                    self.whole_model()
+                    seconds[name].append(self.step(wrappers[name]))
+        reference = seconds[_REFERENCE]
+        return {name: tuple(t / r for t, r in zip(times, reference, strict=True)) for name, times in seconds.items()}
+
+    def finish(self, route: str, whole: nn.Module | None) -> nn.Module:
+        """Leave the model in ``route``'s state only (Invariant 2); return what to train."""
+        if route == BLOCKS:
+            self.blocks()
+            return self.model
+        assert whole is not None
+        self.undo()
+        return whole
+
+    def undo(self) -> None:
+        """The model as it came: no plan, no compiled block."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        uncompile_blocks(self.chain)
+
+
+def _whole_route(measured: CompileBudgetFit, limit: int) -> RouteTrial:
+    try:
+        fit = measured.refit(limit)
+    except BudgetError as err:
+        least = next(t for t in measured.trials if t.peak_bytes == err.floor)
+        return RouteTrial(
+            WHOLE_MODEL, f"least peak at activation_memory_budget {least.budget:g}", err.floor,
+            refused="no activation_memory_budget fits",
+        )  # fmt: skip
+    return RouteTrial(WHOLE_MODEL, f"activation_memory_budget {fit.budget:g}", fit.chosen.peak_bytes)
+
+
+def _with_ratios(trial: RouteTrial, ratios: tuple[float, ...]) -> RouteTrial:
+    return RouteTrial(trial.route, trial.detail, trial.peak_bytes, trial.predicted_bytes, ratios, trial.refused)
+
+
+def _summary(plan: Plan) -> str:
+    """``plan``'s actions counted in the order they first appear, e.g. ``4 partition:0.25, 2 keep``."""
+    return ", ".join(f"{n} {action}" for action, n in Counter(plan.actions.values()).items())
+
+
+def _neither_fits(limit: int, reference: int, trials: Sequence[RouteTrial]) -> BudgetError:
+    floors = [b for t in trials for b in (t.peak_bytes or t.predicted_bytes,) if b is not None]
+    reasons = "; ".join(f"{t.route}: {t.refused}" for t in trials)
+    return BudgetError(
+        f"no compiled route fits {format_bytes(limit)} ({limit / reference:.2f} of torch.compile's peak "
+        f"{format_bytes(reference)}): {reasons}. Give more bytes, partition budgets nearer 0 "
+        "(partition_budgets=), or train eagerly with remat.plan(costs, 'optimal', budget)",
+        floor=min(floors) if floors else None,
+    )
+
+
+def _refuse_prepared(model: nn.Module, chain: Sequence[tuple[str, nn.Module]]) -> None:
+    """Invariant 3."""
+    if owner_of(model) is not None:
+        raise ValueError(
+            "fit_compiled takes a model without a plan applied: call handle.remove() first (it sets up the route "
+            "it chooses itself)"
+        )
+    compiled = [fqn for fqn, block in chain if getattr(block, "_compiled_call_impl", None) is not None]
+    if compiled:
+        raise ValueError(
+            f"fit_compiled takes a model whose blocks are not compiled, and {compiled[:3]} are: call "
+            "remat.integrations.compile.uncompile_blocks(chain) first (it compiles the route it chooses itself)"
+        )

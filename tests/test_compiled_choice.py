@@ -1,0 +1,150 @@
+"""The faster compiled route within a byte budget (``fit_compiled``): below the least peak of the whole-model
+budgets the plan on compiled blocks is chosen, fits by measurement and gives the gradients of the same compiled
+blocks without a plan; where both routes fit, the one whose steps measure faster is chosen and the model is left
+set up for it alone; where neither fits, ``BudgetError`` names the least peak and the model is left as it came;
+gradients and RNG are untouched; a model already applied or compiled is refused.
+
+The backend is ``aot_eager_decomp_partition`` (torch's min-cut partitioner, which reads the budgets; no code
+generation). Where the test needs one route to be the faster, its clock makes it so: a step reads 1 s while the
+blocks are plain (the whole-model wrappers run) and ``blocks_s`` while they are compiled."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.applied import owner_of
+from remat.integrations.compile import compile_blocks, fit_compiled, uncompile_blocks
+from remat.integrations.compiled_choice import BLOCKS, WHOLE_MODEL
+
+BACKEND = "aot_eager_decomp_partition"
+X = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+WHOLE_BUDGETS = (0.5,)  # the whole model's least peak then stays near 0.76 of its unbudgeted one
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(6)])
+
+
+def _compiled(model: nn.Module) -> list[bool]:
+    return [block._compiled_call_impl is not None for block in model]
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+class RouteClock:
+    """Steps read 1 s with the blocks plain and ``blocks_s`` with them compiled (the blocks route)."""
+
+    def __init__(self, model: nn.Module, blocks_s: float) -> None:
+        self.model, self.blocks_s, self.now = model, blocks_s, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.blocks_s if any(_compiled(self.model)) else 1.0
+        return self.now
+
+
+def test_below_the_whole_models_least_peak_the_blocks_route_fits_and_is_exact() -> None:
+    model = _model()
+    sentinel = [torch.full_like(p, 7.0) for p in model.parameters()]
+    for p, g in zip(model.parameters(), sentinel, strict=True):
+        p.grad = g
+    rng = torch.get_rng_state()
+    keep_all = copy.deepcopy(model)
+    fit = fit_compiled(model, X, 0.6, backend=BACKEND, budgets=WHOLE_BUDGETS, partition_budgets=(0.1,), rounds=2)
+    reference, whole, blocks = fit.trials
+    assert whole.refused and whole.peak_bytes > fit.max_bytes  # the least whole-model peak is over
+    assert fit.route == BLOCKS and not blocks.refused
+    assert fit.max_bytes == int(0.6 * reference.peak_bytes)
+    assert blocks.peak_bytes <= fit.max_bytes and fit.plan is not None
+    assert any(a.startswith("partition:") for a in fit.plan.actions.values())
+    assert all(p.grad is g for p, g in zip(model.parameters(), sentinel, strict=True))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert fit.module is model and owner_of(model) is fit.handle and all(_compiled(model))
+    assert fit.handle.plan == fit.plan
+    assert "<- chosen" in fit.describe() and "no activation_memory_budget fits" in fit.describe()
+
+    model.zero_grad(set_to_none=True)
+    with remat.measure("cpu", allocations=True) as measured:
+        fit.module(X).sum().backward()
+    assert measured.activation_bytes <= fit.max_bytes * 1.02
+    compile_blocks(keep_all, backend=BACKEND)
+    remat.apply(keep_all, remat.Plan({fqn: "keep" for fqn, _ in remat.find_blocks(keep_all)}))
+    keep_all(X).sum().backward()
+    torch.testing.assert_close(_grads(model), _grads(keep_all), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("blocks_s", "faster"), [(2.0, WHOLE_MODEL), (0.5, BLOCKS)])
+def test_where_both_fit_the_route_measured_faster_is_chosen_and_set_up_alone(blocks_s: float, faster: str) -> None:
+    model = _model()
+    fit = fit_compiled(
+        model, X, 0.9, backend=BACKEND, budgets=WHOLE_BUDGETS, partition_budgets=(0.1,), rounds=2,
+        clock=RouteClock(model, blocks_s),
+    )  # fmt: skip
+    _, whole, blocks = fit.trials
+    assert not whole.refused and not blocks.refused
+    assert fit.route == faster
+    assert whole.step_ratio == pytest.approx(1.0) and blocks.step_ratio == pytest.approx(blocks_s)
+    if faster == WHOLE_MODEL:
+        assert owner_of(model) is None and not any(_compiled(model)) and fit.handle is None and fit.plan is None
+        assert fit.module is not model  # torch.compile's wrapper under the fitted budget
+        fit.module(X).sum().backward()
+        model.zero_grad(set_to_none=True)
+        with remat.measure("cpu", allocations=True) as measured:
+            fit.module(X).sum().backward()
+        assert measured.activation_bytes == pytest.approx(whole.peak_bytes, rel=0.05)
+    else:
+        assert fit.module is model and owner_of(model) is fit.handle and all(_compiled(model))
+
+
+def test_when_neither_fits_the_error_names_the_least_peak_and_the_model_is_as_it_came() -> None:
+    model = _model()
+    with pytest.raises(remat.BudgetError, match="no compiled route fits") as error:
+        fit_compiled(model, X, 1024, backend=BACKEND, budgets=WHOLE_BUDGETS, partition_budgets=(0.1,), rounds=1)
+    assert error.value.floor is not None and error.value.floor > 1024
+    assert "whole model:" in str(error.value) and "blocks:" in str(error.value)
+    assert owner_of(model) is None and not any(_compiled(model))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_model_with_a_plan_or_compiled_blocks_is_refused() -> None:
+    model = _model()
+    handle = remat.apply(model, remat.Plan({fqn: "keep" for fqn, _ in remat.find_blocks(model)}))
+    with pytest.raises(ValueError, match="without a plan applied"):
+        fit_compiled(model, X, 0.5, backend=BACKEND)
+    handle.remove()
+    chain = compile_blocks(model, backend=BACKEND)
+    with pytest.raises(ValueError, match="uncompile_blocks"):
+        fit_compiled(model, X, 0.5, backend=BACKEND)
+    uncompile_blocks(chain)
+    assert not any(_compiled(model))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"rounds": 0}, "at least one timed step"),
+        ({"max_bytes": None}, "max_bytes is None"),
+        ({"partition_budgets": (1.5,)}, "budget"),
+    ],
+)
+def test_bad_arguments_say_what_to_pass(options: dict, message: str) -> None:
+    model = _model()
+    with pytest.raises(ValueError, match=message):
+        fit_compiled(model, X, **{"max_bytes": 0.5, "backend": BACKEND, **options})
+    assert owner_of(model) is None and not any(_compiled(model))
