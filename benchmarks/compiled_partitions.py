@@ -23,8 +23,9 @@ inductor remat's partitions save the forward's seeds and stay exact with dropout
 Peaks by ``remat.measure(allocations=True)`` (the allocator's events; they see compiled code), as ratios to
 torch.compile's; steps in CPU seconds (one intra-op thread), every contender once per round, the order reversed
 every other round, as ratios to torch.compile's step of the same round (median and 25th-75th percentiles).
-Gradients of remat's plans (and of the blocks compiled without remat) are compared with keep-all on the same
-compiled blocks, those of torch.compile's budgets with torch.compile's own (every step from the same seed;
+Gradients of remat's plans (and of the blocks compiled without remat, and ``fit_compiled``'s where it chose the
+blocks) are compared with keep-all on the same compiled blocks, those of torch.compile's budgets (and
+``fit_compiled``'s where it chose the whole model) with torch.compile's own (every step from the same seed;
 compiled code draws dropout its own way, so each is compared with its own reference).
 
     python benchmarks/compiled_partitions.py [--model llama] [--dtype fp32] [--rounds 10]
@@ -68,6 +69,7 @@ class Contender:
     select: Callable[[], None] = lambda: None
     plan: remat.Plan | None = None
     detail: str = ""
+    reference: Contender | None = None  # whose gradients this one's are compared with, where not the default
     peak: int = 0
     grads: list[torch.Tensor] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
@@ -202,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fit_compiled at {b:g}:\n{choice.describe()}")
         c = Contender(
             "remat fit_compiled", b, own, choice.module, detail=f"{choice.route}: {choice.chosen.detail}",
+            reference=keep_all if choice.handle is not None else contenders[0],
         )  # fmt: skip
         measure(c)
         contenders.append(c)
@@ -273,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         fits = "—" if c.budget is None else ("yes" if c.peak <= c.budget * reference * 1.02 else "no")
         plan = c.detail or "—"
         pred_step = pred_peak = grads = "—"
-        if c.plan is not None:
+        if c.reference is not None:
+            grads = compare_grads(c.grads, c.reference.grads)
+        elif c.plan is not None:
             sim = remat.simulate(costs, c.plan.actions)
             plan = " ".join(a.replace("partition:", "P") for a in c.plan.actions.values())
             pred_step = f"{sim.step_s / statistics.median(c.seconds):.2f}"

@@ -209,7 +209,8 @@ def _choose(
             + (f"; budgets {[t.budget for t in skipped]} were not tried ({skipped[0].skipped})" if skipped else "")
             + ". One graph takes one budget; lower peaks need a graph per block: "
             "remat.integrations.compile.compile_blocks(model, partition_budgets=[...]) and "
-            "remat.plan(remat.profile(model, batch), 'optimal', budget)",
+            "remat.plan(remat.profile(model, batch), 'optimal', budget); fit_compiled(model, batch, budget) measures "
+            "both routes and takes the faster that fits",
             floor=least.peak_bytes,
         )
     chosen = min(fitting, key=lambda t: t.step_s or 0.0)
