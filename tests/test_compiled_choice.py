@@ -148,3 +148,21 @@ def test_bad_arguments_say_what_to_pass(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         fit_compiled(model, X, **{"max_bytes": 0.5, "backend": BACKEND, **options})
     assert owner_of(model) is None and not any(_compiled(model))
+
+
+def test_under_bf16_autocast_the_chosen_route_fits_as_measured_in_autocast() -> None:
+    model = _model()
+    fit = fit_compiled(
+        model, X, 0.6, backend=BACKEND, budgets=WHOLE_BUDGETS, partition_budgets=(0.1,), rounds=1,
+        autocast=torch.bfloat16,
+    )  # fmt: skip
+    assert not fit.chosen.refused and fit.chosen.peak_bytes <= fit.max_bytes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fit.module(X).float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    with remat.measure("cpu", allocations=True) as measured:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fit.module(X).float().sum()
+        loss.backward()
+    assert measured.activation_bytes <= fit.max_bytes * 1.02
+    assert measured.activation_bytes == pytest.approx(fit.chosen.peak_bytes, rel=0.05)
