@@ -33,7 +33,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -186,7 +186,7 @@ def fit_compiled(
             if not whole.refused:
                 wrappers[WHOLE_MODEL] = measured.refit(limit).compile(model)
             ratios = routes.head_to_head(wrappers, blocks=not blocks_trial.refused, rounds=rounds)
-            trials = [_with_ratios(t, ratios.get(t.route, ())) for t in trials]
+            trials = [replace(t, ratios=ratios.get(t.route, ())) for t in trials]
             chosen = min((t for t in trials[1:] if not t.refused), key=lambda t: t.step_ratio or 0.0)
             module = routes.finish(chosen.route, wrappers.get(WHOLE_MODEL))
     except BaseException:
@@ -209,14 +209,12 @@ class _Routes:
         self.model, self.chain, self.step = model, chain, step
         self.handle: RematHandle | None = None
         self.plan: Plan | None = None
-        self.compiled: list[Any] | None = None
         self.set_aside: list[Any] | None = None
 
     def prepare_blocks(self, partitions: Sequence[float], compile_options: dict[str, Any]) -> None:
         self.plan = Plan({fqn: KEEP for fqn, _ in self.chain})
         self.handle = apply(self.model, self.plan, blocks=self.chain)
         compile_blocks(self.model, self.chain, partition_budgets=partitions, **compile_options)
-        self.compiled = [block._compiled_call_impl for _, block in self.chain]
         self.step(self.model)  # compiles the blocks' own calls
 
     def plan_blocks(self, costs: Any, limit: int) -> tuple[RouteTrial, Plan | None]:
@@ -301,10 +299,6 @@ def _whole_route(measured: CompileBudgetFit, limit: int) -> RouteTrial:
             refused="no activation_memory_budget fits",
         )  # fmt: skip
     return RouteTrial(WHOLE_MODEL, f"activation_memory_budget {fit.budget:g}", fit.chosen.peak_bytes)
-
-
-def _with_ratios(trial: RouteTrial, ratios: tuple[float, ...]) -> RouteTrial:
-    return RouteTrial(trial.route, trial.detail, trial.peak_bytes, trial.predicted_bytes, ratios, trial.refused)
 
 
 def _summary(plan: Plan) -> str:
