@@ -156,3 +156,21 @@ def test_measure_leaves_no_mode_behind_when_the_region_raises() -> None:
         b = torch.empty(10, dtype=torch.uint8)
         del b
     assert after.peak_bytes == 10
+
+
+def test_a_tracker_left_before_one_entered_inside_it_leaves_only_itself() -> None:
+    """A profiler's tracker entered inside the user's ``remat.measure()`` (PGAC's first step) is still active when
+    the user's ends: the user's leaves the stack, the profiler's stays until it exits."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from remat.memory import LiveTensorTracker
+
+    before = list(_get_current_dispatch_mode_stack())
+    outer, inner = LiveTensorTracker(), LiveTensorTracker()
+    outer.__enter__()
+    inner.__enter__()
+    torch.ones(16)
+    outer.__exit__(None, None, None)
+    assert [m for m in _get_current_dispatch_mode_stack() if m not in before] == [inner]
+    inner.exit_anywhere()
+    assert list(_get_current_dispatch_mode_stack()) == before

@@ -102,21 +102,28 @@ class LiveTensorTracker(LiveBytesSeries, TorchDispatchMode):
         self._events.append((event_id, -nbytes))
         self.live_bytes -= nbytes
 
-    def exit_anywhere(self) -> None:
-        """Leave this mode although modes entered after it are still active (a profiler whose step is found to
-        have ended inside the user's ``remat.measure()``): the modes above it are taken off, this one exits, and
-        they are put back in their order, so the user's tracker keeps counting."""
-        stack = _get_current_dispatch_mode_stack()
-        if not any(m is self for m in stack):
-            return
+    def __exit__(self, *exc: object) -> None:
+        """Leave this mode, wherever it is on the dispatch-mode stack. torch's own exit pops the top mode; a
+        profiler's tracker entered inside the user's ``remat.measure()`` (a first step profiled by PGAC or a
+        session) is still above it when the user's ends, and popping it instead would leave the user's tracker
+        active for good. The modes above this one are taken off, this one exits, and they are put back in their
+        order."""
         above = []
-        while _get_current_dispatch_mode_stack()[-1] is not self:
-            above.append(_pop_mode())
+        stack = _get_current_dispatch_mode_stack()
+        if any(m is self for m in stack):
+            while _get_current_dispatch_mode_stack()[-1] is not self:
+                above.append(_pop_mode())
         try:
-            self.__exit__(None, None, None)
+            super().__exit__(*exc)
         finally:
             for mode in reversed(above):
                 _push_mode(mode)
+
+    def exit_anywhere(self) -> None:
+        """Leave this mode if it is still active, wherever it is on the stack (modes entered after it stay, in
+        their order, so the user's tracker keeps counting)."""
+        if any(m is self for m in _get_current_dispatch_mode_stack()):
+            self.__exit__(None, None, None)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
