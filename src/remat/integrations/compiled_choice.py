@@ -80,7 +80,9 @@ class RouteTrial:
 
 @dataclass(frozen=True)
 class CompiledFit:
-    """The route chosen for ``max_bytes``, what to train (``module``), and every route as measured."""
+    """The route chosen for ``max_bytes``, what to train (``module``), and every route as measured. ``budgets``
+    holds the whole-model trials (every fraction's peak and step; ``budgets.refit(other_bytes)`` chooses among
+    them for another byte budget); ``plan`` and ``handle`` are the blocks route's, None for the whole model."""
 
     max_bytes: int
     route: str
