@@ -122,3 +122,15 @@ def test_gradients_zeroed_in_place_are_measured_as_the_loop_keeps_them() -> None
     with remat.measure("cpu", allocations=True) as measured:
         compiled(X).sum().backward()
     assert measured.activation_bytes == pytest.approx(kept.trials[1].peak_bytes, rel=0.05)
+
+
+def test_gradients_zeroed_in_place_leave_the_callers_gradients_as_they_were() -> None:
+    """Measured with ``set_to_none=False``, the steps zero gradients in place: the caller's own gradient tensors
+    must be set aside, not zeroed and accumulated into."""
+    model = _mlp()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    kept = [p.grad for p in model.parameters()]
+    fit_compile_budget(model, X, 1.0, backend=BACKEND, budgets=(0.1,), rounds=1, set_to_none=False)
+    assert all(p.grad is g for p, g in zip(model.parameters(), kept, strict=True))
+    assert all(bool((g == 7.0).all()) for g in kept)

@@ -7,14 +7,15 @@ one, else the sum of its (first) output tensor. With an autocast setting the for
 training loop. The output is held through the backward (``out = model(x); loss_fn(out).backward()``) unless
 ``holds_output=False``, which drops it once the loss is computed, as a loop keeping only the loss does
 (``model(**batch).loss.backward()``, Hugging Face's Trainer): what the output holds beyond the loss (the
-logits) is then freed before the backward. :func:`timed_step` times one such step.
+logits) is then freed before the backward. :func:`timed_step` times one such step, and
+:func:`interleaved_rounds` times several contenders' steps against each other.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from .blocks import main_tensor
 from .precision import AutocastSpec, autocast_off, step_autocast
 
 Batch = torch.Tensor | tuple[Any, ...] | list[Any] | dict[str, Any]
+Name = TypeVar("Name", bound=Hashable)
 
 
 def run_step(
@@ -85,3 +87,13 @@ def default_loss(output: Any) -> torch.Tensor:
     if tensor is None:
         raise ValueError("the model output has no tensor; pass loss_fn=... to remat.profile")
     return tensor.float().sum()
+
+
+def interleaved_rounds(names: Sequence[Name], run: Callable[[Name], float], rounds: int) -> dict[Name, list[float]]:
+    """``run(name)`` for each of ``names`` once per round, for ``rounds`` rounds, the order reversed every other
+    round so that a change in the machine's speed hits every name alike; each name's results in round order."""
+    results: dict[Name, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            results[name].append(run(name))
+    return results

@@ -35,12 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..block_run import GradsRestored
 from ..compiled_partitions import RandomDraws, budgeted_backend, saves_draws_under
 from ..memory import measure, model_device
 from ..planners.errors import BudgetError
 from ..precision import AutocastArg, autocast_spec
 from ..sizes import format_bytes, normalize_budget, parse_budget
-from ..training_step import Batch, timed_step
+from ..training_step import Batch, interleaved_rounds, timed_step
 
 DEFAULT_BUDGETS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
 NO_BUDGET = 1.0
@@ -144,41 +145,39 @@ def fit_compile_budget(
     spec = autocast_spec(autocast, device.type)
     dynamo = torch._dynamo.config
     dynamo.cache_size_limit = max(dynamo.cache_size_limit, 8 * (1 + len(candidates)))
-    gradients = [p.grad for p in model.parameters()]
     skipped: dict[float, str] = {}
     peaks: dict[float, int] = {}
     steps: dict[float, Callable[[], float]] = {}
     backends: dict[float, Callable[..., Any]] = {}
-    try:
-        with torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type):
-            draws = False
-            for budget in (NO_BUDGET, *candidates):
-                if draws and not saves_draws_under(backend, options, budget):
-                    skipped[budget] = _WHY_NOT_EXACT.format(backend=backend)
-                    continue
-                backends[budget] = budgeted_backend(backend, mode, options, dynamic, budget)
-                compiled = torch.compile(model, backend=backends[budget], dynamic=dynamic)
+    with (
+        GradsRestored(model),
+        torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type),
+    ):
+        draws = False
+        for budget in (NO_BUDGET, *candidates):
+            if draws and not saves_draws_under(backend, options, budget):
+                skipped[budget] = _WHY_NOT_EXACT.format(backend=backend)
+                continue
+            backends[budget] = budgeted_backend(backend, mode, options, dynamic, budget)
+            compiled = torch.compile(model, backend=backends[budget], dynamic=dynamic)
 
-                def step(compiled: nn.Module = compiled) -> float:
-                    return timed_step(compiled, batch, loss_fn, spec, clock, holds_output, set_to_none)
+            def step(compiled: nn.Module = compiled) -> float:
+                return timed_step(compiled, batch, loss_fn, spec, clock, holds_output, set_to_none)
 
-                torch.manual_seed(0)  # every step draws what the others draw
-                with RandomDraws(device) as drawn:
-                    step()  # compiles
-                draws = draws or drawn.seen
-                torch.manual_seed(0)
-                with measure(device, allocations=True) as meter:
-                    step()
-                peaks[budget], steps[budget] = meter.activation_bytes, step
-            seconds: dict[float, list[float]] = {budget: [] for budget in steps}
-            order = list(steps)
-            for r in range(rounds):  # interleaved, the order reversed every other round: drift hits all alike
-                for budget in order if r % 2 == 0 else order[::-1]:
-                    torch.manual_seed(0)
-                    seconds[budget].append(steps[budget]())
-    finally:
-        for parameter, gradient in zip(model.parameters(), gradients, strict=True):
-            parameter.grad = gradient
+            torch.manual_seed(0)  # every step draws what the others draw (seeded outside RandomDraws' watch)
+            with RandomDraws(device) as drawn:
+                step()  # compiles
+            draws = draws or drawn.seen
+            torch.manual_seed(0)
+            with measure(device, allocations=True) as meter:
+                step()
+            peaks[budget], steps[budget] = meter.activation_bytes, step
+
+        def seeded(budget: float) -> float:
+            torch.manual_seed(0)
+            return steps[budget]()
+
+        seconds = interleaved_rounds(list(steps), seeded, rounds)
     trials = [
         BudgetTrial(b, skipped=skipped[b]) if b in skipped else BudgetTrial(b, peaks[b], statistics.median(seconds[b]))
         for b in (NO_BUDGET, *candidates)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..applied import owner_of
+from ..block_run import GradsRestored
 from ..blocks import BlocksArg, resolve_blocks
 from ..compiled_partitions import budget_of, partition_action
 from ..costs import KEEP
@@ -51,7 +52,7 @@ from ..profiler import profile
 from ..runtime import RematHandle, apply
 from ..simulator import Plan
 from ..sizes import format_bytes, normalize_budget, parse_budget
-from ..training_step import Batch, timed_step
+from ..training_step import Batch, interleaved_rounds, timed_step
 from .compile_budget import DEFAULT_BUDGETS, NO_BUDGET, CompileBudgetFit, fit_compile_budget
 from .compiled_blocks import compile_blocks, uncompile_blocks
 
@@ -148,15 +149,13 @@ def fit_compiled(
     ``autocast``, ``holds_output``, ``clock`` are :func:`remat.profile`'s, ``backend``, ``mode``, ``options``,
     ``dynamic`` ``torch.compile``'s, ``set_to_none`` how the loop clears gradients (:func:`fit_compile_budget`).
     Raises :class:`remat.BudgetError` (``floor``: the least peak either route reached) when neither fits."""
-    if normalize_budget(max_bytes) is None:
+    if normalize_budget(max_bytes) is None:  # fit_compile_budget below is given the unbudgeted peak instead
         raise ValueError("max_bytes is None: give bytes, a string like '2GiB' or a fraction in (0, 1]")
-    if rounds < 1:
-        raise ValueError(f"rounds={rounds}: at least one timed step per contender is needed")
     partitions = sorted({budget_of(partition_action(b)) for b in partition_budgets})
     chain = resolve_blocks(model, blocks)
     _refuse_prepared(model, chain)
     compile_options: dict[str, Any] = {"backend": backend, "mode": mode, "options": options, "dynamic": dynamic}
-    measured = fit_compile_budget(
+    measured = fit_compile_budget(  # checks rounds before anything compiles
         model, batch, NO_BUDGET, loss_fn=loss_fn, budgets=budgets, autocast=autocast, rounds=rounds, clock=clock,
         holds_output=holds_output, set_to_none=set_to_none, **compile_options,
     )  # fmt: skip
@@ -170,10 +169,12 @@ def fit_compiled(
         return timed_step(module, batch, loss_fn, spec, clock, holds_output, set_to_none)
 
     routes = _Routes(model, chain, step)
-    gradients = [p.grad for p in model.parameters()]
     device = model_device(model)
     try:
-        with torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type):
+        with (
+            GradsRestored(model),
+            torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type),
+        ):
             whole = _whole_route(measured, limit)
             routes.prepare_blocks(partitions, compile_options)
             costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, autocast=autocast, clock=clock,
@@ -194,9 +195,6 @@ def fit_compiled(
     except BaseException:
         routes.undo()
         raise
-    finally:
-        for parameter, gradient in zip(model.parameters(), gradients, strict=True):
-            parameter.grad = gradient
     return CompiledFit(
         limit, chosen.route, module, tuple(trials), measured, blocks_plan if chosen.route == BLOCKS else None,
         routes.handle if chosen.route == BLOCKS else None,
@@ -261,16 +259,15 @@ class _Routes:
         """Per contender, its step over the reference's in each of ``rounds`` interleaved rounds (the order
         reversed every other round, the whole-model wrappers next to each other to switch the model's state
         least)."""
-        order = [*wrappers, *([BLOCKS] if blocks else [])]
-        seconds: dict[str, list[float]] = {name: [] for name in order}
-        for r in range(rounds):
-            for name in order if r % 2 == 0 else order[::-1]:
-                if name == BLOCKS:
-                    self.blocks()
-                    seconds[name].append(self.step(self.model))
-                else:
-                    self.whole_model()
-                    seconds[name].append(self.step(wrappers[name]))
+
+        def run(name: str) -> float:
+            if name == BLOCKS:
+                self.blocks()
+                return self.step(self.model)
+            self.whole_model()
+            return self.step(wrappers[name])
+
+        seconds = interleaved_rounds([*wrappers, *([BLOCKS] if blocks else [])], run, rounds)
         reference = seconds[_REFERENCE]
         return {name: tuple(t / r for t, r in zip(times, reference, strict=True)) for name, times in seconds.items()}
 
