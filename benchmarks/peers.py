@@ -49,7 +49,8 @@ from remat.bench.procmem import CHILD_ENV  # noqa: E402
 
 CHILD = Path(__file__).resolve().parent / "peers_child.py"
 # Options that must match for --resume to continue a file.
-SAME_FOR_RESUME = ("device", "size", "budgets", "rounds", "duel_rounds", "warmup", "threads", "backend", "seed")
+SAME_FOR_RESUME = ("device", "size", "budgets", "rounds", "duel_rounds", "choice_rounds", "warmup", "threads",
+                   "backend", "seed")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds over all contenders")
     parser.add_argument("--duel-rounds", type=int, default=20,
                         help="then rounds of remat optimal, the eager peers and remat optimal again, per budget")
+    parser.add_argument("--choice-rounds", type=int, default=5,
+                        help="fit_compiled's own head-to-head rounds per budget (0: no 'remat fit_compiled' rows)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before measuring each contender")
     parser.add_argument("--device", default="cpu", choices=pd.DEVICES, help="where the models and steps run")
     parser.add_argument("--size", default=None, choices=sorted(pm.SIZES),
@@ -83,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.size = "gpu" if args.device == "cuda" else "default"
     if args.quick:
         args.models, args.dtypes, args.budgets, args.rounds, args.duel_rounds = "gpt2", "fp32", "0.5", 3, 3
+        args.choice_rounds = min(args.choice_rounds, 2)
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
     args.dtype_list = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     args.budget_list = [float(b) for b in args.budgets.split(",") if b.strip()]
@@ -98,8 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--budgets takes fractions strictly between 0 and 1, got {args.budgets!r}")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    if args.duel_rounds < 0:
-        parser.error("--duel-rounds must be 0 or more")
+    if args.duel_rounds < 0 or args.choice_rounds < 0:
+        parser.error("--duel-rounds and --choice-rounds must be 0 or more")
     if args.retries < 0 or not args.steady_within > 0:
         parser.error("--retries must be 0 or more and --steady-within above 0")
     return args
@@ -116,8 +120,8 @@ def machine(device: str = "cpu") -> dict[str, Any]:
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": args.device, "size": args.size, "budgets": args.budget_list, "rounds": args.rounds,
-            "duel_rounds": args.duel_rounds, "warmup": args.warmup, "threads": args.threads,
-            "backend": args.backend, "seed": args.seed}
+            "duel_rounds": args.duel_rounds, "choice_rounds": args.choice_rounds, "warmup": args.warmup,
+            "threads": args.threads, "backend": args.backend, "seed": args.seed}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -28,7 +28,8 @@ back to the system); on CUDA the model, its copies and the batch live on the GPU
    and the gradients every contender must reproduce, stay the same.
 5. Head to head: at each budget, ``remat optimal`` against each eager peer of that budget, and against itself
    (an A/A pair), for ``duel_rounds`` more rounds of those few contenders only: the target compares steps
-   within 2%, finer than rounds over every contender resolve on a shared machine.
+   within 2%, finer than rounds over every contender resolve on a shared machine; then ``remat fit_compiled``
+   the same way against ``torch.compile``'s budgets (at the fraction, and fitted by remat).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from torch import nn
 import remat
 from remat.bench.childproc import child_env, emit, parse
 from remat.bench.procmem import ProcessPeakMeter, process_meter_problem
-from remat.integrations.compile import CompileBudgetFit, compile_blocks, fit_compile_budget
+from remat.integrations.compile import CompileBudgetFit, CompiledFit, compile_blocks, fit_compile_budget, fit_compiled
 from remat.simulator import no_checkpoint_peak
 
 # glibc mallopt parameters
@@ -259,19 +260,21 @@ class Bench:
         return {"seconds": wall, "cpu_seconds": cpu} if self.device == "cpu" else {"seconds": wall}
 
     def duel_rounds(self, cs: pc.ContenderSet) -> None:
-        """At each budget, ``remat optimal``, each eager peer and ``remat optimal`` again (the A/A pair, key
-        ``<key>#aa``), round by round, the order reversed every other round; records of kind ``duel``."""
+        """At each budget and in each group, remat's contender (``remat optimal``; on compiled code
+        ``remat fit_compiled``), each peer of that budget and remat's again (the A/A pair, key ``<key>#aa``), round
+        by round, the order reversed every other round; records of kind ``duel``."""
         for budget in sorted({row.budget for row in cs.rows if row.budget is not None}):
             at = {row.name: row.key for row in cs.rows if row.budget == budget}
-            mine = at.get("remat optimal")
-            peers = [at[name] for name in pt.EAGER_PEERS if name in at]
-            if mine is None or not peers:
-                continue
-            slots = [(mine, mine), *((key, key) for key in peers), (f"{mine}#aa", mine)]
-            for r in range(self.job.get("duel_rounds", 0)):
-                for label, key in slots if r % 2 == 0 else slots[::-1]:
-                    fields = self.timed(cs.contenders[key], self.job["seed"] + 5000 + r)
-                    self.emit("duel", budget=budget, key=label, round=r, **fields)
+            for mine_name, peer_names in pt.DUELS:
+                mine = at.get(mine_name)
+                peers = [at[name] for name in peer_names if name in at]
+                if mine is None or not peers:
+                    continue
+                slots = [(mine, mine), *((key, key) for key in peers), (f"{mine}#aa", mine)]
+                for r in range(self.job.get("duel_rounds", 0)):
+                    for label, key in slots if r % 2 == 0 else slots[::-1]:
+                        fields = self.timed(cs.contenders[key], self.job["seed"] + 5000 + r)
+                        self.emit("duel", budget=budget, key=label, round=r, **fields)
 
 
 def fit_whole_model(job: dict[str, Any], bench: Bench, model: nn.Module) -> CompileBudgetFit:
@@ -282,6 +285,16 @@ def fit_whole_model(job: dict[str, Any], bench: Bench, model: nn.Module) -> Comp
     # the steps (Bench.step) zero the gradients in place: measured so, a compiled backward's gradients add up
     return fit_compile_budget(model, bench.batch, 1.0, backend=job["backend"], autocast=autocast, clock=clock,
                               holds_output=False, set_to_none=False)
+
+
+def fit_compiled_at(job: dict[str, Any], bench: Bench, model: nn.Module, max_bytes: int | float,
+                    whole: CompileBudgetFit | None) -> CompiledFit:
+    """``fit_compiled`` on ``model`` at ``max_bytes`` with the unit's batch, precision and backend, the whole-model
+    trials ``whole`` reused where they ran, ``choice_rounds`` rounds head to head."""
+    autocast = torch.bfloat16 if bench.setting.dtype == "bf16" else False
+    return fit_compiled(model, bench.batch, max_bytes, whole=whole, partition_budgets=pc.PARTITION_BUDGETS,
+                        backend=job["backend"], autocast=autocast, rounds=job.get("choice_rounds", 5),
+                        clock=step_clock(bench.device), holds_output=False, set_to_none=False)
 
 
 def run(job: dict[str, Any]) -> None:
@@ -320,6 +333,9 @@ def run(job: dict[str, Any]) -> None:
         cs.compile_fitted(budget, int(budget * compiled_bytes) if compiled_bytes else None,
                           functools.partial(fit_whole_model, job, bench))
         cs.remat_compiled(budget, int(budget * compiled_bytes) if compiled_bytes else None)
+        if job.get("choice_rounds", 5):
+            cs.remat_fit_compiled(budget, int(budget * compiled_bytes) if compiled_bytes else None,
+                                  functools.partial(fit_compiled_at, job, bench))
     for key in list(cs.contenders):
         bench.measure(cs.contenders[key])
     plain = pm.build_model(setting, seed=job["seed"]).to(bench.device)

@@ -18,9 +18,11 @@ remat, through its public API: ``remat.profile`` once, then ``remat.plan`` + ``r
 strategies and ``optimal``, ``remat.PGAC`` and ``remat.DTR`` at the budget; and ``optimal`` on compiled blocks
 (``remat.integrations.compile.compile_blocks`` with :data:`PARTITION_BUDGETS`), planned from ``remat.profile``
 of the compiled-block model (what the compiled graphs save and how long they take, under keep, checkpoint and
-each partition budget, on blocks without random draws), and ``torch.compile`` of the whole model under the
+each partition budget, on blocks without random draws), ``torch.compile`` of the whole model under the
 ``activation_memory_budget`` that ``remat.integrations.compile.fit_compile_budget`` measures fastest among
-those whose peak fits (its trials run once per model and precision). Compiled contenders are
+those whose peak fits (its trials run once per model and precision), and remat's compiled answer at the budget,
+``remat.integrations.compile.fit_compiled`` on a copy of its own: whichever of those two routes (the fitted
+whole-model budget, the plan on compiled blocks) measures faster on the step and fits. Compiled contenders are
 measured with ``remat.measure(allocations=True)`` (the allocator's events), which sees compiled code and
 leaves it compiled, where eager ones use the live-tensor tracker.
 """
@@ -41,7 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import remat
 from remat.bench.static_plans import uniform_plan
 from remat.compiled_partitions import budgeted_backend
-from remat.integrations.compile import CompileBudgetFit, compile_blocks
+from remat.integrations.compile import CompileBudgetFit, CompiledFit, compile_blocks
 from remat.simulator import no_checkpoint_peak
 
 EAGER = "eager"
@@ -49,6 +51,7 @@ COMPILED = "compiled"
 # torch.compile's activation memory budgets each compiled block is also compiled under (partition:<budget> actions)
 PARTITION_BUDGETS = (0.1, 0.25, 0.5)
 FITTED = "torch.compile, budget fitted by remat"
+FIT_COMPILED = "remat fit_compiled"
 
 aten = torch.ops.aten
 # What a user's "save the matmuls" policy names: matrix products and the attention kernels, the CPU's and
@@ -320,6 +323,30 @@ class ContenderSet:
                            handle.model, handle.model, grad_reference="compiled-blocks", tracker=False,
                            allocations=True, detail=_short_actions(plan), select=lambda: handle.set_plan(plan),
                            plan=lambda: predicted, costs=self.compiled_costs), budget)
+
+
+    def remat_fit_compiled(self, budget: float, budget_bytes: int | None,
+                           fit_at: Callable[[nn.Module, int | float, CompileBudgetFit | None], CompiledFit]) -> None:
+        """``fit_compiled`` at ``budget_bytes`` (or the fraction ``budget``) on a copy of its own, set up for the
+        route it chose; ``fit_at(model, max_bytes, whole)`` runs it, reusing the whole-model trials of
+        :meth:`compile_fitted` where they ran (``whole``). The blocks route's plan is predicted from the compiled
+        blocks' profile and compared with keep-all on compiled blocks; the whole model with ``torch.compile``."""
+        model = self.copy()
+        try:
+            fit = fit_at(model, budget_bytes or budget, self._fit)
+        except remat.BudgetError as err:
+            self.refused.append(Refused(budget, FIT_COMPILED, COMPILED, str(err)))
+            return
+        on_blocks = fit.plan is not None  # the blocks route: its plan applied to the copy's compiled blocks
+        predicted = fit.plan if self.compiled_costs is not None else None
+        detail = (f"blocks: {_short_actions(fit.plan)}" if fit.plan is not None
+                  else f"whole model: {fit.chosen.detail.replace('activation_memory_budget ', 'budget=')}")
+        note = "" if on_blocks else ("the partitioner's recomputation changes the kernels (rounding); dropout masks "
+                                     "are kept")
+        self.add(Contender(f"fit-compiled-{budget:g}", FIT_COMPILED, COMPILED, model, fit.module,
+                           grad_reference="compiled-blocks" if on_blocks else "compiled", tracker=False,
+                           allocations=True, exact=on_blocks, detail=detail, note=note, plan=lambda: predicted,
+                           costs=self.compiled_costs), budget)
 
 
 def budget_backend(name: str, budget: float) -> Callable[..., Any]:

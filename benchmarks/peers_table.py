@@ -34,6 +34,13 @@ REFERENCE = {"eager": "none", "compiled": "compiled"}
 KEEP_ALL = {"eager": "none", "compiled": "compiled-blocks"}  # each group's keep-all remat plan (predicted)
 EAGER_PEERS = ("torch checkpoint, first k blocks", "torch selective (matmuls saved), first k")
 COMPILED_PEER = "torch.compile + activation_memory_budget"
+FITTED_PEER = "torch.compile, budget fitted by remat"
+COMPILED_PEERS = (COMPILED_PEER, FITTED_PEER)
+# remat's contender in each group, the one its target judges (on compiled code the first present at a budget:
+# records written before fit_compiled had a row judge the plan on compiled blocks)
+MINE = {"eager": ("remat optimal",), "compiled": ("remat fit_compiled", "remat optimal on compiled blocks")}
+# the head-to-head rounds of peers_child.duel_rounds: remat's contender against the peers of its group
+DUELS = (("remat optimal", EAGER_PEERS), ("remat fit_compiled", COMPILED_PEERS))
 
 
 @dataclass
@@ -228,18 +235,20 @@ def markdown_table(lines: list[Line], device: str = "cpu") -> str:
 
 @dataclass
 class Standing:
-    """At one budget: the fastest fitting peer against remat's optimal plan (eager, then compiled)."""
+    """At one budget: the fastest fitting peer against remat's contender (eager ``remat optimal``, then compiled
+    ``remat fit_compiled``)."""
 
     model: str
     dtype: str
     budget: float
     group: str
+    mine: str
     peer: str
     peer_step: float | None
     remat_fits: bool | None
     remat_step: float | None
     remat_over_peer: float | None
-    aa: float | None = None  # remat optimal against itself in the same head-to-head rounds
+    aa: float | None = None  # remat's contender against itself in the same head-to-head rounds
     rounds: int = 0  # paired rounds behind remat_over_peer
     head_to_head: bool = False  # from the head-to-head rounds (else from the rounds over every contender)
 
@@ -249,10 +258,10 @@ def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
     budgets = sorted({x.budget for x in lines if x.budget is not None})
     for budget in budgets:
         at = [x for x in lines if x.budget == budget and x.key]
-        for group, peers, mine in (("eager", EAGER_PEERS, "remat optimal"),
-                                   ("compiled", (COMPILED_PEER,), "remat optimal on compiled blocks")):
+        for group, peers in (("eager", EAGER_PEERS), ("compiled", COMPILED_PEERS)):
             fitting = [x for x in at if x.name in peers and x.fits and x.step_median is not None]
             peer = min(fitting, key=lambda x: x.step_median) if fitting else None
+            mine = next((name for name in MINE[group] if any(x.name == name for x in at)), MINE[group][0])
             remat = next((x for x in at if x.name == mine), None)
             paired, aa, ratios, duel = None, None, [], False
             if peer is not None and remat is not None:
@@ -264,7 +273,7 @@ def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
                 else:
                     ratios = paired_ratios(unit, remat.key, peer.key)
                 paired = statistics.median(ratios) if ratios else None
-            out.append(Standing(unit.model, unit.dtype, budget, group,
+            out.append(Standing(unit.model, unit.dtype, budget, group, mine,
                                 f"{peer.name} ({peer.detail})" if peer else "none fits",
                                 peer.step_median if peer else None, remat.fits if remat else None,
                                 remat.step_median if remat else None, paired, aa, len(ratios), duel))
@@ -272,15 +281,15 @@ def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
 
 
 def standings_table(rows: list[Standing]) -> str:
-    out = ["| model | dtype | budget | group | fastest fitting peer | its step/ref | remat optimal fits | "
-           "remat optimal step/ref | remat optimal / peer (paired) | rounds | A/A (remat optimal twice) |",
-           "|" + "---|" * 11]
+    out = ["| model | dtype | budget | group | remat's contender | fastest fitting peer | its step/ref | remat fits | "
+           "remat step/ref | remat / peer (paired) | rounds | A/A (remat's contender twice) |",
+           "|" + "---|" * 12]
     for s in rows:
         fits = {True: "yes", False: "no", None: "—"}[s.remat_fits]
         rounds = f"{s.rounds} head to head" if s.head_to_head else f"{s.rounds}" if s.rounds else "—"
-        out.append(f"| {s.model} | {s.dtype} | {s.budget:.0%} | {s.group} | {s.peer} | {_num(s.peer_step)} | "
-                   f"{fits} | {_num(s.remat_step)} | {_num(s.remat_over_peer, '{:.3f}')} | {rounds} | "
-                   f"{_num(s.aa, '{:.3f}')} |")
+        out.append(f"| {s.model} | {s.dtype} | {s.budget:.0%} | {s.group} | {s.mine} | {s.peer} | "
+                   f"{_num(s.peer_step)} | {fits} | {_num(s.remat_step)} | {_num(s.remat_over_peer, '{:.3f}')} | "
+                   f"{rounds} | {_num(s.aa, '{:.3f}')} |")
     return "\n".join(out)
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 import remat
 from remat.applied import owner_of
+from remat.integrations import compiled_choice
 from remat.integrations.compile import compile_blocks, fit_compiled, uncompile_blocks
 from remat.integrations.compiled_choice import BLOCKS, WHOLE_MODEL
 
@@ -120,6 +121,26 @@ def test_when_neither_fits_the_error_names_the_least_peak_and_the_model_is_as_it
     assert "whole model:" in str(error.value) and "blocks:" in str(error.value)
     assert owner_of(model) is None and not any(_compiled(model))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_whole_model_trials_measured_once_serve_another_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = fit_compiled(_model(), X, 0.9, backend=BACKEND, budgets=WHOLE_BUDGETS, partition_budgets=(0.1,),
+                         rounds=1)  # fmt: skip
+    assert not first.trials[1].refused  # the whole model fits 0.9
+
+    def measured_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the whole-model grid was measured again")
+
+    monkeypatch.setattr(compiled_choice, "fit_compile_budget", measured_again)
+    model = _model()  # a copy with the same weights
+    second = fit_compiled(model, X, 0.6, backend=BACKEND, whole=first.budgets, partition_budgets=(0.1,), rounds=1)
+    assert second.budgets is first.budgets
+    reference, whole, blocks = second.trials
+    assert reference.peak_bytes == first.trials[0].peak_bytes
+    assert second.max_bytes == int(0.6 * reference.peak_bytes)
+    assert whole.refused and second.route == BLOCKS and blocks.peak_bytes <= second.max_bytes
+    with pytest.raises(ValueError, match="not both"):
+        fit_compiled(_model(), X, 0.6, backend=BACKEND, whole=first.budgets, budgets=WHOLE_BUDGETS)
 
 
 def test_a_model_with_a_plan_or_compiled_blocks_is_refused() -> None:

@@ -127,7 +127,8 @@ def fit_compiled(
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     blocks: BlocksArg = None,
-    budgets: Sequence[float] = DEFAULT_BUDGETS,
+    budgets: Sequence[float] | None = None,
+    whole: CompileBudgetFit | None = None,
     partition_budgets: Sequence[float] = DEFAULT_PARTITIONS,
     backend: str | Callable[..., Any] = "inductor",
     mode: str | None = None,
@@ -140,23 +141,36 @@ def fit_compiled(
     set_to_none: bool = True,
 ) -> CompiledFit:
     """Measure both compiled routes of ``model`` on ``batch`` under ``max_bytes`` and set the model up for the
-    faster that fits (module docstring): ``torch.compile``'s whole-model budget (fractions ``budgets``, as
-    :func:`fit_compile_budget`) and remat's ``optimal`` plan on compiled blocks (the chain ``blocks`` or
-    :func:`remat.find_blocks`'s, each also compiled under ``partition_budgets``). ``max_bytes``: bytes, a string
-    like ``"2GiB"``, or a float in (0, 1], a fraction of the unbudgeted compiled step's measured peak.
+    faster that fits (module docstring): ``torch.compile``'s whole-model budget (fractions ``budgets``, default
+    ``DEFAULT_BUDGETS``, as :func:`fit_compile_budget`) and remat's ``optimal`` plan on compiled blocks (the chain
+    ``blocks`` or :func:`remat.find_blocks`'s, each also compiled under ``partition_budgets``). ``max_bytes``:
+    bytes, a string like ``"2GiB"``, or a float in (0, 1], a fraction of the unbudgeted compiled step's measured
+    peak.
 
     ``rounds``: timed steps per contender, head to head (and per budget in the whole-model trials); ``loss_fn``,
     ``autocast``, ``holds_output``, ``clock`` are :func:`remat.profile`'s, ``backend``, ``mode``, ``options``,
     ``dynamic`` ``torch.compile``'s, ``set_to_none`` how the loop clears gradients (:func:`fit_compile_budget`).
-    Raises :class:`remat.BudgetError` (``floor``: the least peak either route reached) when neither fits."""
+    ``whole``: the whole-model trials already measured for this model (or a copy with its weights) on this batch
+    and settings, by :func:`fit_compile_budget` or an earlier call's ``CompiledFit.budgets``: reused instead of
+    compiling and measuring the grid again, so fitting several byte budgets measures it once (give ``budgets``
+    or ``whole``, not both). Raises :class:`remat.BudgetError` (``floor``: the least peak either route reached)
+    when neither fits."""
     if normalize_budget(max_bytes) is None:  # fit_compile_budget below is given the unbudgeted peak instead
         raise ValueError("max_bytes is None: give bytes, a string like '2GiB' or a fraction in (0, 1]")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: at least one timed step per route is needed")
+    if whole is not None and budgets is not None:
+        raise ValueError(
+            "give budgets (the whole-model grid to measure) or whole (trials already measured), not both: "
+            f"whole holds budgets {[t.budget for t in whole.trials[1:]]}"
+        )
     partitions = sorted({budget_of(partition_action(b)) for b in partition_budgets})
     chain = resolve_blocks(model, blocks)
     _refuse_prepared(model, chain)
     compile_options: dict[str, Any] = {"backend": backend, "mode": mode, "options": options, "dynamic": dynamic}
-    measured = fit_compile_budget(  # checks rounds before anything compiles
-        model, batch, NO_BUDGET, loss_fn=loss_fn, budgets=budgets, autocast=autocast, rounds=rounds, clock=clock,
+    grid = DEFAULT_BUDGETS if budgets is None else budgets
+    measured = whole or fit_compile_budget(
+        model, batch, NO_BUDGET, loss_fn=loss_fn, budgets=grid, autocast=autocast, rounds=rounds, clock=clock,
         holds_output=holds_output, set_to_none=set_to_none, **compile_options,
     )  # fmt: skip
     reference_peak = measured.trials[0].peak_bytes
