@@ -321,8 +321,10 @@ class ContenderSet:
         predicted = plan if self.compiled_costs is not None else None
         self.add(Contender(f"compiled-blocks-{_short_actions(plan)}", "remat optimal on compiled blocks", COMPILED,
                            handle.model, handle.model, grad_reference="compiled-blocks", tracker=False,
-                           allocations=True, detail=_short_actions(plan), select=lambda: handle.set_plan(plan),
-                           plan=lambda: predicted, costs=self.compiled_costs), budget)
+                           allocations=True, exact=not _partitioned(plan),
+                           note=PARTITION_NOTE if _partitioned(plan) else "", detail=_short_actions(plan),
+                           select=lambda: handle.set_plan(plan), plan=lambda: predicted, costs=self.compiled_costs),
+                 budget)
 
 
     def remat_fit_compiled(self, budget: float, budget_bytes: int | None,
@@ -341,12 +343,21 @@ class ContenderSet:
         predicted = fit.plan if self.compiled_costs is not None else None
         detail = (f"blocks: {_short_actions(fit.plan)}" if fit.plan is not None
                   else f"whole model: {fit.chosen.detail.replace('activation_memory_budget ', 'budget=')}")
-        note = "" if on_blocks else ("the partitioner's recomputation changes the kernels (rounding); dropout masks "
-                                     "are kept")
+        exact = on_blocks and not _partitioned(fit.plan)
+        note = "" if exact else PARTITION_NOTE if on_blocks else (
+            "the partitioner's recomputation changes the kernels (rounding); dropout masks are kept")
         self.add(Contender(f"fit-compiled-{budget:g}", FIT_COMPILED, COMPILED, model, fit.module,
                            grad_reference="compiled-blocks" if on_blocks else "compiled", tracker=False,
-                           allocations=True, exact=on_blocks, detail=detail, note=note, plan=lambda: predicted,
+                           allocations=True, exact=exact, detail=detail, note=note, plan=lambda: predicted,
                            costs=self.compiled_costs), budget)
+
+
+PARTITION_NOTE = ("partition:<budget> variants are compiled apart from keep's graph: their kernels may round "
+                  "differently (reductions, casts to bf16)")
+
+
+def _partitioned(plan: remat.Plan | None) -> bool:
+    return plan is not None and any(a.startswith("partition:") for a in plan.actions.values())
 
 
 def budget_backend(name: str, budget: float) -> Callable[..., Any]:

@@ -31,6 +31,11 @@ Invariants, enforced here:
 
 The budget takes effect where the compiler partitions with torch's min-cut partitioner: ``inductor`` (the
 default) and ``aot_eager_decomp_partition``. Under another backend every variant saves what keep saves.
+
+Invariant 3 is about what is drawn, not how it rounds: a variant is another graph to the compiler, its recomputed
+operators fused into other kernels than keep's, where a reduction or a cast to a lower precision may round
+differently (under bf16 autocast on HF Llama, gradients within 1.8e-04 of keep's; bitwise in fp32 there,
+``docs/compile.md``).
 """
 
 from __future__ import annotations
