@@ -280,20 +280,22 @@ class Bench:
 def fit_whole_model(job: dict[str, Any], bench: Bench, model: nn.Module) -> CompileBudgetFit:
     """``fit_compile_budget``'s trials on ``model`` with the unit's batch, precision and backend: every budget of
     its default grid measured once, to be chosen from per byte budget (``CompileBudgetFit.refit``)."""
-    clock = step_clock(bench.device)
-    autocast = torch.bfloat16 if bench.setting.dtype == "bf16" else False
     # the steps (Bench.step) zero the gradients in place: measured so, a compiled backward's gradients add up
-    return fit_compile_budget(model, bench.batch, 1.0, backend=job["backend"], autocast=autocast, clock=clock,
-                              holds_output=False, set_to_none=False)
+    return fit_compile_budget(model, bench.batch, 1.0, backend=job["backend"], autocast=unit_autocast(bench),
+                              clock=step_clock(bench.device), holds_output=False, set_to_none=False)
+
+
+def unit_autocast(bench: Bench) -> torch.dtype | bool:
+    """The unit's precision as remat's ``autocast=`` argument: bf16 autocast, or none."""
+    return torch.bfloat16 if bench.setting.dtype == "bf16" else False
 
 
 def fit_compiled_at(job: dict[str, Any], bench: Bench, model: nn.Module, max_bytes: int | float,
                     whole: CompileBudgetFit | None) -> CompiledFit:
     """``fit_compiled`` on ``model`` at ``max_bytes`` with the unit's batch, precision and backend, the whole-model
     trials ``whole`` reused where they ran, ``choice_rounds`` rounds head to head."""
-    autocast = torch.bfloat16 if bench.setting.dtype == "bf16" else False
     return fit_compiled(model, bench.batch, max_bytes, whole=whole, partition_budgets=pc.PARTITION_BUDGETS,
-                        backend=job["backend"], autocast=autocast, rounds=job.get("choice_rounds", 5),
+                        backend=job["backend"], autocast=unit_autocast(bench), rounds=job.get("choice_rounds", 5),
                         clock=step_clock(bench.device), holds_output=False, set_to_none=False)
 
 

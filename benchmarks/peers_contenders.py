@@ -52,6 +52,7 @@ COMPILED = "compiled"
 PARTITION_BUDGETS = (0.1, 0.25, 0.5)
 FITTED = "torch.compile, budget fitted by remat"
 FIT_COMPILED = "remat fit_compiled"
+WHOLE_BUDGET_NOTE = "the partitioner's recomputation changes the kernels (rounding); dropout masks are kept"
 
 aten = torch.ops.aten
 # What a user's "save the matmuls" policy names: matrix products and the attention kernels, the CPU's and
@@ -301,8 +302,8 @@ class ContenderSet:
         model = self._fitted_model
         self.add(Contender(
             f"compiled-fitted-{fit.budget:g}", FITTED, COMPILED, model, fit.compile(model), grad_reference="compiled",
-            tracker=False, allocations=True, exact=False, detail=f"budget={fit.budget:g}",
-            note="the partitioner's recomputation changes the kernels (rounding); dropout masks are kept"), budget)
+            tracker=False, allocations=True, exact=False, detail=f"budget={fit.budget:g}", note=WHOLE_BUDGET_NOTE),
+            budget)
 
     def remat_compiled(self, budget: float, budget_bytes: int | None) -> None:
         """remat's optimal plan on the compiled blocks at ``budget_bytes`` (the budget's share of the compiled
@@ -319,10 +320,11 @@ class ContenderSet:
             return
         handle = self._remat_compiled
         predicted = plan if self.compiled_costs is not None else None
+        partitioned = _partitioned(plan)
         self.add(Contender(f"compiled-blocks-{_short_actions(plan)}", "remat optimal on compiled blocks", COMPILED,
                            handle.model, handle.model, grad_reference="compiled-blocks", tracker=False,
-                           allocations=True, exact=not _partitioned(plan),
-                           note=PARTITION_NOTE if _partitioned(plan) else "", detail=_short_actions(plan),
+                           allocations=True, exact=not partitioned, note=PARTITION_NOTE if partitioned else "",
+                           detail=_short_actions(plan),
                            select=lambda: handle.set_plan(plan), plan=lambda: predicted, costs=self.compiled_costs),
                  budget)
 
@@ -339,13 +341,14 @@ class ContenderSet:
         except remat.BudgetError as err:
             self.refused.append(Refused(budget, FIT_COMPILED, COMPILED, str(err)))
             return
-        on_blocks = fit.plan is not None  # the blocks route: its plan applied to the copy's compiled blocks
+        if fit.plan is not None:  # the blocks route: its plan applied to the copy's compiled blocks
+            on_blocks, exact = True, not _partitioned(fit.plan)
+            detail, note = f"blocks: {_short_actions(fit.plan)}", "" if exact else PARTITION_NOTE
+        else:
+            on_blocks, exact = False, False
+            detail = f"whole model: {fit.chosen.detail.replace('activation_memory_budget ', 'budget=')}"
+            note = WHOLE_BUDGET_NOTE
         predicted = fit.plan if self.compiled_costs is not None else None
-        detail = (f"blocks: {_short_actions(fit.plan)}" if fit.plan is not None
-                  else f"whole model: {fit.chosen.detail.replace('activation_memory_budget ', 'budget=')}")
-        exact = on_blocks and not _partitioned(fit.plan)
-        note = "" if exact else PARTITION_NOTE if on_blocks else (
-            "the partitioner's recomputation changes the kernels (rounding); dropout masks are kept")
         self.add(Contender(f"fit-compiled-{budget:g}", FIT_COMPILED, COMPILED, model, fit.module,
                            grad_reference="compiled-blocks" if on_blocks else "compiled", tracker=False,
                            allocations=True, exact=exact, detail=detail, note=note, plan=lambda: predicted,

@@ -36,11 +36,12 @@ EAGER_PEERS = ("torch checkpoint, first k blocks", "torch selective (matmuls sav
 COMPILED_PEER = "torch.compile + activation_memory_budget"
 FITTED_PEER = "torch.compile, budget fitted by remat"
 COMPILED_PEERS = (COMPILED_PEER, FITTED_PEER)
+PEERS = {"eager": EAGER_PEERS, "compiled": COMPILED_PEERS}
 # remat's contender in each group, the one its target judges (on compiled code the first present at a budget:
 # records written before fit_compiled had a row judge the plan on compiled blocks)
 MINE = {"eager": ("remat optimal",), "compiled": ("remat fit_compiled", "remat optimal on compiled blocks")}
 # the head-to-head rounds of peers_child.duel_rounds: remat's contender against the peers of its group
-DUELS = (("remat optimal", EAGER_PEERS), ("remat fit_compiled", COMPILED_PEERS))
+DUELS = tuple((MINE[group][0], peers) for group, peers in PEERS.items())
 
 
 @dataclass
@@ -258,7 +259,7 @@ def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
     budgets = sorted({x.budget for x in lines if x.budget is not None})
     for budget in budgets:
         at = [x for x in lines if x.budget == budget and x.key]
-        for group, peers in (("eager", EAGER_PEERS), ("compiled", COMPILED_PEERS)):
+        for group, peers in PEERS.items():
             fitting = [x for x in at if x.name in peers and x.fits and x.step_median is not None]
             peer = min(fitting, key=lambda x: x.step_median) if fitting else None
             mine = next((name for name in MINE[group] if any(x.name == name for x in at)), MINE[group][0])

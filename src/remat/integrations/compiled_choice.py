@@ -168,10 +168,10 @@ def fit_compiled(
     chain = resolve_blocks(model, blocks)
     _refuse_prepared(model, chain)
     compile_options: dict[str, Any] = {"backend": backend, "mode": mode, "options": options, "dynamic": dynamic}
-    grid = DEFAULT_BUDGETS if budgets is None else budgets
-    measured = whole or fit_compile_budget(
-        model, batch, NO_BUDGET, loss_fn=loss_fn, budgets=grid, autocast=autocast, rounds=rounds, clock=clock,
-        holds_output=holds_output, set_to_none=set_to_none, **compile_options,
+    measured = whole if whole is not None else fit_compile_budget(
+        model, batch, NO_BUDGET, loss_fn=loss_fn, budgets=DEFAULT_BUDGETS if budgets is None else budgets,
+        autocast=autocast, rounds=rounds, clock=clock, holds_output=holds_output, set_to_none=set_to_none,
+        **compile_options,
     )  # fmt: skip
     reference_peak = measured.trials[0].peak_bytes
     limit = parse_budget(max_bytes, reference_peak)
