@@ -51,7 +51,7 @@ from remat.bench.procmem import CHILD_ENV  # noqa: E402
 CHILD = Path(__file__).resolve().parent / "peers_child.py"
 # Options that must match for --resume to continue a file.
 SAME_FOR_RESUME = ("device", "size", "budgets", "rounds", "duel_rounds", "choice_rounds", "warmup", "threads",
-                   "backend", "seed")
+                   "backend", "seed", "policies")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="then rounds of remat optimal, the eager peers and remat optimal again, per budget")
     parser.add_argument("--choice-rounds", type=int, default=5,
                         help="fit_compiled's own head-to-head rounds per budget (0: no 'remat fit_compiled' rows)")
+    parser.add_argument("--policies", default="menu",
+                        help="per-operator policies remat's eager profile measures as selective actions: 'menu' "
+                             "(remat.policies.MENU) or comma-separated names, like dots_saveable")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before measuring each contender")
     parser.add_argument("--device", default="cpu", choices=pd.DEVICES, help="where the models and steps run")
     parser.add_argument("--size", default=None, choices=sorted(pm.SIZES),
@@ -122,7 +125,7 @@ def machine(device: str = "cpu") -> dict[str, Any]:
 def options(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": args.device, "size": args.size, "budgets": args.budget_list, "rounds": args.rounds,
             "duel_rounds": args.duel_rounds, "choice_rounds": args.choice_rounds, "warmup": args.warmup,
-            "threads": args.threads, "backend": args.backend, "seed": args.seed}
+            "threads": args.threads, "backend": args.backend, "seed": args.seed, "policies": args.policies}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -87,8 +87,9 @@ def step_clock(device: str) -> Callable[[], float]:
 
 
 def profile(job: dict[str, Any], compiled: bool = False) -> remat.CostTable:
-    """``remat.profile`` of the job's model (in its precision) on its batch: eager, or with its blocks
-    compiled (``compile_blocks`` with the job's backend)."""
+    """``remat.profile`` of the job's model (in its precision) on its batch: eager, with the job's per-operator
+    policies as selective actions, or with its blocks compiled (``compile_blocks`` with the job's backend) and
+    their partitions."""
     setting = pm.ModelSetting(job["model"], job["dtype"], job["size"])
     device = pd.check_device(job.get("device", "cpu"))
     model = pm.build_model(setting, seed=job["seed"]).to(device)
@@ -97,8 +98,16 @@ def profile(job: dict[str, Any], compiled: bool = False) -> remat.CostTable:
     clock = step_clock(device)
     # The step (peers_models.forward_backward) keeps only the loss: the logits are freed before the backward.
     with pd.precision_context(setting.dtype, device):
+        policies = ("dots_saveable",) if compiled else job_policies(job)
         return remat.profile(model, pm.make_batch(setting, seed=job["seed"], device=device), clock=clock,
-                             holds_output=False)
+                             holds_output=False, policies=policies)
+
+
+def job_policies(job: dict[str, Any]) -> str | tuple[str, ...]:
+    """The job's ``--policies``: ``"menu"`` or the names it lists (records written before the option existed
+    profiled ``dots_saveable`` alone)."""
+    names = job.get("policies", "dots_saveable")
+    return "menu" if names == "menu" else tuple(n.strip() for n in names.split(",") if n.strip())
 
 
 def profile_under_timing_allocator(job: dict[str, Any]) -> tuple[remat.CostTable, remat.CostTable]:
@@ -216,29 +225,26 @@ class Bench:
 
     # ----- the hand-written contenders: measured at every k, the smallest fitting k per budget
     def choose_k(self, cs: pc.ContenderSet, budgets: list[float]) -> None:
+        """Each hand-written peer's k per budget: the least k that fits it by every meter (the table's rule)."""
         hand = cs.hand_written()
-        reference = self._figure(self.memory["none"])
+        reference = self.memory["none"]
         for mode in ("plain", "selective"):
             chosen: dict[float, pc.Contender] = {}
             probe = None
             for k in range(1, hand.n + 1):  # memory falls as k grows: stop once every budget has its k
                 probe = pc.hand_contender(hand, mode, k)
-                figure = self._figure(self.measure(probe))
+                memory = self.measure(probe)
+                ratios = (pt.ratio(pt.peak_bytes(memory), pt.peak_bytes(reference)),
+                          pt.ratio(memory.get("tracker_bytes"), reference.get("tracker_bytes")))
+                if not any(r is not None for r in ratios):
+                    raise RuntimeError(f"{memory['key']}: no meter gave a figure")
                 for budget in budgets:
-                    if budget not in chosen and figure <= budget * reference:
+                    if budget not in chosen and pt.fits_by_every_meter(budget, *ratios):
                         chosen[budget] = probe
                 if len(chosen) == len(budgets):
                     break
             for budget in budgets:
                 cs.add(chosen.get(budget, probe), budget)
-
-    def _figure(self, memory: dict[str, Any]) -> int:
-        """The figure budgets are judged by: the allocator's (CUDA) or the whole-process one (CPU), the
-        tracker's where neither ran."""
-        for key in ("allocator_bytes", "process_bytes", "tracker_bytes"):
-            if memory.get(key) is not None:
-                return memory[key]
-        raise RuntimeError(f"{memory['key']}: no meter gave a figure")
 
     # ----- timings
     def time_rounds(self, keys: list[str], contenders: dict[str, pc.Contender]) -> None:

@@ -175,11 +175,16 @@ def hand_contender(hand: HandCheckpointed, mode: str, k: int) -> Contender:
 # --------------------------------------------------------------------------------------------- the factory
 
 
+SELECTIVE_CODES = {"selective:dots_saveable": "S", "selective:dots_every_other_saveable": "E",
+                   "selective:all_but_pointwise_saveable": "A", "selective:attention_saveable": "T"}
+
+
 def _short_actions(plan: remat.Plan) -> str:
-    """``keep,checkpoint,segment:0,...`` as ``KCG..``: K keep, C checkpoint, S selective, G segment, M
+    """``keep,checkpoint,segment:0,...`` as ``KCG..``: K keep, C checkpoint, S selective saving matmuls, E saving
+    every other matmul, A all but pointwise ops, T attention outputs (another policy: s), G segment, M
     memory-poor group, N nested, O offload, P partition of a compiled block."""
-    codes = {"keep": "K", "checkpoint": "C", "offload": "O"}
-    prefixes = {"selective": "S", "segment": "G", "memory_poor": "M", "nested": "N", "partition": "P"}
+    codes = {"keep": "K", "checkpoint": "C", "offload": "O", **SELECTIVE_CODES}
+    prefixes = {"selective": "s", "segment": "G", "memory_poor": "M", "nested": "N", "partition": "P"}
     out = []
     for action in plan.actions.values():
         out.append(codes.get(action) or prefixes.get(action.split(":", 1)[0], "?"))

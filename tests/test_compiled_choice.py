@@ -11,6 +11,9 @@ blocks are plain (the whole-model wrappers run) and ``blocks_s`` while they are 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -141,6 +144,54 @@ def test_whole_model_trials_measured_once_serve_another_byte_budget(monkeypatch:
     assert whole.refused and second.route == BLOCKS and blocks.peak_bytes <= second.max_bytes
     with pytest.raises(ValueError, match="not both"):
         fit_compiled(_model(), X, 0.6, backend=BACKEND, whole=first.budgets, budgets=WHOLE_BUDGETS)
+
+
+class SlowedClock:
+    """Each reading advances 1 s (2 s while the blocks are compiled) plus what the slowed backends added since."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.now = model, 0.0
+
+    def __call__(self) -> float:
+        self.now += 2.0 if any(_compiled(self.model)) else 1.0
+        return self.now
+
+    def slowed(self, backend: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+        """``backend`` whose compiled forwards each add ``seconds`` to this clock."""
+
+        def compile_slowed(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+            compiled = backend(gm, example_inputs)
+
+            def run(*args: Any) -> Any:
+                self.now += seconds
+                return compiled(*args)
+
+            return run
+
+        return compile_slowed
+
+
+def test_every_whole_model_budget_that_fits_runs_head_to_head_whatever_the_grid_ranked_first() -> None:
+    first = fit_compiled(_model(), X, 0.95, backend=BACKEND, budgets=(0.5, 0.7), partition_budgets=(0.1,), rounds=1)
+    assert sorted(t.budget for t in first.trials if t.route == WHOLE_MODEL and not t.refused) == [0.5, 0.7]
+    assert all(len(t.ratios) == 1 for t in first.trials[1:])
+
+    model = _model()
+    clock = SlowedClock(model)
+    grid = first.budgets  # rigged: its own steps rank 0.5 first, but 0.5's steps run 3 s slower head to head
+    rigged = replace(
+        grid, trials=tuple(replace(t, step_s={0.5: 0.1, 0.7: 0.2}.get(t.budget, t.step_s)) for t in grid.trials),
+        backends={b: clock.slowed(fn, 3.0 if b == 0.5 else 0.0) for b, fn in grid.backends.items()},
+    )  # fmt: skip
+    fit = fit_compiled(model, X, 0.95, backend=BACKEND, whole=rigged, partition_budgets=(0.1,), rounds=2, clock=clock)
+    labels = [t.label for t in fit.trials]
+    assert labels == ["torch.compile, no budget", "whole model at 0.5", "whole model at 0.7", BLOCKS]
+    steps = {t.label: t.step_ratio for t in fit.trials}
+    assert steps == {labels[0]: 1.0, labels[1]: 4.0, labels[2]: 1.0, BLOCKS: 2.0}
+    assert fit.route == WHOLE_MODEL and fit.budget == 0.7 and fit.chosen is fit.trials[2]
+    assert owner_of(model) is None and not any(_compiled(model))
+    with pytest.raises(ValueError, match="was not run"):
+        grid.compile(model, 0.3)
 
 
 def test_a_model_with_a_plan_or_compiled_blocks_is_refused() -> None:

@@ -54,7 +54,7 @@ def timings(key: str, seconds: list[float], predicted: float | None) -> list[dic
     ]
 
 
-def records(optimal_tracker: int = 490) -> list[dict]:
+def records(optimal_tracker: int = 490, hand_tracker: int = 450) -> list[dict]:
     """No checkpointing (predicted 5% fast), a hand-written peer, remat optimal (predicted 20% slow) and
     remat full (tracker peak 10% over its budget) at a 50% budget of a predicted 1000-byte peak."""
     rows = [
@@ -67,7 +67,7 @@ def records(optimal_tracker: int = 490) -> list[dict]:
     return [
         {"record": "unit_start", "model": "gpt2", "dtype": "bf16", "predicted_none_bytes": 1000},
         memory("none", 1000, 1000, 1000),
-        memory("hand", 450, 450),
+        memory("hand", 450, hand_tracker),
         memory("opt", 480, optimal_tracker, 495),
         memory("full", 300, 550, 520),  # predicted 520 > budget 500: the planner said it does not fit
         {
@@ -112,6 +112,20 @@ def test_targets_say_which_are_missed_and_by_how_much(table):
     over = table.render(records(optimal_tracker=520))  # optimal measured 4% over a 500-byte budget
     peak = [c.strip() for c in over.splitlines()[-1].strip("|").split("|")][5]
     assert peak == "NOT met: remat optimal at 50%: tracker +4.0% of budget, prediction -4.8%"
+
+
+def test_a_contender_fits_only_by_every_meter_that_measured_it(table):
+    body = table.render(records())
+    fits_col = [c.strip() for c in body.splitlines()[2].strip("|").split("|")].index("fits")
+    assert cells(body, "torch checkpoint, first k blocks")[fits_col] == "yes"
+    assert cells(body, "remat full")[fits_col] == "no"  # 0.30 by the process meter, 0.55 by the tracker
+
+    over = table.render(records(hand_tracker=510))  # the peer fits by the process meter alone
+    assert cells(over, "torch checkpoint, first k blocks")[fits_col] == "no"
+    eager = [c.strip() for c in over.splitlines()[-1].strip("|").split("|")][3]
+    assert eager == "50%: no peer fits (remat fits)"
+    assert table.fits_by_every_meter(0.5, 0.4, None) is True and table.fits_by_every_meter(0.5, None, None) is None
+    assert table.fits_by_every_meter(None, 0.4, 0.4) is None
 
 
 @pytest.fixture(scope="module")

@@ -81,9 +81,13 @@ class CompileBudgetFit:
         """The fit for another byte budget, chosen from the same measurements (nothing compiles or runs)."""
         return _choose(self.trials, max_bytes, self.backends, self.dynamic)
 
-    def compile(self, model: nn.Module) -> nn.Module:
-        """``torch.compile(model)`` under the chosen budget (the backend the fit measured, already compiled)."""
-        return torch.compile(model, backend=self.backend, dynamic=self.dynamic)
+    def compile(self, model: nn.Module, budget: float | None = None) -> nn.Module:
+        """``torch.compile(model)`` under the chosen budget, or under ``budget``, one the trials ran (the backend
+        the fit measured, already compiled)."""
+        if budget is not None and budget not in self.backends:
+            raise ValueError(f"budget {budget:g} was not run: the trials ran {sorted(self.backends)}")
+        backend = self.backend if budget is None else self.backends[budget]
+        return torch.compile(model, backend=backend, dynamic=self.dynamic)
 
     def describe(self) -> str:
         lines = [f"activation_memory_budget fitted to {format_bytes(self.max_bytes)}: {self.budget:g}"]

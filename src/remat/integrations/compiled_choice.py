@@ -13,7 +13,9 @@ Below the peak of ``torch.compile(model)`` a compiled step fits a byte budget in
 Which is faster where both fit depends on the model (within a few percent either way round in that document).
 :func:`fit_compiled` measures both on the caller's step: each route's peak by the allocator's events, then their
 steps head to head with ``torch.compile``'s unbudgeted step in interleaved rounds; it leaves the model set up for
-the faster route that fits and returns a :class:`CompiledFit`.
+the faster route that fits and returns a :class:`CompiledFit`. Every whole-model fraction whose peak fits runs in
+those rounds, not only the one the grid's own few trial steps ranked first: where a step is long and noisy
+(bf16 matmuls emulated on a CPU) those few steps misrank fractions whose steps differ by a third.
 
 Invariants, enforced here:
 
@@ -68,6 +70,7 @@ class RouteTrial:
 
     route: str
     detail: str
+    budget: float | None = None  # the whole model's activation_memory_budget
     peak_bytes: int | None = None
     predicted_bytes: int | None = None
     ratios: tuple[float, ...] = ()
@@ -78,15 +81,21 @@ class RouteTrial:
         """Median of the per-round step ratios to ``torch.compile``'s unbudgeted step."""
         return statistics.median(self.ratios) if self.ratios else None
 
+    @property
+    def label(self) -> str:
+        """The trial's name among those run head to head: the route, and the whole model's budget."""
+        return self.route if self.budget is None else f"{self.route} at {self.budget:g}"
+
 
 @dataclass(frozen=True)
 class CompiledFit:
-    """The route chosen for ``max_bytes``, what to train (``module``), and every route as measured. ``budgets``
-    holds the whole-model trials (every fraction's peak and step; ``budgets.refit(other_bytes)`` chooses among
+    """The trial chosen for ``max_bytes``, what to train (``module``), and every route as measured: the
+    unbudgeted reference, each whole-model budget that fits (or one refused trial), the blocks. ``budgets`` holds
+    the whole-model grid's trials (every fraction's peak and step; ``budgets.refit(other_bytes)`` chooses among
     them for another byte budget); ``plan`` and ``handle`` are the blocks route's, None for the whole model."""
 
     max_bytes: int
-    route: str
+    chosen: RouteTrial
     module: nn.Module
     trials: tuple[RouteTrial, ...]
     budgets: CompileBudgetFit = field(repr=False)
@@ -94,8 +103,14 @@ class CompiledFit:
     handle: RematHandle | None = field(default=None, repr=False)
 
     @property
-    def chosen(self) -> RouteTrial:
-        return next(t for t in self.trials if t.route == self.route)
+    def route(self) -> str:
+        """``"whole model"`` or ``"blocks"``."""
+        return self.chosen.route
+
+    @property
+    def budget(self) -> float | None:
+        """The whole model's ``activation_memory_budget`` where that route was chosen, else None."""
+        return self.chosen.budget
 
     def describe(self) -> str:
         reference = self.trials[0].peak_bytes or 0
@@ -115,7 +130,7 @@ class CompiledFit:
             if t.ratios:
                 step = f", step {t.step_ratio:.3f}x [{min(t.ratios):.3f}-{max(t.ratios):.3f}]"
             verdict = "" if t.route == _REFERENCE else f", {t.refused}" if t.refused else ", fits"
-            mark = "  <- chosen" if t.route == self.route else ""
+            mark = "  <- chosen" if t is self.chosen else ""
             lines.append(f"  {t.route} ({t.detail}): {peak}{step}{verdict}{mark}")
         return "\n".join(lines)
 
@@ -189,29 +204,30 @@ def fit_compiled(
             GradsRestored(model),
             torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type),
         ):
-            whole = _whole_route(measured, limit)
+            whole = _whole_routes(measured, limit)
             routes.prepare_blocks(partitions, compile_options)
             costs = profile(model, batch, loss_fn=loss_fn, blocks=chain, autocast=autocast, clock=clock,
                             holds_output=holds_output)  # fmt: skip
             blocks_trial, blocks_plan = routes.plan_blocks(costs, limit)
-            trials = [RouteTrial(_REFERENCE, "no activation_memory_budget", reference_peak), whole, blocks_trial]
-            fitting = [t for t in trials[1:] if not t.refused]
-            if not fitting:
+            reference = RouteTrial(_REFERENCE, "no activation_memory_budget", peak_bytes=reference_peak)
+            trials = [reference, *whole, blocks_trial]
+            if all(t.refused for t in trials[1:]):
                 raise _neither_fits(limit, reference_peak, trials[1:])
-            unbudgeted = measured.backends[NO_BUDGET]
-            wrappers = {_REFERENCE: torch.compile(model, backend=unbudgeted, dynamic=dynamic)}
-            if not whole.refused:
-                wrappers[WHOLE_MODEL] = measured.refit(limit).compile(model)
+            wrappers = {
+                t.label: measured.compile(model, NO_BUDGET if t.budget is None else t.budget)
+                for t in trials[:-1] if not t.refused
+            }  # fmt: skip
             ratios = routes.head_to_head(wrappers, blocks=not blocks_trial.refused, rounds=rounds)
-            trials = [replace(t, ratios=ratios.get(t.route, ())) for t in trials]
+            trials = [replace(t, ratios=ratios.get(t.label, ())) for t in trials]
             chosen = min((t for t in trials[1:] if not t.refused), key=lambda t: t.step_ratio or 0.0)
-            module = routes.finish(chosen.route, wrappers.get(WHOLE_MODEL))
+            module = routes.finish(chosen.route, wrappers.get(chosen.label))
     except BaseException:
         routes.undo()
         raise
+    on_blocks = chosen.route == BLOCKS
     return CompiledFit(
-        limit, chosen.route, module, tuple(trials), measured, blocks_plan if chosen.route == BLOCKS else None,
-        routes.handle if chosen.route == BLOCKS else None,
+        limit, chosen, module, tuple(trials), measured, blocks_plan if on_blocks else None,
+        routes.handle if on_blocks else None,
     )  # fmt: skip
 
 
@@ -253,7 +269,9 @@ class _Routes:
             budget = limit - (peak - (plan.predicted_peak_bytes or peak))  # what the prediction missed
         assert plan is not None and peak is not None
         refused = "" if peak <= limit else f"measured over {format_bytes(limit)} twice"
-        return RouteTrial(BLOCKS, f"plan {_summary(plan)}", peak, plan.predicted_peak_bytes, refused=refused), plan
+        trial = RouteTrial(BLOCKS, f"plan {_summary(plan)}", peak_bytes=peak, predicted_bytes=plan.predicted_peak_bytes,
+                           refused=refused)  # fmt: skip
+        return trial, plan
 
     def whole_model(self) -> None:
         if self.handle is not None:
@@ -272,7 +290,7 @@ class _Routes:
     def head_to_head(self, wrappers: dict[str, nn.Module], blocks: bool, rounds: int) -> dict[str, tuple[float, ...]]:
         """Per contender, its step over the reference's in each of ``rounds`` interleaved rounds (the order
         reversed every other round, the whole-model wrappers next to each other to switch the model's state
-        least)."""
+        least), after one step of each untimed (a wrapper's first call on this model may compile)."""
 
         def run(name: str) -> float:
             if name == BLOCKS:
@@ -281,7 +299,10 @@ class _Routes:
             self.whole_model()
             return self.step(wrappers[name])
 
-        seconds = interleaved_rounds([*wrappers, *([BLOCKS] if blocks else [])], run, rounds)
+        names = [*wrappers, *([BLOCKS] if blocks else [])]
+        for name in names:
+            run(name)
+        seconds = interleaved_rounds(names, run, rounds)
         reference = seconds[_REFERENCE]
         return {name: tuple(t / r for t, r in zip(times, reference, strict=True)) for name, times in seconds.items()}
 
@@ -302,16 +323,24 @@ class _Routes:
         uncompile_blocks(self.chain)
 
 
-def _whole_route(measured: CompileBudgetFit, limit: int) -> RouteTrial:
+def _whole_routes(measured: CompileBudgetFit, limit: int) -> list[RouteTrial]:
+    """A trial per whole-model budget whose measured peak fits ``limit``, the grid's fastest first, or one refused
+    trial naming the least peak."""
     try:
-        fit = measured.refit(limit)
+        measured.refit(limit)
     except BudgetError as err:
         least = next(t for t in measured.trials if t.peak_bytes == err.floor)
-        return RouteTrial(
-            WHOLE_MODEL, f"least peak at activation_memory_budget {least.budget:g}", err.floor,
-            refused="no activation_memory_budget fits",
-        )  # fmt: skip
-    return RouteTrial(WHOLE_MODEL, f"activation_memory_budget {fit.budget:g}", fit.chosen.peak_bytes)
+        return [
+            RouteTrial(
+                WHOLE_MODEL, f"least peak at activation_memory_budget {least.budget:g}", least.budget, err.floor,
+                refused="no activation_memory_budget fits",
+            )
+        ]  # fmt: skip
+    fitting = [t for t in measured.trials if not t.skipped and t.peak_bytes is not None and t.peak_bytes <= limit]
+    return [
+        RouteTrial(WHOLE_MODEL, f"activation_memory_budget {t.budget:g}", t.budget, t.peak_bytes)
+        for t in sorted(fitting, key=lambda t: t.step_s or 0.0)
+    ]
 
 
 def _summary(plan: Plan) -> str:
