@@ -357,7 +357,7 @@ class ContenderSet:
         self.add(Contender(f"fit-compiled-{budget:g}", FIT_COMPILED, COMPILED, model, fit.module,
                            grad_reference="compiled-blocks" if on_blocks else "compiled", tracker=False,
                            allocations=True, exact=exact, detail=detail, note=note, plan=lambda: predicted,
-                           costs=self.compiled_costs), budget)
+                           costs=self.compiled_costs, info=lambda: {"choice": fit.describe()}), budget)
 
 
 PARTITION_NOTE = ("partition:<budget> variants are compiled apart from keep's graph: their kernels may round "

@@ -10,6 +10,7 @@ blocks are plain (the whole-model wrappers run) and ``blocks_s`` while they are 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import replace
@@ -192,6 +193,50 @@ def test_every_whole_model_budget_that_fits_runs_head_to_head_whatever_the_grid_
     assert owner_of(model) is None and not any(_compiled(model))
     with pytest.raises(ValueError, match="was not run"):
         grid.compile(model, 0.3)
+
+
+class OverLimit:
+    """A meter reading one byte over ``limit`` whatever the step allocated."""
+
+    def __init__(self, limit: int) -> None:
+        self.activation_bytes = limit + 1
+
+
+@pytest.mark.parametrize("over", [2, 3])
+def test_a_blocks_plan_measured_over_is_planned_again_for_less_by_the_most_missed(
+    monkeypatch: pytest.MonkeyPatch, over: int
+) -> None:
+    first = fit_compiled(_model(), X, 0.6, backend=BACKEND, budgets=WHOLE_BUDGETS, partition_budgets=(0.1,),
+                         rounds=1)  # fmt: skip
+    assert first.route == BLOCKS
+    predicted: list[int] = []
+    real_plan = compiled_choice.make_plan
+
+    def recorded(*args: Any, **kwargs: Any) -> remat.Plan:
+        plan = real_plan(*args, **kwargs)
+        predicted.append(plan.predicted_peak_bytes)
+        return plan
+
+    readings = iter([OverLimit(first.max_bytes) for _ in range(over)])
+    real_measure = compiled_choice.measure
+
+    def first_ones_over(*args: Any, **kwargs: Any) -> Any:
+        meter = next(readings, None)
+        return contextlib.nullcontext(meter) if meter is not None else real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(compiled_choice, "make_plan", recorded)
+    monkeypatch.setattr(compiled_choice, "measure", first_ones_over)
+    model = _model()
+    if over > compiled_choice.REPLANS:
+        with pytest.raises(remat.BudgetError, match=f"measured over .* {over} times"):
+            fit_compiled(model, X, 0.6, backend=BACKEND, whole=first.budgets, partition_budgets=(0.1,), rounds=1)
+        assert owner_of(model) is None and not any(_compiled(model))
+        return
+    fit = fit_compiled(model, X, 0.6, backend=BACKEND, whole=first.budgets, partition_budgets=(0.1,), rounds=1)
+    assert fit.route == BLOCKS and fit.chosen.peak_bytes <= fit.max_bytes
+    # each plan was made for the limit less the most missed so far: one byte over, so below the last prediction
+    assert len(predicted) == over + 1 and all(b < a for a, b in zip(predicted, predicted[1:], strict=False))
+    assert fit.chosen.predicted_bytes == predicted[-1]
 
 
 def test_a_model_with_a_plan_or_compiled_blocks_is_refused() -> None:

@@ -21,7 +21,8 @@ Invariants, enforced here:
 
 1. One meter, one step: both routes' peaks are ``remat.measure(..., allocations=True)`` of the same training
    step (:func:`remat.training_step.timed_step`), and a route fits when its *measured* peak does. A blocks plan
-   predicted to fit but measured over is planned once more, for its budget less what the prediction missed.
+   predicted to fit but measured over is planned again (up to ``REPLANS`` times), each time for the byte budget
+   less the most a prediction has missed by so far.
 2. The model ends set up for the chosen route only. ``"whole model"``: no plan applied and no block compiled;
    ``CompiledFit.module`` is the compiled wrapper. ``"blocks"``: the plan applied to the compiled blocks;
    ``module`` is the model and ``handle`` the plan's. Parameter gradients and the RNG state are as they were;
@@ -60,6 +61,7 @@ from .compiled_blocks import compile_blocks, uncompile_blocks
 
 WHOLE_MODEL, BLOCKS = "whole model", "blocks"
 DEFAULT_PARTITIONS: tuple[float, ...] = (0.1, 0.25, 0.5)
+REPLANS = 2  # plans of the blocks made again after one measured over its budget
 _REFERENCE = "torch.compile, no budget"
 
 
@@ -248,10 +250,10 @@ class _Routes:
         self.step(self.model)  # compiles the blocks' own calls
 
     def plan_blocks(self, costs: Any, limit: int) -> tuple[RouteTrial, Plan | None]:
-        """remat's optimal plan for ``limit``, applied and measured (Invariant 1: replanned once if over)."""
+        """remat's optimal plan for ``limit``, applied and measured (Invariant 1: replanned while over)."""
         assert self.handle is not None
-        budget, plan, peak = limit, None, None
-        for _ in range(2):
+        budget, plan, peak, missed = limit, None, None, 0
+        for _ in range(1 + REPLANS):
             try:
                 plan = make_plan(costs, "optimal", budget)
             except BudgetError as err:
@@ -266,9 +268,10 @@ class _Routes:
             peak = meter.activation_bytes
             if peak <= limit:
                 break
-            budget = limit - (peak - (plan.predicted_peak_bytes or peak))  # what the prediction missed
+            missed = max(missed, peak - (plan.predicted_peak_bytes or peak))
+            budget = limit - missed
         assert plan is not None and peak is not None
-        refused = "" if peak <= limit else f"measured over {format_bytes(limit)} twice"
+        refused = "" if peak <= limit else f"measured over {format_bytes(limit)} {1 + REPLANS} times"
         trial = RouteTrial(BLOCKS, f"plan {_summary(plan)}", peak_bytes=peak, predicted_bytes=plan.predicted_peak_bytes,
                            refused=refused)  # fmt: skip
         return trial, plan
