@@ -5,8 +5,9 @@ from their Hugging Face configs with random weights, in fp32 and under bf16 auto
 no checkpointing (twice: an A/A pair), hand-written ``torch.utils.checkpoint`` on the first k blocks, the same
 with torch's selective checkpointing and a matmul-saving policy, ``torch.compile`` with and without
 ``activation_memory_budget`` (at the fraction, and fitted to the bytes by remat), remat's static strategies,
-``optimal``, PGAC and DTR, remat's optimal plan on compiled blocks and ``fit_compiled`` (whichever compiled route
-measures faster), and the PyPI planner ``ckptplan`` where it installs and runs. What each measures and how:
+``optimal`` (profiled with the per-operator policies of ``--policies``, default ``remat.policies.MENU``), PGAC
+and DTR, remat's optimal plan on compiled blocks and ``fit_compiled`` (whichever compiled route measures faster),
+and the PyPI planner ``ckptplan`` where it installs and runs. What each measures and how:
 ``peers_child.py`` (one process per model and precision) and ``peers_table.py`` (the table).
 
     python benchmarks/peers.py                      # the full table (about 16 minutes on a shared 2-core CPU)

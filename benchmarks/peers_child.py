@@ -17,7 +17,10 @@ back to the system); on CUDA the model, its copies and the batch live on the GPU
    eager contenders, the allocator's events (``allocations=True``, which see compiled code) for compiled
    ones. Parameter gradients exist before the measured step (zeroed in place), so both meters see the same
    transient memory: activations and gradients in flight. The hand-written contenders are
-   measured at every ``k`` first; each budget gets the smallest ``k`` whose peak fits.
+   measured at every ``k`` first; each budget gets the smallest ``k`` that fits by both meters. The two
+   contenders chosen by timing steps (``torch.compile``'s budget fitted by remat, ``remat fit_compiled``) come
+   last, after glibc is switched to the timing settings of step 4 (:meth:`Bench.timing_allocator_for_choices`):
+   they are measured by ``remat.measure`` alone.
 3. Gradients: the measured step runs from the same seed for everyone; its gradients are compared with those
    of the contender's reference (bitwise, and the largest absolute difference).
 4. Timings: on the CPU glibc is first switched to the timing settings of DESIGN.md with ``mallopt`` (what
