@@ -237,8 +237,7 @@ class Bench:
             for k in range(1, hand.n + 1):  # memory falls as k grows: stop once every budget has its k
                 probe = pc.hand_contender(hand, mode, k)
                 memory = self.measure(probe)
-                ratios = (pt.ratio(pt.peak_bytes(memory), pt.peak_bytes(reference)),
-                          pt.ratio(memory.get("tracker_bytes"), reference.get("tracker_bytes")))
+                ratios = pt.meter_ratios(memory, reference)
                 if not any(r is not None for r in ratios):
                     raise RuntimeError(f"{memory['key']}: no meter gave a figure")
                 for budget in budgets:
@@ -348,21 +347,20 @@ def run(job: dict[str, Any]) -> None:
     # whose figures the compiled blocks' profile predicts (the peak meters' where it did not run).
     compiled = bench.memory["compiled"]
     compiled_bytes = compiled["tracker_bytes"] or compiled["allocator_bytes"] or compiled["process_bytes"]
+    compiled_share = {b: int(b * compiled_bytes) if compiled_bytes else None for b in budgets}
     for budget in budgets:
         cs.remat_static(budget)
         cs.remat_pgac(budget)
         cs.remat_dtr(budget)
         cs.compile_budget(budget)
-        cs.remat_compiled(budget, int(budget * compiled_bytes) if compiled_bytes else None)
+        cs.remat_compiled(budget, compiled_share[budget])
     for key in list(cs.contenders):
         bench.measure(cs.contenders[key])
     bench.timing_allocator_for_choices()
     for budget in budgets:
-        cs.compile_fitted(budget, int(budget * compiled_bytes) if compiled_bytes else None,
-                          functools.partial(fit_whole_model, job, bench))
+        cs.compile_fitted(budget, compiled_share[budget], functools.partial(fit_whole_model, job, bench))
         if job.get("choice_rounds", 5):
-            cs.remat_fit_compiled(budget, int(budget * compiled_bytes) if compiled_bytes else None,
-                                  functools.partial(fit_compiled_at, job, bench))
+            cs.remat_fit_compiled(budget, compiled_share[budget], functools.partial(fit_compiled_at, job, bench))
     for key in list(cs.contenders):
         bench.measure(cs.contenders[key])
     plain = pm.build_model(setting, seed=job["seed"]).to(bench.device)

@@ -117,6 +117,13 @@ def fits_by_every_meter(budget: float | None, *ratios: float | None) -> bool | N
     return all(r <= budget for r in measured) if budget is not None and measured else None
 
 
+def meter_ratios(memory: dict[str, Any], reference: dict[str, Any]) -> tuple[float | None, float | None]:
+    """A memory record over its reference's by the peak meter and by ``remat.measure`` (None where one did not
+    run)."""
+    return (ratio(peak_bytes(memory), peak_bytes(reference)),
+            ratio(memory.get("tracker_bytes"), reference.get("tracker_bytes")))
+
+
 def ratio(value: Any, reference: Any) -> float | None:
     if value is None or not reference:
         return None
@@ -170,8 +177,7 @@ def unit_lines(unit: Unit) -> list[Line]:
         ref = unit.memory.get(ref_key, {})
         ratios = paired_ratios(unit, key, ref_key)
         wall = paired_ratios(unit, key, ref_key, wall=True)
-        process_ratio = ratio(peak_bytes(mem), peak_bytes(ref))
-        tracker_ratio = ratio(mem.get("tracker_bytes"), ref.get("tracker_bytes"))
+        process_ratio, tracker_ratio = meter_ratios(mem, ref)
         own_s = _median(unit.times.get(key, {}))
         predicted = unit.predicted.get(key, {})
         pred_s = _median(predicted)

@@ -200,10 +200,9 @@ def _choose(
     assert trials[0].budget == NO_BUDGET and reference is not None
     limit = parse_budget(max_bytes, reference)
     assert limit is not None
-    run = [t for t in trials if not t.skipped]
-    fitting = [t for t in run if t.peak_bytes is not None and t.peak_bytes <= limit]
+    fitting = fitting_trials(trials, limit)
     if not fitting:
-        least = min(run, key=lambda t: t.peak_bytes or 0)
+        least = least_peak_trial(trials)
         skipped = [t for t in trials if t.skipped]
         raise BudgetError(
             f"no activation_memory_budget of the whole compiled model fits {format_bytes(limit)}: the least peak "
@@ -218,6 +217,16 @@ def _choose(
         )
     chosen = min(fitting, key=lambda t: t.step_s or 0.0)
     return CompileBudgetFit(limit, chosen, trials, dict(backends), dynamic)
+
+
+def fitting_trials(trials: Sequence[BudgetTrial], limit: int) -> list[BudgetTrial]:
+    """The trials that ran and whose measured peak is at most ``limit`` bytes, in their order."""
+    return [t for t in trials if not t.skipped and t.peak_bytes is not None and t.peak_bytes <= limit]
+
+
+def least_peak_trial(trials: Sequence[BudgetTrial]) -> BudgetTrial:
+    """The trial that ran with the least measured peak."""
+    return min((t for t in trials if not t.skipped), key=lambda t: t.peak_bytes or 0)
 
 
 _WHY_NOT_EXACT = (

@@ -56,7 +56,14 @@ from ..runtime import RematHandle, apply
 from ..simulator import Plan
 from ..sizes import format_bytes, normalize_budget, parse_budget
 from ..training_step import Batch, interleaved_rounds, timed_step
-from .compile_budget import DEFAULT_BUDGETS, NO_BUDGET, CompileBudgetFit, fit_compile_budget
+from .compile_budget import (
+    DEFAULT_BUDGETS,
+    NO_BUDGET,
+    CompileBudgetFit,
+    fit_compile_budget,
+    fitting_trials,
+    least_peak_trial,
+)
 from .compiled_blocks import compile_blocks, uncompile_blocks
 
 WHOLE_MODEL, BLOCKS = "whole model", "blocks"
@@ -329,21 +336,19 @@ class _Routes:
 def _whole_routes(measured: CompileBudgetFit, limit: int) -> list[RouteTrial]:
     """A trial per whole-model budget whose measured peak fits ``limit``, the grid's fastest first, or one refused
     trial naming the least peak."""
-    try:
-        measured.refit(limit)
-    except BudgetError as err:
-        least = next(t for t in measured.trials if t.peak_bytes == err.floor)
+    fitting = fitting_trials(measured.trials, limit)
+    if fitting:
         return [
-            RouteTrial(
-                WHOLE_MODEL, f"least peak at activation_memory_budget {least.budget:g}", least.budget, err.floor,
-                refused="no activation_memory_budget fits",
-            )
-        ]  # fmt: skip
-    fitting = [t for t in measured.trials if not t.skipped and t.peak_bytes is not None and t.peak_bytes <= limit]
+            RouteTrial(WHOLE_MODEL, f"activation_memory_budget {t.budget:g}", t.budget, t.peak_bytes)
+            for t in sorted(fitting, key=lambda t: t.step_s or 0.0)
+        ]
+    least = least_peak_trial(measured.trials)
     return [
-        RouteTrial(WHOLE_MODEL, f"activation_memory_budget {t.budget:g}", t.budget, t.peak_bytes)
-        for t in sorted(fitting, key=lambda t: t.step_s or 0.0)
-    ]
+        RouteTrial(
+            WHOLE_MODEL, f"least peak at activation_memory_budget {least.budget:g}", least.budget, least.peak_bytes,
+            refused="no activation_memory_budget fits",
+        )
+    ]  # fmt: skip
 
 
 def _summary(plan: Plan) -> str:
