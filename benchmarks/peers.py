@@ -15,6 +15,7 @@ and the PyPI planner ``ckptplan`` where it installs and runs. What each measures
     python benchmarks/peers.py --out peers.jsonl --resume   # go on with an interrupted run
     python benchmarks/peers.py --markdown docs/results/peers-cpu.md
     python benchmarks/peers.py --device cuda --size gpu --markdown docs/results/peers-cuda.md
+    python benchmarks/peers.py --device cuda --no-compiled   # eager contenders only: a minute on an H200
 
 On ``--device cuda`` the models and batches live on the GPU, bf16 is ``torch.autocast("cuda")``, the peak
 of a step is the CUDA allocator's (``max_memory_allocated`` above what was allocated before it) and step
@@ -52,7 +53,7 @@ from remat.bench.procmem import CHILD_ENV  # noqa: E402
 CHILD = Path(__file__).resolve().parent / "peers_child.py"
 # Options that must match for --resume to continue a file.
 SAME_FOR_RESUME = ("device", "size", "budgets", "rounds", "duel_rounds", "choice_rounds", "warmup", "threads",
-                   "backend", "seed", "policies")
+                   "backend", "seed", "policies", "compiled")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--policies", default="menu",
                         help="per-operator policies remat's eager profile measures as selective actions: 'menu' "
                              "(remat.policies.MENU) or comma-separated names, like dots_saveable")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="eager contenders only: no torch.compile budgets or compiled remat rows (on a GPU, "
+                             "torch.compile under a budget can take minutes per graph)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps before measuring each contender")
     parser.add_argument("--device", default="cpu", choices=pd.DEVICES, help="where the models and steps run")
     parser.add_argument("--size", default=None, choices=sorted(pm.SIZES),
@@ -126,7 +130,8 @@ def machine(device: str = "cpu") -> dict[str, Any]:
 def options(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": args.device, "size": args.size, "budgets": args.budget_list, "rounds": args.rounds,
             "duel_rounds": args.duel_rounds, "choice_rounds": args.choice_rounds, "warmup": args.warmup,
-            "threads": args.threads, "backend": args.backend, "seed": args.seed, "policies": args.policies}
+            "threads": args.threads, "backend": args.backend, "seed": args.seed, "policies": args.policies,
+            "compiled": not args.no_compiled}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -147,7 +152,7 @@ def resume_records(path: Path, opts: dict[str, Any]) -> list[dict[str, Any]]:
     records = peers_attempts.without_discarded(read_records(path))
     header = next((r for r in records if r.get("record") == "run"), None)
     if header is not None:
-        old = {k: header["options"].get(k) for k in SAME_FOR_RESUME}
+        old = {k: header["options"].get(k, True if k == "compiled" else None) for k in SAME_FOR_RESUME}
         new = {k: opts[k] for k in SAME_FOR_RESUME}
         if old != new:
             raise SystemExit(f"{path} was written with {old}, not {new}: resume with the same options, "

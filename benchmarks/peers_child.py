@@ -113,7 +113,7 @@ def job_policies(job: dict[str, Any]) -> str | tuple[str, ...]:
     return "menu" if names == "menu" else tuple(n.strip() for n in names.split(",") if n.strip())
 
 
-def profile_under_timing_allocator(job: dict[str, Any]) -> tuple[remat.CostTable, remat.CostTable]:
+def profile_under_timing_allocator(job: dict[str, Any]) -> tuple[remat.CostTable, remat.CostTable | None]:
     """The profile taken in a process of its own started with the timing settings of glibc's malloc, as the
     steps it predicts are timed: under the meter's settings every tensor over 64 KiB is a fresh mapping, and
     page faults would double the times it measures, while switching this process to the timing settings and
@@ -126,10 +126,12 @@ def profile_under_timing_allocator(job: dict[str, Any]) -> tuple[remat.CostTable
         record = parse(line)
         if record is not None and record.get("record") == "costs":
             tables[record["compiled"]] = remat.CostTable.from_dict(record["table"])
-    if len(tables) == 2:
-        return tables[False], tables[True]
+    wanted = {False, True} if job.get("compiled", True) else {False}
+    if set(tables) == wanted:
+        return tables[False], tables.get(True)
     tail = " | ".join(proc.stderr.strip().splitlines()[-8:])
-    raise RuntimeError(f"the profile's process exited with code {proc.returncode} and not both cost tables: {tail}")
+    raise RuntimeError(f"the profile's process exited with code {proc.returncode} without the cost tables it "
+                       f"owes (eager{', compiled blocks' if True in wanted else ''}): {tail}")
 
 
 class Bench:
@@ -326,43 +328,33 @@ def run(job: dict[str, Any]) -> None:
     setting = bench.setting
     budgets = [float(b) for b in job["budgets"]]
     base = pm.build_model(setting, seed=job["seed"]).to(bench.device)
+    with_compiled = job.get("compiled", True)
     if bench.device == "cpu":
         costs, compiled_costs = profile_under_timing_allocator(job)
     else:
-        costs, compiled_costs = profile(job), profile(job, compiled=True)
+        costs, compiled_costs = profile(job), profile(job, compiled=True) if with_compiled else None
     bench.costs = costs
     bench.emit("unit_start", setting=setting.describe(), blocks=len(costs), budgets=budgets,
                device=bench.device, device_name=pd.device_name(bench.device),
                backend=job["backend"], threads=torch.get_num_threads(), torch=torch.__version__,
                predicted_none_bytes=no_checkpoint_peak(costs), meter_problem=bench.meter_problem,
-               predicted_none_compiled_bytes=no_checkpoint_peak(compiled_costs),
+               predicted_none_compiled_bytes=no_checkpoint_peak(compiled_costs) if compiled_costs else None,
                profile_s=costs.info.get("profile_s"), outside_s=costs.outside_s,
                blocks_s=sum(b.fwd_s + b.bwd_s for b in costs.blocks))
     cs = pc.ContenderSet(base, pm.block_list, costs, job["backend"], compiled_costs)
-    cs.references()
+    cs.references(compiled=with_compiled)
     for key in list(cs.contenders):
         bench.measure(cs.contenders[key])
     bench.choose_k(cs, budgets)
-    # Budgets of remat on compiled blocks: shares of torch.compile's peak by the allocator's events, the meter
-    # whose figures the compiled blocks' profile predicts (the peak meters' where it did not run).
-    compiled = bench.memory["compiled"]
-    compiled_bytes = compiled["tracker_bytes"] or compiled["allocator_bytes"] or compiled["process_bytes"]
-    compiled_share = {b: int(b * compiled_bytes) if compiled_bytes else None for b in budgets}
     for budget in budgets:
         cs.remat_static(budget)
         cs.remat_pgac(budget)
         cs.remat_dtr(budget)
-        cs.compile_budget(budget)
-        cs.remat_compiled(budget, compiled_share[budget])
-    for key in list(cs.contenders):
-        bench.measure(cs.contenders[key])
-    bench.timing_allocator_for_choices()
-    for budget in budgets:
-        cs.compile_fitted(budget, compiled_share[budget], functools.partial(fit_whole_model, job, bench))
-        if job.get("choice_rounds", 5):
-            cs.remat_fit_compiled(budget, compiled_share[budget], functools.partial(fit_compiled_at, job, bench))
-    for key in list(cs.contenders):
-        bench.measure(cs.contenders[key])
+    if with_compiled:
+        compiled_contenders(job, bench, cs, budgets)
+    else:
+        for key in list(cs.contenders):
+            bench.measure(cs.contenders[key])
     plain = pm.build_model(setting, seed=job["seed"]).to(bench.device)
     ckptplan = peers_ckptplan.try_ckptplan(plain, pm.block_list(plain), bench.batch["input_ids"], budgets[0],
                                            job.get("ckptplan_path"))
@@ -377,13 +369,34 @@ def run(job: dict[str, Any]) -> None:
     bench.emit("unit_done")
 
 
+def compiled_contenders(job: dict[str, Any], bench: Bench, cs: pc.ContenderSet, budgets: list[float]) -> None:
+    """``torch.compile``'s budgets and remat's compiled answers at each budget, measured after the eager ones."""
+    # Budgets of remat on compiled blocks: shares of torch.compile's peak by the allocator's events, the meter
+    # whose figures the compiled blocks' profile predicts (the peak meters' where it did not run).
+    compiled = bench.memory["compiled"]
+    compiled_bytes = compiled["tracker_bytes"] or compiled["allocator_bytes"] or compiled["process_bytes"]
+    compiled_share = {b: int(b * compiled_bytes) if compiled_bytes else None for b in budgets}
+    for budget in budgets:
+        cs.compile_budget(budget)
+        cs.remat_compiled(budget, compiled_share[budget])
+    for key in list(cs.contenders):
+        bench.measure(cs.contenders[key])
+    bench.timing_allocator_for_choices()
+    for budget in budgets:
+        cs.compile_fitted(budget, compiled_share[budget], functools.partial(fit_whole_model, job, bench))
+        if job.get("choice_rounds", 5):
+            cs.remat_fit_compiled(budget, compiled_share[budget], functools.partial(fit_compiled_at, job, bench))
+    for key in list(cs.contenders):
+        bench.measure(cs.contenders[key])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) == 2 and args[0] == "--profile":  # the profile's own process
         job = json.loads(args[1])
         torch.set_num_threads(job["threads"])
         torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-        for compiled in (False, True):
+        for compiled in (False, True) if job.get("compiled", True) else (False,):
             emit({"record": "costs", "compiled": compiled, "table": profile(job, compiled).to_dict()})
         return 0
     if len(args) != 1:

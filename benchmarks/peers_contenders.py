@@ -217,11 +217,17 @@ class ContenderSet:
         return known
 
     # ----- references
-    def references(self) -> None:
+    def references(self, compiled: bool = True) -> None:
+        """No checkpointing, twice; with ``compiled``, also ``torch.compile`` of the whole model and remat's
+        compiled blocks keeping everything (the compiled contenders' references)."""
         keep_all = remat.plan(self.costs, "none")  # remat's prediction of the plain step: every block kept
         for key, name in (("none", "no checkpointing"), ("none-aa", "no checkpointing (A/A)")):
             model = self.copy()
             self.add(Contender(key, name, EAGER, model, model, grad_reference="none", plan=lambda: keep_all), None)
+        if compiled:
+            self._compiled_references()
+
+    def _compiled_references(self) -> None:
         model = self.copy()
         compiled = torch.compile(model, backend=self.backend)
         self.add(Contender("compiled", "torch.compile", COMPILED, model, compiled, grad_reference="compiled",

@@ -1,8 +1,9 @@
 """remat on a CUDA device: checkpointed GPT-2 gradients bit for bit equal to no checkpointing (dropout replayed
-from the CUDA generator), a plan's peak read from the CUDA allocator within its budget and within 5% of the
-prediction, ``remat.measure`` on the allocator, offload copying saved tensors into pinned host memory, and the
-offload policies (``selective:offload_dots``) keeping less on the device than ``selective:dots_saveable``, and
-the menu policies exact on an SDPA GPT-2 whose fused attention kernel draws (attention dropout) or does not.
+from the CUDA generator), a plan's peak read from the CUDA allocator within its budget and near the prediction
+(fp32 and under bf16 autocast), ``remat.measure`` on the allocator, offload copying saved tensors into pinned
+host memory, and the offload policies (``selective:offload_dots``) keeping less on the device than
+``selective:dots_saveable``, and the menu policies exact on an SDPA GPT-2 whose fused attention kernel draws
+(attention dropout) or does not.
 
 Every test here is marked ``gpu`` and skipped where no CUDA device is available (``pytest -m gpu`` selects
 them)."""
@@ -32,6 +33,11 @@ pytestmark = [
 ]
 
 VOCAB = 256
+# How far a plan's step may peak from the simulator's prediction, as fractions of it. Read on an H200: at most at
+# the prediction, and under it by up to 9% on the 4-block toy GPT-2 here for plans that checkpoint or offload
+# (by 2-3% at GPT-2 small's size in benchmarks/peers.py), so the measured peak may fall 10% under it but rise
+# 2% over it at most.
+PEAK_OVER, PEAK_UNDER = 0.02, 0.10
 Batch = dict[str, torch.Tensor]
 
 
@@ -149,7 +155,7 @@ def test_menu_policies_on_sdpa_gpt2_gradients_equal_no_checkpointing_bitwise(
         assert torch.equal(grad, reference[1][name]), name
 
 
-def _allocator_peak_of_step(model: nn.Module, batch: Batch) -> int:
+def _allocator_peak_of_step(model: nn.Module, batch: Batch, autocast: torch.dtype | None = None) -> int:
     """Bytes the CUDA allocator held at the step's peak above what it held before the step.
 
     A first, unmeasured step allocates what outlives a step (the parameter gradients, accumulated in place by
@@ -163,7 +169,8 @@ def _allocator_peak_of_step(model: nn.Module, batch: Batch) -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        out = model(**batch)
+        with torch.autocast("cuda", dtype=autocast or torch.float32, enabled=autocast is not None):
+            out = model(**batch)
         out.loss.backward()
         del out
         torch.cuda.synchronize()
@@ -189,7 +196,32 @@ def test_plan_peak_from_the_cuda_allocator_is_within_budget_and_prediction(
         f"measured {remat.format_bytes(peak)}"
     )
     assert peak <= plan.budget_bytes, summary
-    assert abs(peak - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, summary
+    assert (1 - PEAK_UNDER) * plan.predicted_peak_bytes <= peak <= (1 + PEAK_OVER) * plan.predicted_peak_bytes, summary
+
+
+@pytest.mark.parametrize("strategy", ["none", "full", "every_k", "optimal"])
+def test_bf16_autocast_plan_peak_from_the_cuda_allocator_is_within_budget_and_prediction(
+    strategy: str, make_gpt2: Callable[..., nn.Module]
+) -> None:
+    """Profiled inside the user's ``torch.autocast``, a plan's step under the same autocast peaks where the
+    simulator says (``PEAK_OVER``/``PEAK_UNDER``), and ``optimal``'s within its budget (+2%)."""
+    model, batch = _gpt2_on_cuda(make_gpt2, batch=8, seq=128)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        costs = remat.profile(model, batch, repeats=1)
+    options: dict[str, Any] = {"k": 2} if strategy == "every_k" else {}
+    plan = remat.plan(costs, strategy, budget=0.5 if strategy == "optimal" else None, **options)
+    handle = remat.apply(model, plan)
+    try:
+        peak = _allocator_peak_of_step(model, batch, autocast=torch.bfloat16)
+    finally:
+        handle.remove()
+    summary = (
+        f"{strategy}: budget {remat.format_bytes(plan.budget_bytes or 0)}, "
+        f"predicted {remat.format_bytes(plan.predicted_peak_bytes)}, measured {remat.format_bytes(peak)}"
+    )
+    if strategy == "optimal":
+        assert plan.fits and peak <= 1.02 * plan.budget_bytes, summary
+    assert (1 - PEAK_UNDER) * plan.predicted_peak_bytes <= peak <= (1 + PEAK_OVER) * plan.predicted_peak_bytes, summary
 
 
 def test_measure_on_cuda_reads_the_allocator() -> None:

@@ -126,3 +126,39 @@ def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsy
             assert r["grads_bitwise"], (
                 f"{r['key']}: gradients differ from {r['grad_reference']} by {r['grad_max_abs_diff']}"
             )
+
+
+def test_no_compiled_runs_the_eager_contenders_alone(peers, tmp_path, capsys):
+    out = tmp_path / "peers.jsonl"
+    args = [
+        "--size",
+        "tiny",
+        "--models",
+        "gpt2",
+        "--dtypes",
+        "fp32",
+        "--budgets",
+        "0.5",
+        "--rounds",
+        "1",
+        "--duel-rounds",
+        "1",
+        "--retries",
+        "0",
+        "--no-compiled",
+        "--out",
+        str(out),
+    ]
+    assert peers.main(args) == 0
+    table = capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert any(r.get("record") == "unit_done" for r in records), [r for r in records if "error" in r]
+    assert next(r for r in records if r.get("record") == "run")["options"]["compiled"] is False
+    groups = {c["group"] for c in next(r for r in records if r.get("record") == "rows")["contenders"].values()}
+    assert groups == {"eager"}
+    names = {line.split(" | ")[3] for line in table.split("\n\n")[1].splitlines() if line.startswith("| gpt2 |")}
+    assert {"remat optimal", "torch checkpoint, first k blocks", "remat DTR"} <= names
+    assert not any("compile" in name for name in names), names
+    assert "| compiled |" not in table
+    with pytest.raises(SystemExit, match="written with"):  # a file of eager contenders alone is not resumed with all
+        peers.main([a for a in args if a != "--no-compiled"] + ["--resume"])

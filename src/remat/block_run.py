@@ -24,6 +24,7 @@ from . import compiled_partitions
 from .checkpointing import checkpoint
 from .compression import compressed_saving
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
+from .host_copies import saved_on_host
 from .input_compression import run_compressed_input
 from .lossy_actions import compresses_input, compresses_recompute, is_lossy
 from .precision import autocast_off
@@ -55,7 +56,7 @@ def _run(module: Callable[..., Any], action: str, args: tuple[Any, ...], kwargs:
     if action.startswith(SELECTIVE_PREFIX):
         return checkpoint(module, *args, policy=action[len(SELECTIVE_PREFIX) :], **kwargs)
     if action == OFFLOAD:
-        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        with saved_on_host():
             return module(*args, **kwargs)
     if compresses_input(action):
         return run_compressed_input(module, action, args, kwargs)

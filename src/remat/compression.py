@@ -27,6 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .host_copies import saved_on_host
 from .lossy_actions import is_lossy, parse_compress
 
 BLOCK = 128  # elements per scale in the block-scaled formats
@@ -200,7 +201,7 @@ def saving_context(action: str, module: Any, args: tuple[Any, ...], kwargs: dict
     ``compress:`` action, on the host for ``offload`` (pinned when CUDA is available)."""
     if is_lossy(action):
         return compressed_saving(action, module, args, kwargs)
-    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+    return saved_on_host()
 
 
 __all__ = [

@@ -64,6 +64,30 @@ class HostCopy:
         return self.tensor.numel() * self.tensor.element_size()
 
 
+def _pack_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.device, torch.Size, tuple[int, ...]]:
+    pinned = t.device.type == "cuda"
+    host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pinned)
+    host.copy_(t, non_blocking=pinned)
+    return host, t.device, t.size(), t.stride()
+
+
+def _unpack_from_host(packed: tuple[torch.Tensor, torch.device, torch.Size, tuple[int, ...]]) -> torch.Tensor:
+    host, device, size, stride = packed
+    if host.device == device and host.stride() == stride:
+        return host
+    # The strides the forward saved, not the host copy's dense ones: compiled backward graphs assert them.
+    back = torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+    back.copy_(host, non_blocking=host.is_pinned())
+    return back
+
+
+def saved_on_host() -> torch.autograd.graph.saved_tensors_hooks:
+    """What autograd saves inside goes to host memory (pinned for CUDA tensors) and comes back for backward
+    with the sizes and strides it was saved with. ``torch.autograd.graph.save_on_cpu`` gives it back dense,
+    which a compiled block's backward refuses for a saved view (``assert_size_stride``)."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack_to_host, _unpack_from_host)
+
+
 @dataclass
 class CopyLog:
     """The copies one region made in forward, in order: (operator, its outputs with tensors as HostCopy)."""

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# remat on a CUDA machine in one command, each step under its own time limit so that a step that fails or
+# overruns leaves the others their time:
+#
+#   benchmarks/gpu_check.sh OUT_DIR smoke           # GPU tests, tiny peers and tiny bench side by side (a minute)
+#   benchmarks/gpu_check.sh OUT_DIR tests peers     # the GPU tests, then peers on GPT-2 small's shape under bf16
+#   benchmarks/gpu_check.sh OUT_DIR bench           # remat bench on a GPT-2 medium at 50%, energy from NVML
+#
+# Every step writes its log and results under OUT_DIR/files; OUT_DIR/results.tar.gz packs them at the end.
+# PYTHON (default python3) is the interpreter that has torch with CUDA; remat is imported from src/.
+# PEERS_MODELS (gpt2), PEERS_LIMIT (360 s), PEERS_EXTRA (more options, like --no-compiled) and BENCH_LIMIT
+# (150 s) change the peers and bench steps.
+set -uo pipefail
+out=${1:?usage: gpu_check.sh OUT_DIR smoke|tests|peers|bench...}
+shift
+cd "$(dirname "$0")/.."
+mkdir -p "$out/files"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+remat_cli=("$py" -c 'import sys; from remat.cli import main; sys.exit(main())')
+log="$out/steps.log"
+
+step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, its output in files/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$out/files/$name.log" 2>&1
+    local rc=$?
+    echo "$(date -u +%H:%M:%S) $name: rc=$rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$log"
+}
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    "$py" -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
+transformers.__version__, torch.cuda.get_device_name())'
+    nproc
+} >"$out/machine.txt" 2>&1
+
+for mode in "$@"; do
+    case $mode in
+    smoke)
+        step gpu_tests 200 "$py" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider -rA &
+        step peers_tiny 200 "$py" benchmarks/peers.py --device cuda --size tiny --models gpt2 --dtypes bf16 \
+            --budgets 0.5 --rounds 2 --duel-rounds 2 --choice-rounds 1 --retries 0 --unit-timeout 180 \
+            --out "$out/files/peers_tiny.jsonl" --markdown "$out/files/peers_tiny.md" &
+        step bench_tiny 200 "${remat_cli[@]}" bench --device cuda --preset tiny --steps 6 --warmup 2 --seeds 1 \
+            --no-progress --out "$out/files/bench_tiny" &
+        wait
+        ;;
+    tests)
+        step gpu_tests 120 "$py" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider -rA
+        ;;
+    peers)
+        limit=${PEERS_LIMIT:-360}
+        step peers ${limit} "$py" benchmarks/peers.py --device cuda --size gpu --models "${PEERS_MODELS:-gpt2}" \
+            --dtypes bf16 --rounds 3 --duel-rounds 10 --choice-rounds 2 --retries 0 --unit-timeout $((limit - 20)) \
+            --out "$out/files/peers.jsonl" --markdown "$out/files/peers-cuda.md" ${PEERS_EXTRA:-}
+        ;;
+    bench)
+        step bench_medium ${BENCH_LIMIT:-150} "${remat_cli[@]}" bench --device cuda --model gpt2 --preset medium \
+            --layers preset --batch-size 4 --seq-len 1024 --budget 0.5 --steps 8 --warmup 2 --seeds 1 \
+            --no-progress --out "$out/files/bench_medium"
+        ;;
+    *)
+        echo "unknown step $mode: smoke, tests, peers or bench" >&2
+        ;;
+    esac
+done
+cp "$out"/files/*.md "$out"/ 2>/dev/null
+tar -czf "$out/results.tar.gz" -C "$out" files
+echo "$(date -u +%H:%M:%S) done" | tee -a "$log"
