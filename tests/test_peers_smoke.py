@@ -46,30 +46,16 @@ def peers():
         sys.path.remove(str(BENCHMARKS))
 
 
+def tiny_run(out: Path, *extra: str) -> list[str]:
+    """GPT-2 at the tiny size, fp32, a 50% budget, one round and one attempt (a tiny model's prediction may read
+    as a changed machine), written to ``out``; then ``extra``."""
+    common = ["--size", "tiny", "--models", "gpt2", "--dtypes", "fp32", "--budgets", "0.5", "--rounds", "1"]
+    return [*common, "--retries", "0", "--out", str(out), *extra]
+
+
 def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsys):
     out = tmp_path / "peers.jsonl"
-    code = peers.main(
-        [
-            "--size",
-            "tiny",
-            "--models",
-            "gpt2",
-            "--dtypes",
-            "fp32",
-            "--budgets",
-            "0.5",
-            "--rounds",
-            "1",
-            "--duel-rounds",
-            "2",
-            "--backend",
-            "aot_eager",
-            "--out",
-            str(out),
-            "--retries",
-            "0",  # a tiny model's prediction may read as a changed machine; one attempt keeps the test short
-        ]
-    )
+    code = peers.main(tiny_run(out, "--duel-rounds", "2", "--backend", "aot_eager"))
     assert code == 0
     table = capsys.readouterr().out
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -130,25 +116,7 @@ def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsy
 
 def test_no_compiled_runs_the_eager_contenders_alone(peers, tmp_path, capsys):
     out = tmp_path / "peers.jsonl"
-    args = [
-        "--size",
-        "tiny",
-        "--models",
-        "gpt2",
-        "--dtypes",
-        "fp32",
-        "--budgets",
-        "0.5",
-        "--rounds",
-        "1",
-        "--duel-rounds",
-        "1",
-        "--retries",
-        "0",
-        "--no-compiled",
-        "--out",
-        str(out),
-    ]
+    args = tiny_run(out, "--duel-rounds", "1", "--no-compiled")
     assert peers.main(args) == 0
     table = capsys.readouterr().out
     records = [json.loads(line) for line in out.read_text().splitlines()]
