@@ -198,7 +198,7 @@ def compressed_saving(action: str, module: Any, args: tuple[Any, ...], kwargs: d
 
 def saving_context(action: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The context storing what ``module`` saves under ``action`` elsewhere than as is: compressed for a
-    ``compress:`` action, on the host for ``offload`` (pinned when CUDA is available)."""
+    ``compress:`` action, on the host for ``offload`` (pinned for CUDA tensors)."""
     if is_lossy(action):
         return compressed_saving(action, module, args, kwargs)
     return saved_on_host()

@@ -65,6 +65,8 @@ class HostCopy:
 
 
 def _pack_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.device, torch.Size, tuple[int, ...]]:
+    if t.device.type == "cpu":
+        return t, t.device, t.size(), t.stride()  # already in host memory, as save_on_cpu leaves it
     pinned = t.device.type == "cuda"
     host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pinned)
     host.copy_(t, non_blocking=pinned)
@@ -82,9 +84,9 @@ def _unpack_from_host(packed: tuple[torch.Tensor, torch.device, torch.Size, tupl
 
 
 def saved_on_host() -> torch.autograd.graph.saved_tensors_hooks:
-    """What autograd saves inside goes to host memory (pinned for CUDA tensors) and comes back for backward
-    with the sizes and strides it was saved with. ``torch.autograd.graph.save_on_cpu`` gives it back dense,
-    which a compiled block's backward refuses for a saved view (``assert_size_stride``)."""
+    """What autograd saves inside goes to host memory (pinned for CUDA tensors; a CPU tensor stays itself) and
+    comes back for backward with the sizes and strides it was saved with. ``torch.autograd.graph.save_on_cpu``
+    gives it back dense, which a compiled block's backward refuses for a saved view (``assert_size_stride``)."""
     return torch.autograd.graph.saved_tensors_hooks(_pack_to_host, _unpack_from_host)
 
 

@@ -5,7 +5,7 @@ A :class:`Plan` maps each block FQN (in chain order) to an action string:
 * ``"keep"``: run normally, keep what autograd saves.
 * ``"checkpoint"``: keep only the block's input; re-run the block in backward.
 * ``"selective:<policy>"``: per-operator policy from :mod:`remat.policies` (e.g. ``selective:dots_saveable``).
-* ``"offload"``: saved tensors go to host memory (``torch.autograd.graph.save_on_cpu``).
+* ``"offload"``: saved tensors go to host memory (:func:`remat.host_copies.saved_on_host`).
 * ``"segment:<id>"`` and ``"memory_poor:<id>"``: groups of consecutive blocks (see :mod:`remat.actions`).
 
 Every planner and every report predicts through :func:`simulate`; the per-unit terms it sums are in
