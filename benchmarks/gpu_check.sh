@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out/files"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
-remat_cli=("$py" -c 'import sys; from remat.cli import main; sys.exit(main())')
+bench=("$py" -m remat.bench)  # remat bench, without installing the package
 log="$out/steps.log"
 
 step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, its output in files/NAME.log
@@ -44,7 +44,7 @@ for mode in "$@"; do
         step peers_tiny 200 "$py" benchmarks/peers.py --device cuda --size tiny --models gpt2 --dtypes bf16 \
             --budgets 0.5 --rounds 2 --duel-rounds 2 --choice-rounds 1 --retries 0 --unit-timeout 180 \
             --out "$out/files/peers_tiny.jsonl" --markdown "$out/files/peers_tiny.md" &
-        step bench_tiny 200 "${remat_cli[@]}" bench --device cuda --preset tiny --steps 6 --warmup 2 --seeds 1 \
+        step bench_tiny 200 "${bench[@]}" --device cuda --preset tiny --steps 6 --warmup 2 --seeds 1 \
             --no-progress --out "$out/files/bench_tiny" &
         wait
         ;;
@@ -58,7 +58,7 @@ for mode in "$@"; do
             --out "$out/files/peers.jsonl" --markdown "$out/files/peers-cuda.md" ${PEERS_EXTRA:-}
         ;;
     bench)
-        step bench_medium ${BENCH_LIMIT:-150} "${remat_cli[@]}" bench --device cuda --model gpt2 --preset medium \
+        step bench_medium ${BENCH_LIMIT:-150} "${bench[@]}" --device cuda --model gpt2 --preset medium \
             --layers preset --batch-size 4 --seq-len 1024 --budget 0.5 --steps 8 --warmup 2 --seeds 1 \
             --no-progress --out "$out/files/bench_medium"
         ;;
