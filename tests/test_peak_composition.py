@@ -3,24 +3,15 @@ remat's prediction for fp32 plans (the simulator's ledger is exact there)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_imports import imported_benchmark
 
 pytest.importorskip("transformers")
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def composition():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("peak_composition")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    yield from imported_benchmark("peak_composition")
 
 
 @pytest.mark.parametrize("strategy", ["none", "full"])

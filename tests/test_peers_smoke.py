@@ -4,16 +4,13 @@ must give the gradients of its no-checkpoint reference bit for bit."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_imports import imported_benchmark
 
 pytest.importorskip("transformers")
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 CONTENDERS = (
     "no checkpointing",
@@ -39,11 +36,7 @@ CONTENDERS = (
 
 @pytest.fixture(scope="module")
 def peers():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("peers")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    yield from imported_benchmark("peers")
 
 
 def tiny_run(out: Path, *extra: str) -> list[str]:

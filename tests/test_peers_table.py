@@ -3,22 +3,13 @@ predicted-over-measured columns and the reading against the targets, without run
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmark_imports import imported_benchmark
 
 
 @pytest.fixture(scope="module")
 def table():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("peers_table")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    yield from imported_benchmark("peers_table")
 
 
 def contender(name: str) -> dict:
@@ -130,11 +121,7 @@ def test_a_contender_fits_only_by_every_meter_that_measured_it(table):
 
 @pytest.fixture(scope="module")
 def attempts(table):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("peers_attempts")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    yield from imported_benchmark("peers_attempts")
 
 
 def test_steadiness_is_no_checkpointings_predicted_over_measured_step(attempts):
