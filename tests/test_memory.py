@@ -36,6 +36,37 @@ def test_tracker_peak_and_timeline_of_a_known_allocation_sequence() -> None:
     assert survivor.numel() == 1000
 
 
+class NamingTracker(LiveTensorTracker):
+    """Notes each tracked storage's event id with its tensor's element count (the ``allocated`` hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel: dict[int, int] = {}
+
+    def allocated(self, event_id: int, t: torch.Tensor) -> None:
+        self.numel[event_id] = t.numel()
+
+
+def test_the_allocations_alive_at_the_peak_are_named_by_the_hook_and_leave_out_survivors() -> None:
+    tracker = NamingTracker()
+    with tracker:
+        survivor = torch.empty(1000, dtype=torch.uint8)
+        a = torch.empty(1024, dtype=torch.float32)
+        b = torch.empty(2048, dtype=torch.float32)
+        del a
+        c = torch.empty(768, dtype=torch.float64)  # the peak: b and c, above a and b (and the survivor, left out)
+        del b
+        d = torch.empty(16, dtype=torch.float32)
+        del c, d
+    tracker.close()
+    assert sorted(tracker.numel.values()) == [16, 768, 1000, 1024, 2048]  # every storage, through the hook
+    at_peak = tracker.alive_at_peak()
+    assert sorted(tracker.numel[i] for i in at_peak) == [768, 2048]
+    assert sorted(tracker.numel[i] for i in tracker.alive_at_peak(exclude_survivors=False)) == [768, 1000, 2048]
+    assert tracker.peak() == 2048 * 4 + 768 * 8
+    assert survivor.numel() == 1000
+
+
 def test_views_in_place_results_and_detach_create_no_storage_but_every_output_does() -> None:
     tracker = LiveTensorTracker()
     with tracker:

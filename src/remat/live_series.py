@@ -54,6 +54,20 @@ class LiveBytesSeries:
     def peak_between(self, start: str, end: str, exclude_survivors: bool = True) -> int:
         return max(self._series(exclude_survivors)[self._index(start) : self._index(end) + 1])
 
+    def alive_at_peak(self, exclude_survivors: bool = True) -> set[int]:
+        """Event ids of the allocations alive at the first moment live bytes reach :meth:`peak`."""
+        skip = self.survivors if exclude_survivors else set()
+        series = self._series(exclude_survivors)
+        alive: set[int] = set()
+        for event_id, delta in self._events[: series.index(max(series))]:
+            if event_id in skip:
+                continue
+            if delta > 0:
+                alive.add(event_id)
+            else:
+                alive.discard(event_id)
+        return alive
+
     def written_between(self, start: str, end: str) -> int:
         """Bytes of all allocations made between the marks, survivors included (work the device does)."""
         return sum(delta for _, delta in self._events[self._index(start) : self._index(end)] if delta > 0)

@@ -94,6 +94,11 @@ class LiveTensorTracker(LiveBytesSeries, TorchDispatchMode):
         self.live_bytes += nbytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         self._finalizers.append(weakref.finalize(storage, self._free, key))
+        self.allocated(event_id, t)
+
+    def allocated(self, event_id: int, t: torch.Tensor) -> None:
+        """Called for each storage tracked, with its event id and the tensor that made it (nothing by default;
+        a subclass can note what made it, to say later what the events at a mark or the peak were)."""
 
     def _free(self, key: int) -> None:
         event_id, nbytes = self._live.pop(key, (None, 0))
