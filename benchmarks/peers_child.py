@@ -106,6 +106,12 @@ def profile(job: dict[str, Any], compiled: bool = False) -> remat.CostTable:
                              holds_output=False, policies=policies)
 
 
+def wants_compiled(job: dict[str, Any]) -> bool:
+    """Whether the job runs the compiled contenders (``--no-compiled`` turns them off; records written before the
+    option existed ran them)."""
+    return job.get("compiled", True)
+
+
 def job_policies(job: dict[str, Any]) -> str | tuple[str, ...]:
     """The job's ``--policies``: ``"menu"`` or the names it lists (records written before the option existed
     profiled ``dots_saveable`` alone)."""
@@ -126,7 +132,7 @@ def profile_under_timing_allocator(job: dict[str, Any]) -> tuple[remat.CostTable
         record = parse(line)
         if record is not None and record.get("record") == "costs":
             tables[record["compiled"]] = remat.CostTable.from_dict(record["table"])
-    wanted = {False, True} if job.get("compiled", True) else {False}
+    wanted = {False, True} if wants_compiled(job) else {False}
     if set(tables) == wanted:
         return tables[False], tables.get(True)
     tail = " | ".join(proc.stderr.strip().splitlines()[-8:])
@@ -328,7 +334,7 @@ def run(job: dict[str, Any]) -> None:
     setting = bench.setting
     budgets = [float(b) for b in job["budgets"]]
     base = pm.build_model(setting, seed=job["seed"]).to(bench.device)
-    with_compiled = job.get("compiled", True)
+    with_compiled = wants_compiled(job)
     if bench.device == "cpu":
         costs, compiled_costs = profile_under_timing_allocator(job)
     else:
@@ -350,11 +356,10 @@ def run(job: dict[str, Any]) -> None:
         cs.remat_static(budget)
         cs.remat_pgac(budget)
         cs.remat_dtr(budget)
+    for key in list(cs.contenders):
+        bench.measure(cs.contenders[key])
     if with_compiled:
         compiled_contenders(job, bench, cs, budgets)
-    else:
-        for key in list(cs.contenders):
-            bench.measure(cs.contenders[key])
     plain = pm.build_model(setting, seed=job["seed"]).to(bench.device)
     ckptplan = peers_ckptplan.try_ckptplan(plain, pm.block_list(plain), bench.batch["input_ids"], budgets[0],
                                            job.get("ckptplan_path"))
@@ -370,7 +375,8 @@ def run(job: dict[str, Any]) -> None:
 
 
 def compiled_contenders(job: dict[str, Any], bench: Bench, cs: pc.ContenderSet, budgets: list[float]) -> None:
-    """``torch.compile``'s budgets and remat's compiled answers at each budget, measured after the eager ones."""
+    """``torch.compile``'s budgets and remat's compiled answers at each budget, built and measured after the eager
+    contenders."""
     # Budgets of remat on compiled blocks: shares of torch.compile's peak by the allocator's events, the meter
     # whose figures the compiled blocks' profile predicts (the peak meters' where it did not run).
     compiled = bench.memory["compiled"]
@@ -396,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         job = json.loads(args[1])
         torch.set_num_threads(job["threads"])
         torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-        for compiled in (False, True) if job.get("compiled", True) else (False,):
+        for compiled in (False, True) if wants_compiled(job) else (False,):
             emit({"record": "costs", "compiled": compiled, "table": profile(job, compiled).to_dict()})
         return 0
     if len(args) != 1:

@@ -296,11 +296,10 @@ class Standing:
 def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
     out = []
     budgets = sorted({x.budget for x in lines if x.budget is not None})
+    ran = {x.group for x in lines}  # a group may not have run (--no-compiled)
     for budget in budgets:
         at = [x for x in lines if x.budget == budget and x.key]
-        for group, peers in PEERS.items():
-            if not any(x.group == group for x in lines):
-                continue  # a group that did not run (--no-compiled)
+        for group, peers in ((g, p) for g, p in PEERS.items() if g in ran):
             fitting = [x for x in at if x.name in peers and x.fits and x.step_median is not None]
             peer = min(fitting, key=lambda x: x.step_median) if fitting else None
             mine = next((name for name in MINE[group] if any(x.name == name for x in at)), MINE[group][0])
