@@ -2,8 +2,8 @@
 and backward, on HF GPT-2 (dropout 0.1) and Llama (no dropout) built from config (the peers' ``default`` size).
 
 One thread, CPU seconds (``time.process_time``) for the profile and for the steps alike. After
-``remat.profile`` the plans keep-all (twice: the A/A pair), ``full``, all-selective (``dots_saveable`` in every
-block), one block checkpointed, one block selective, and ``optimal`` at 50% and 75% run through one
+``remat.profile`` the plans keep-all (twice: the A/A pair), ``full``, ``memory_poor``, all-selective
+(``dots_saveable`` in every block), one block checkpointed, one block selective, and ``optimal`` at 50% and 75% run through one
 ``remat.apply`` handle, interleaved round by round; each figure is the median over rounds. Per plan the table
 shows the predicted and measured step and their ratio, and the measured forward (model call and loss) and
 backward next to the blocks' predicted ones: what the plan adds to keep-all's forward and backward, predicted
@@ -39,6 +39,7 @@ def plans_for(costs: remat.CostTable) -> dict[str, remat.Plan]:
         "keep": remat.plan(costs, "none"),
         "keep (A/A)": remat.plan(costs, "none"),
         "full": remat.plan(costs, "full"),
+        "memory_poor": remat.plan(costs, "memory_poor"),
         "all selective": remat.Plan.from_actions(costs, [SELECTIVE] * n, "selective"),
         "one checkpoint": remat.Plan.from_actions(costs, ["keep"] * one + ["checkpoint"] + ["keep"] * (n - one - 1)),
         "one selective": remat.Plan.from_actions(costs, ["keep"] * one + [SELECTIVE] + ["keep"] * (n - one - 1)),

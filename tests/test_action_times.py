@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from remat.action_times import action_times
+from remat.block_timing import NO_GRAD_FORWARD
 
 SELECTIVE = "selective:dots_saveable"
 OFFLOAD_DOTS = "selective:offload_dots"
@@ -51,3 +52,19 @@ def test_a_saving_is_a_negative_overhead_but_no_action_is_faster_than_keep() -> 
 def test_unequal_rounds_are_refused() -> None:
     with pytest.raises(ValueError, match="action 'checkpoint' has 1 timed runs and keep 2"):
         action_times({"keep": [(1.0, 2.0, 0.0)] * 2, "checkpoint": [(1.0, 2.0, 1.0)]})
+
+
+def test_the_no_grad_forward_is_a_median_at_most_the_recomputation() -> None:
+    runs = {
+        "keep": [(1.0, 2.0, 0.0), (1.0, 2.0, 0.0), (3.0, 6.0, 0.0)],
+        "checkpoint": [(1.25, 3.5, 1.0), (1.25, 3.25, 1.0), (3.5, 9.5, 3.0)],
+        NO_GRAD_FORWARD: [(0.5, 0.0, 0.0), (0.75, 0.0, 0.0), (2.0, 0.0, 0.0)],
+    }
+    t = action_times(runs)
+    assert t.nograd_fwd_s == 0.75 and NO_GRAD_FORWARD not in t.recompute_s
+    # noise may time it slower than the recomputation: it is never charged more
+    runs[NO_GRAD_FORWARD] = [(1.5, 0.0, 0.0)] * 3
+    assert action_times(runs).nograd_fwd_s == 1.0
+    # not timed, or nothing to compare it with: None (the group formulas read the recomputation)
+    assert action_times({"keep": runs["keep"], "checkpoint": runs["checkpoint"]}).nograd_fwd_s is None
+    assert action_times({"keep": runs["keep"], NO_GRAD_FORWARD: runs[NO_GRAD_FORWARD]}).nograd_fwd_s is None

@@ -50,13 +50,16 @@ def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
         overhead = {a: draw(st.integers(-round(recompute[a] / TICK), 12)) * TICK for a in saved if a != "keep"}
         blocks.append(
             BlockCost(f"layers.{i}", rerun, 2 * rerun, out, out, saved, recompute, draw(small), draw(small), extra,
-                      overhead_s=overhead)
+                      overhead_s=overhead, nograd_fwd_s=draw(st.none() | st.integers(0, round(rerun / TICK)).map(
+                          lambda t: t * TICK)))  # a memory-poor group's inner re-runs, when timed
         )  # fmt: skip
+    stem = draw(st.integers(0, 5))
     return CostTable(
         blocks,
-        stem_bytes=draw(st.integers(0, 5)),
+        stem_bytes=stem,
         head_bytes=draw(st.integers(0, 30)),
-        head_retained_bytes=draw(st.integers(0, 10)),
+        # negative where the model's forward frees stem bytes before the chain's backward (at most the stem)
+        head_retained_bytes=draw(st.integers(-stem, 10)),
         held_args_bytes=draw(st.integers(0, 6)),
         outside_s=draw(st.none() | st.integers(0, 40).map(lambda t: t * TICK)),
         outputs_kept=draw(st.booleans()),

@@ -88,6 +88,8 @@ def test_gpt2_cost_table_times_every_action_and_the_step_outside_the_blocks(gpt2
         assert row.overhead_s[KEEP] == 0.0 and min(row.time_cost(a) for a in row.actions) >= 0.0
         for action in row.actions:
             assert row.time_cost(action) == row.recompute_s[action] + row.overhead_s[action]
+        # the forward a memory-poor group re-runs under no_grad, timed in the same rounds
+        assert row.nograd_fwd_s is not None and 0.0 < row.nograd_fwd_s <= row.recompute_s[CHECKPOINT]
     assert isinstance(costs.outside_s, float)
 
 
@@ -127,11 +129,12 @@ def test_every_time_is_read_from_the_given_clock() -> None:
     for b in frozen.blocks:
         assert (b.fwd_s, b.bwd_s) == (0.0, 0.0)
         assert set(b.recompute_s.values()) == {0.0} and set((b.overhead_s or {0: 0.0}).values()) == {0.0}
+        assert b.nograd_fwd_s == 0.0
     assert frozen.outside_s == 0.0
 
     readings = iter(range(10**6))
     ticking = remat.profile(model, batch, repeats=1, clock=lambda: float(next(readings)))
-    times = [t for b in ticking.blocks for t in (b.fwd_s, b.bwd_s, *b.recompute_s.values())]
+    times = [t for b in ticking.blocks for t in (b.fwd_s, b.bwd_s, b.nograd_fwd_s, *b.recompute_s.values())]
     assert all(t == int(t) for t in [*times, ticking.outside_s]), times
     assert all(b.fwd_s >= 1 for b in ticking.blocks)
 
@@ -147,10 +150,11 @@ def test_cost_tables_written_before_step_times_load_with_none_and_zero_overheads
     data = gpt2[2].to_dict()
     del data["outside_s"]
     for row in data["blocks"]:
-        del row["fwd_s_by_action"], row["bwd_s_by_action"], row["overhead_s"]
+        del row["fwd_s_by_action"], row["bwd_s_by_action"], row["overhead_s"], row["nograd_fwd_s"]
     old = CostTable.from_dict(data)
     assert old.outside_s is None
     row = old.blocks[0]
+    assert row.nograd_fwd_s is None
     assert row.overhead_s == {} and row.time_cost(CHECKPOINT) == row.recompute_s[CHECKPOINT]
     with pytest.raises(KeyError, match="no time cost for action 'offload'.*Profile with that action included"):
         row.time_cost("offload")

@@ -47,6 +47,12 @@ def chain(n: int, head_retained: int = 0, held_args: int = 0, forward_decides: b
     return CostTable(blocks, stem_bytes=4, head_bytes=50, head_retained_bytes=head_retained, held_args_bytes=held_args)
 
 
+def with_no_grad_forwards(costs: CostTable) -> CostTable:
+    """``costs`` whose blocks' forwards under no_grad were timed (faster than their recomputation)."""
+    blocks = [replace(b, nograd_fwd_s=b.recompute_s["checkpoint"] * 0.61) for b in costs.blocks]
+    return replace(costs, blocks=blocks)
+
+
 # (case id, cost table, the plan's block actions); every unit of every plan is checked.
 CASES = [
     ("single keep", chain(1), ["keep"]),
@@ -60,6 +66,7 @@ CASES = [
     ("memory-poor group of two", chain(2), ["memory_poor:0"] * 2),
     ("memory-poor group of the whole chain", chain(6), ["memory_poor:0"] * 6),
     ("memory-poor group, forward decides", chain(5, forward_decides=True), ["memory_poor:0"] * 5),
+    ("memory-poor group, no-grad forwards timed", with_no_grad_forwards(chain(6)), ["memory_poor:0"] * 6),
     ("segment, forward decides", chain(2, forward_decides=True), ["segment:0"] * 2),
     ("checkpoint, forward decides", chain(1, forward_decides=True), ["checkpoint"]),
     (
@@ -68,6 +75,11 @@ CASES = [
         ["keep", "segment:0", "segment:0", "memory_poor:1", "memory_poor:1", SELECTIVE],
     ),
     ("bwd_extra of selective", chain(3, head_retained=5), [SELECTIVE, SELECTIVE, "offload"]),
+    (
+        "head_retained negative",  # the model's forward frees stem bytes before the chain's backward
+        chain(5, head_retained=-3, held_args=2),
+        ["checkpoint", "segment:0", "segment:0", "memory_poor:1", "memory_poor:1"],
+    ),
     ("held args", chain(4, held_args=23), ["keep", "memory_poor:0", "memory_poor:0", "checkpoint"]),
     ("segment, outputs kept", replace(chain(4), outputs_kept=True), ["keep", *["segment:0"] * 3]),
     ("memory-poor group, outputs kept", replace(chain(5), outputs_kept=True), ["memory_poor:0"] * 4 + ["keep"]),
@@ -118,22 +130,29 @@ def table_seconds(costs: CostTable, actions: list[str]) -> list[tuple[float, flo
     return rows
 
 
+def folded_held(costs: CostTable) -> int:
+    """What the searched table (:func:`holding_arguments`) adds to the stem: the held arguments, which the
+    simulator adds to every unit's peak instead."""
+    return holding_arguments(costs).stem_bytes - costs.stem_bytes
+
+
 def table_form(costs: CostTable, actions: list[str]) -> list[Terms]:
     """:func:`single_table` and :func:`group_table` over the whole chain, on the table the planner searches
-    (held arguments folded into the head terms)."""
+    (held arguments folded into the stem, added back to each unit's peak)."""
     searched = holding_arguments(costs)
+    held = folded_held(costs)
     n = len(costs)
     rows = []
     for unit in units_from_actions(actions):
         if unit.kind == SINGLE:
             t = single_table(searched, [unit.action])
-            rows.append((t.retained[0, unit.start], t.peak[0, unit.start], t.time_cost_s[0, unit.start],
+            rows.append((t.retained[0, unit.start], t.peak[0, unit.start] + held, t.time_cost_s[0, unit.start],
                          t.reexecutions[0]))  # fmt: skip
             continue
         g = group_table(ChainNumbers.of(searched), searched.head_retained_bytes, n, [SEGMENT, MEMORY_POOR],
                         outputs_kept=searched.outputs_kept)  # fmt: skip
         s, j = unit.start, unit.size - 1
-        rows.append((g.retained[s, j], g.peak[unit.kind][s, j], g.time_cost_s[unit.kind][s, j],
+        rows.append((g.retained[s, j], g.peak[unit.kind][s, j] + held, g.time_cost_s[unit.kind][s, j],
                      g.reexecutions[unit.kind][j]))  # fmt: skip
     return rows
 
@@ -146,7 +165,8 @@ def planner_form(costs: CostTable, actions: list[str], by: str) -> list[Terms]:
     rows = []
     for unit in units_from_actions(actions):
         listed = chain_units.starting_at(unit.start, n) if by == "start" else chain_units.ending_at(unit.end, n)
-        rows.append(_pick(chain_units, listed, unit))
+        retained, peak, time_cost, reexec = _pick(chain_units, listed, unit)
+        rows.append((retained, peak + folded_held(costs), time_cost, reexec))
     return rows
 
 
@@ -208,6 +228,19 @@ def test_the_table_exercises_what_it_names() -> None:
     rerun = [b.recompute_s["checkpoint"] for b in costs.blocks]
     assert unit_terms(costs, unit).reexecutions == (6, 5, 4, 3, 2, 1)
     assert unit_terms(costs, unit).recompute_s == pytest.approx(sum(sum(rerun[: m + 1]) for m in range(6)))
+    # with the no-grad forwards timed, block m's backward re-runs s..m-1 at that speed and m as a recomputation
+    timed, _ = by_name["memory-poor group, no-grad forwards timed"]
+    inner = [b.nograd_fwd_s for b in timed.blocks]
+    expected = sum(sum(inner[:m]) + rerun[m] for m in range(6))
+    assert unit_terms(timed, unit).recompute_s == pytest.approx(expected)
+    assert unit_terms(timed, unit).recompute_s < unit_terms(costs, unit).recompute_s
+    # head_retained counts in a unit's backward only: a unit its forward decides is not moved by it
+    costs, _ = by_name["memory-poor group, forward decides"]
+    (unit,) = units_from_actions(["memory_poor:0"] * 5)
+    assert unit_terms(replace(costs, head_retained_bytes=-3), unit).peak == unit_terms(costs, unit).peak
+    costs, _ = by_name["memory-poor group of the whole chain"]
+    (unit,) = units_from_actions(["memory_poor:0"] * 6)
+    assert unit_terms(replace(costs, head_retained_bytes=-3), unit).peak == unit_terms(costs, unit).peak - 3
     # Every block of a group adds its checkpoint overhead once, in a segment as in a memory-poor group.
     frames = [b.overhead_s["checkpoint"] for b in costs.blocks]
     assert len(set(frames)) == 6

@@ -13,8 +13,9 @@ run ``r`` is paired with keep's run ``r``. Per round, an action's recomputation 
 * any other selective policy: its timed recomputation, at most keep's forward.
 
 and its overhead ``fwd_a + bwd_a - recompute_a - (fwd_keep + bwd_keep)`` (see :mod:`remat.costs`). Each term is
-the median over rounds. The overhead may be negative, down to ``-recompute_a``: a checkpointed forward saves
-nothing for backward and runs faster than a kept one, and the recomputation right before the block's backward
+the median over rounds. Where the rounds timed a forward under ``torch.no_grad`` too, its median, at most the
+checkpoint's recomputation, is the block's ``nograd_fwd_s``. The overhead may be negative, down to
+``-recompute_a``: a checkpointed forward saves nothing for backward and runs faster than a kept one, and the recomputation right before the block's backward
 finds its weights in cache. Flooring every block's overhead at 0 would add the positive half of each block's
 timing noise to every plan's prediction; flooring the time cost (``recompute + overhead``) at 0 keeps only
 what matters to a plan, that no action makes a step faster than keeping.
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import policies as _policies
-from .block_timing import Timing
+from .block_timing import NO_GRAD_FORWARD, Timing
 from .compiled_partitions import is_partition
 from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
 from .lossy_actions import compresses_input, compresses_recompute, is_lossy
@@ -43,6 +44,7 @@ class ActionTimes:
     fwd_s_by_action: dict[str, float]
     bwd_s_by_action: dict[str, float]
     overhead_s: dict[str, float]
+    nograd_fwd_s: float | None = None
 
 
 def recompute_of(action: str, run: Timing, keep: Timing) -> float:
@@ -61,7 +63,10 @@ def recompute_of(action: str, run: Timing, keep: Timing) -> float:
 
 
 def action_times(runs: dict[str, Sequence[Timing]]) -> ActionTimes:
-    """The time terms from ``runs[action]``, one timing per round for every action (keep among them)."""
+    """The time terms from ``runs[action]``, one timing per round for every action (keep among them), and
+    from ``runs[NO_GRAD_FORWARD]`` where it is there."""
+    runs = dict(runs)
+    no_grad = runs.pop(NO_GRAD_FORWARD, None)
     keep_runs = runs[KEEP]
     recompute: dict[str, float] = {}
     overhead: dict[str, float] = {}
@@ -75,6 +80,9 @@ def action_times(runs: dict[str, Sequence[Timing]]) -> ActionTimes:
         ]
         recompute[action] = statistics.median(paired)
         overhead[action] = 0.0 if action == KEEP else max(statistics.median(excess), -recompute[action])
+    nograd_fwd_s = None
+    if no_grad and CHECKPOINT in recompute:
+        nograd_fwd_s = min(statistics.median(run[0] for run in no_grad), recompute[CHECKPOINT])
     return ActionTimes(
         fwd_s=statistics.median(run[0] for run in keep_runs),
         bwd_s=statistics.median(run[1] for run in keep_runs),
@@ -82,6 +90,7 @@ def action_times(runs: dict[str, Sequence[Timing]]) -> ActionTimes:
         fwd_s_by_action={a: statistics.median(run[0] for run in r) for a, r in runs.items()},
         bwd_s_by_action={a: statistics.median(run[1] for run in r) for a, r in runs.items()},
         overhead_s=overhead,
+        nograd_fwd_s=nograd_fwd_s,
     )
 
 

@@ -44,6 +44,7 @@ def scale_costs(costs: CostTable, factor: float) -> CostTable:
             output_bytes=int(b.output_bytes * factor),
             saved_bytes={k: int(v * factor) for k, v in b.saved_bytes.items()},
             recompute_s={k: v * factor for k, v in b.recompute_s.items()},
+            nograd_fwd_s=None if b.nograd_fwd_s is None else b.nograd_fwd_s * factor,
             fwd_temp_bytes=int(b.fwd_temp_bytes * factor),
             bwd_temp_bytes=int(b.bwd_temp_bytes * factor),
             bwd_extra_bytes={k: int(v * factor) for k, v in b.bwd_extra_bytes.items()},

@@ -24,7 +24,7 @@ from .blocks import (
     slot_value,
     without_caches,
 )
-from .costs import KEEP, BlockCost
+from .costs import CHECKPOINT, KEEP, BlockCost
 from .grad_error import block_grad_error
 from .lossy_actions import is_lossy
 from .memory import LiveTensorTracker
@@ -89,7 +89,10 @@ def measure_block(
         for action in actions:
             trackers[action] = meter(device)
             output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main, pick=pick)
-        runs = time_actions(module, actions, args, kwargs, main, device, repeats, pick=pick, clock=clock)
+        runs = time_actions(
+            module, actions, args, kwargs, main, device, repeats, pick=pick, clock=clock,
+            no_grad_forward=CHECKPOINT in actions,
+        )  # fmt: skip
         times = action_times(runs)
         errors = {a: block_grad_error(module, a, args, kwargs, main) for a in actions if is_lossy(a)}
     terms = ByteTerms.from_trackers(trackers, input_bytes=tensor_bytes(main))
@@ -109,4 +112,5 @@ def measure_block(
         fwd_s_by_action=times.fwd_s_by_action,
         bwd_s_by_action=times.bwd_s_by_action,
         overhead_s=times.overhead_s,
+        nograd_fwd_s=times.nograd_fwd_s,
     )

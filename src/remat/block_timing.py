@@ -1,7 +1,8 @@
 """Timing one block under one action on the real device: forward, backward and recomputation seconds.
 
 Runs after a warm-up, every action once per round (:func:`time_actions`), so that the runs of one round can be
-paired; on CUDA the device is synchronised around every timed region. The
+paired, and where asked a forward under ``torch.no_grad`` too (:data:`NO_GRAD_FORWARD`, how a memory-poor group
+re-runs its inner blocks); on CUDA the device is synchronised around every timed region. The
 recomputation is timed directly (the block's second call under a checkpoint), not as a difference of backward
 times: it is a fraction of them, and their noise would swamp it.
 
@@ -86,6 +87,7 @@ class TimedCalls:
 
 
 Timing = tuple[float, float, float]  # forward, backward, recomputation seconds of one run
+NO_GRAD_FORWARD = "no_grad forward"  # the key of the no-grad forward's runs (backward and recomputation 0)
 
 
 def time_once(
@@ -123,6 +125,27 @@ def time_once(
     return t1 - t0, t2 - t_bwd, sum(timed.seconds[1:])
 
 
+def time_forward_without_grad(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    clock: Clock = time.perf_counter,
+    flush: Callable[[], None] = lambda: None,
+) -> Timing:
+    """Seconds of one forward of the block under ``torch.no_grad`` (after ``flush``, untimed: a memory-poor
+    group re-runs it in the step's backward, with the caches as the rest of the step left them)."""
+    flush()
+    sync(device)
+    start = clock()
+    with torch.no_grad():
+        out = module(*args, **kwargs)
+    sync(device)
+    seconds = clock() - start
+    del out
+    return seconds, 0.0, 0.0
+
+
 def time_actions(
     module: nn.Module,
     actions: Sequence[str],
@@ -133,17 +156,25 @@ def time_actions(
     repeats: int,
     pick: Callable[[Any], torch.Tensor | None] = main_tensor,
     clock: Clock = time.perf_counter,
+    no_grad_forward: bool = False,
 ) -> dict[str, list[Timing]]:
     """``repeats`` timed runs of the block under each of ``actions``, after one warm-up round. The actions
     run interleaved (every round runs each once), so drift on a busy machine touches them alike and the
-    runs of one round can be compared with each other."""
+    runs of one round can be compared with each other. With ``no_grad_forward`` each round also times a
+    forward under ``torch.no_grad``, under the key :data:`NO_GRAD_FORWARD`."""
     runs: dict[str, list[Timing]] = {action: [] for action in actions}
+    if no_grad_forward:
+        runs[NO_GRAD_FORWARD] = []
     flush = CacheFlush(device)
     for round_ in range(repeats + 1):
         for action in actions:
             timing = time_once(module, action, args, kwargs, main, device, pick, clock, flush)
             if round_:
                 runs[action].append(timing)
+        if no_grad_forward:
+            timing = time_forward_without_grad(module, args, kwargs, device, clock, flush)
+            if round_:
+                runs[NO_GRAD_FORWARD].append(timing)
     return runs
 
 

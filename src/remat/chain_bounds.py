@@ -150,7 +150,8 @@ class ChainBounds:
             end = tracker.bytes_at(f"end{last}")
             freed = self._inputs_freed.get(last, 0)
             head = max(0, tracker.peak_between(f"end{last}", f"grad{last}") - end + freed)
-            head_retained = max(0, tracker.bytes_at(f"grad{last}") - end + freed)
+            # signed: the model's forward frees what only it held (in the stem) before the chain's backward
+            head_retained = tracker.bytes_at(f"grad{last}") - end + freed
         figures: dict[str, Any] = {
             "stem_bytes": stem,
             "head_bytes": head,

@@ -35,12 +35,19 @@ offload's copies when they are not already its ``recompute_s`` (0 for ``"keep"``
 negative where the action saves forward or backward time (a checkpointed forward stores nothing), but never
 so far that ``time_cost(a) = recompute_s[a] + overhead_s[a]`` falls below 0. The profiler times the actions
 interleaved and takes the median of this difference over repeats (:mod:`remat.action_times`), so a step's
-predicted time under ``a`` is ``fwd_s + bwd_s + time_cost(a)``.
+predicted time under ``a`` is ``fwd_s + bwd_s + time_cost(a)``. ``nograd_fwd_s`` is the block's forward
+under ``torch.no_grad``, the way a memory-poor group re-runs the blocks before the one whose backward runs (no
+autograd graph is recorded, so it is faster than ``recompute_s["checkpoint"]``, the more so where a device
+waits on the host); None where it was not measured, read then as the checkpoint recomputation.
 
 Table-wide: ``stem_bytes`` are activation bytes alive before the first block (embeddings and the like),
 ``head_bytes`` the peak above the chain while the part after the last block (final norm, logits, loss)
 runs forward and backward, and ``head_retained_bytes`` what the head leaves alive while the chain's backward
-runs (the logits of an output the training loop still holds, a tied weight's gradient waiting to be summed).
+runs, against what was alive when the chain's forward ended: the logits of an output the training loop still
+holds and a tied weight's gradient waiting to be summed count in, and what the stem held only for the model's
+forward (the embedding lookups a GPT-2 adds up, freed when its forward returns) counts out, so the figure is
+negative where the stem frees more than the head leaves. It counts in the backward terms of every unit only: a
+unit's forward runs before the head.
 ``held_args_bytes`` are the blocks' other tensor arguments (an attention mask, position embeddings) that a
 step keeping everything frees before the chain's backward, but that a plan recomputing any block keeps for
 that recomputation. ``outside_s`` is the seconds of a step spent outside the chain's blocks (the stem, the
@@ -112,6 +119,7 @@ class BlockCost:
     fwd_s_by_action: dict[str, float] = field(default_factory=dict)
     bwd_s_by_action: dict[str, float] = field(default_factory=dict)
     overhead_s: dict[str, float] = field(default_factory=dict)
+    nograd_fwd_s: float | None = None
 
     def time_cost(self, action: str) -> float:
         """Seconds ``action`` adds to a step over keeping: its recomputation plus its overhead."""

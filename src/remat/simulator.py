@@ -12,7 +12,8 @@ Every planner and every report predicts through :func:`simulate`; the per-unit t
 :mod:`remat.unit_terms`. Memory is accounted as a ledger: a unit retains ``retained`` bytes after its forward,
 and while the unit's own forward or backward runs the live bytes rise to ``prefix + peak`` where ``prefix``
 is what the units before it retain. The head (loss) runs with everything retained; what it leaves alive
-(``head_retained_bytes``) is counted in every unit's peak, since the backward of every unit runs after it.
+(``head_retained_bytes``, less what the stem held only for the model's forward) is counted in every unit's
+backward, which runs after it, and in none of their forwards.
 When any unit is not ``keep``, the blocks' other arguments the runtime holds for recomputation
 (``held_args_bytes``) are counted in every unit's peak and in the head's too (they may be freed before the
 earliest units' backward, and they were alive in the head's forward anyway: the safe side).

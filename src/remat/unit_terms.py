@@ -3,10 +3,12 @@ and a vectorised form over every unit of a chain (the planners'), side by side, 
 
 Per block ``m`` a unit reads: ``saved[a][m]`` (bytes saved under action ``a``; ``keep[m]`` and ``checkpointed[m]``
 under ``keep`` and ``checkpoint``), ``output[m]``, ``fwd_temp[m]``, ``temp[m] = max(fwd_temp[m], bwd_temp[m])``,
-``bwd_extra[a][m]``, ``recompute[a][m]`` (``rerun[m]`` under ``checkpoint``) and ``overhead[a][m]`` (what the
+``bwd_extra[a][m]``, ``recompute[a][m]`` (``rerun[m]`` under ``checkpoint``), ``inner[m]`` (the block's forward
+under ``torch.no_grad``, ``nograd_fwd_s``; ``rerun[m]`` where not measured) and ``overhead[a][m]`` (what the
 action adds to the step beyond its recomputation, see :mod:`remat.costs`; ``frame[m]`` under ``checkpoint``).
-Every peak is bytes above what the units before retain, and includes ``head_retained`` (what the head leaves
-alive while the chain's backward runs). A unit's time cost, the seconds it adds to a step that keeps
+Every peak is bytes above what the units before retain; its backward terms include ``head_retained`` (what the
+head leaves alive while the chain's backward runs, or frees of the stem when negative), its forward terms do not
+(the head has not run). A unit's time cost, the seconds it adds to a step that keeps
 everything, is ``recompute + overhead``. A group's blocks run their forward as checkpointed blocks do (storing
 nothing inside the group), so each adds its ``checkpoint`` overhead, once: a memory-poor group opens a frame
 per block, a segment one frame for all, but the profile measures a frame together with the forward it wraps
@@ -15,7 +17,7 @@ and cannot tell the two apart.
 A single block under action ``a``::
 
     retained   = saved[a]
-    peak       = max(saved[a] + fwd_temp, keep + temp + bwd_extra[a]) + head_retained
+    peak       = max(saved[a] + fwd_temp, keep + temp + bwd_extra[a] + head_retained)
     recompute  = recompute[a]
     overhead   = overhead[a]
     re-runs    = 0 for keep and offload, else 1
@@ -27,9 +29,10 @@ group's own input belongs to the unit before)::
     forward peak          = max over m of  inside[m] + checkpointed[m] + fwd_temp[m]
     segment backward      = max over m of  (keep[s] + ... + keep[m]) + temp[m]
     memory_poor backward  = max over m of  keep[m] + inside[m] + temp[m]
-    peak                  = max(forward peak, backward) + head_retained
+    peak                  = max(forward peak, backward + head_retained)
     segment recompute     = rerun[s] + ... + rerun[e]
-    memory_poor recompute = sum over m of (rerun[s] + ... + rerun[m])   (block m's backward re-runs s..m)
+    memory_poor recompute = sum over m of (inner[s] + ... + inner[m-1] + rerun[m])
+                            (block m's backward re-runs s..m-1 under no_grad, then m recording its graph)
     group overhead        = frame[s] + ... + frame[e]
     re-runs of block m    = 1 in a segment, e - m + 1 in a memory-poor group
 
@@ -107,7 +110,7 @@ def single_terms(block: BlockCost, action: str, head_retained: int, held: int = 
     the block's backward (its own and later ones, see the module's notes)."""
     saved = block.saved(action)
     backward = block.saved(KEEP) + temp_bytes(block) + block.bwd_extra_bytes.get(action, 0) + held
-    peak = max(saved + block.fwd_temp_bytes, backward) + head_retained
+    peak = max(saved + block.fwd_temp_bytes, backward + head_retained)
     recompute = block.recompute_s[action]
     return UnitTerms(saved, peak, recompute, (reruns(action),), block.overhead_s.get(action, 0.0))
 
@@ -123,6 +126,7 @@ class BlockNumbers:
     temp: int
     rerun: float
     frame: float = 0.0  # the block's overhead under checkpoint
+    inner: float = 0.0  # the block's forward under no_grad (a memory-poor group's re-runs before the last)
 
     @classmethod
     def of(cls, block: BlockCost) -> BlockNumbers:
@@ -139,6 +143,7 @@ class BlockNumbers:
             temp=temp_bytes(block),
             rerun=block.recompute_s[CHECKPOINT],
             frame=block.overhead_s.get(CHECKPOINT, 0.0),
+            inner=block.recompute_s[CHECKPOINT] if block.nograd_fwd_s is None else block.nograd_fwd_s,
         )
 
 
@@ -159,10 +164,11 @@ def group_terms(
         recompute, reexecutions = reruns_to[-1], (1,) * len(blocks)
     else:
         backward_peak = max(b.keep + inside[m] + b.temp for m, b in enumerate(blocks))
-        recompute = list(accumulate(reruns_to))[-1]
+        inner_before = [0.0, *accumulate(b.inner for b in blocks[:-1])]  # inner[s] + ... + inner[m-1]
+        recompute = list(accumulate(before + b.rerun for before, b in zip(inner_before, blocks, strict=True)))[-1]
         reexecutions = tuple(len(blocks) - m for m in range(len(blocks)))
     overhead = list(accumulate(b.frame for b in blocks))[-1]
-    peak = max(forward_peak, backward_peak + kept[-1] + held) + head_retained
+    peak = max(forward_peak, backward_peak + kept[-1] + held + head_retained)
     retained = blocks[-1].checkpointed + kept[-1]
     return UnitTerms(retained, peak, recompute, reexecutions, overhead)
 
@@ -193,7 +199,7 @@ def single_table(costs: CostTable, actions: Sequence[str]) -> SingleTable:
     saved = np.array([[b.saved(a) for b in blocks] for a in actions], dtype=i64).reshape(-1, n)
     bwd_extra = np.array([[b.bwd_extra_bytes.get(a, 0) for b in blocks] for a in actions], dtype=i64).reshape(-1, n)
     held = np.array(costs.held_outputs_per_row(), dtype=i64)
-    peak = np.maximum(saved + fwd_temp, keep + temp + bwd_extra + held) + int(costs.head_retained_bytes)
+    peak = np.maximum(saved + fwd_temp, keep + temp + bwd_extra + held + int(costs.head_retained_bytes))
     recompute = np.array([[b.recompute_s[a] for b in blocks] for a in actions], dtype=np.float64).reshape(-1, n)
     overhead = np.array([[b.overhead_s.get(a, 0.0) for b in blocks] for a in actions], dtype=np.float64).reshape(-1, n)
     runs = np.array([reruns(a) for a in actions], i64)
@@ -211,6 +217,7 @@ class ChainNumbers:
     temp: np.ndarray
     rerun: np.ndarray
     frame: np.ndarray
+    inner: np.ndarray
     held: np.ndarray  # outputs held through the backward of a unit ending at the block (outputs_kept)
 
     @classmethod
@@ -218,7 +225,8 @@ class ChainNumbers:
         rows = [BlockNumbers.of(b) for b in costs.blocks]
         ints = {name: np.array([getattr(r, name) for r in rows], dtype=np.int64)
                 for name in ("keep", "checkpointed", "output", "fwd_temp", "temp")}  # fmt: skip
-        floats = {name: np.array([getattr(r, name) for r in rows], dtype=np.float64) for name in ("rerun", "frame")}
+        floats = {name: np.array([getattr(r, name) for r in rows], dtype=np.float64)
+                  for name in ("rerun", "frame", "inner")}  # fmt: skip
         return cls(**ints, **floats, held=np.array(costs.held_outputs_per_row(), dtype=np.int64))
 
 
@@ -267,7 +275,7 @@ def group_table(
     if SEGMENT in kinds:
         keeps_to = np.cumsum(numbers.keep[block], axis=1)
         backward = np.maximum.accumulate(keeps_to + numbers.temp[block], axis=1) + kept + numbers.held[block]
-        table.peak[SEGMENT] = np.maximum(forward_peak, backward) + head_retained
+        table.peak[SEGMENT] = np.maximum(forward_peak, backward + head_retained)
         table.recompute_s[SEGMENT] = reruns_to
         table.reexecutions[SEGMENT] = length
         table.overhead_s[SEGMENT] = frames_to
@@ -275,8 +283,10 @@ def group_table(
     if MEMORY_POOR in kinds:
         backward = np.maximum.accumulate(numbers.keep[block] + inside + numbers.temp[block], axis=1)
         backward = backward + kept + numbers.held[block]
-        table.peak[MEMORY_POOR] = np.maximum(forward_peak, backward) + head_retained
-        table.recompute_s[MEMORY_POOR] = np.cumsum(reruns_to, axis=1)
+        table.peak[MEMORY_POOR] = np.maximum(forward_peak, backward + head_retained)
+        inner_to = np.cumsum(numbers.inner[block], axis=1)
+        inner_before = np.concatenate([np.zeros((rows, 1)), inner_to[:, :-1]], axis=1)
+        table.recompute_s[MEMORY_POOR] = np.cumsum(inner_before + numbers.rerun[block], axis=1)
         table.reexecutions[MEMORY_POOR] = length * (length + 1) // 2
         table.overhead_s[MEMORY_POOR] = frames_to
         table.time_cost_s[MEMORY_POOR] = table.recompute_s[MEMORY_POOR] + table.overhead_s[MEMORY_POOR]

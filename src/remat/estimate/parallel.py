@@ -83,6 +83,7 @@ def shard_costs(costs: CostTable, shape: LayerShape, tp: int, sequence_parallel:
             fwd_s=b.fwd_s / tp,
             bwd_s=b.bwd_s / tp,
             recompute_s={a: v / tp for a, v in b.recompute_s.items()},
+            nograd_fwd_s=None if b.nograd_fwd_s is None else b.nograd_fwd_s / tp,
         )
         for b in costs.blocks
     ]

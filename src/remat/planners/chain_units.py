@@ -188,16 +188,12 @@ def allowed_actions(costs: CostTable, actions: list[str] | None) -> tuple[list[s
 
 
 def holding_arguments(costs: CostTable) -> CostTable:
-    """``costs`` with the held arguments counted in every unit's peak and the head's. The simulator counts
-    them so for every plan that is not all ``keep``; the search runs on this table, and keeping everything,
-    the one plan it overestimates, is weighed on its own."""
+    """``costs`` with the held arguments counted in every unit's peak and the head's (as stem bytes, which every
+    peak adds). The simulator counts them so for every plan that is not all ``keep``; the search runs on this
+    table, and keeping everything, the one plan it overestimates, is weighed on its own."""
     if not costs.held_args_bytes:
         return costs
-    held = costs.held_args_bytes
-    return replace(
-        costs, head_bytes=costs.head_bytes + held, head_retained_bytes=costs.head_retained_bytes + held,
-        held_args_bytes=0,
-    )  # fmt: skip
+    return replace(costs, stem_bytes=costs.stem_bytes + costs.held_args_bytes, held_args_bytes=0)
 
 
 def range_max(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
