@@ -1,13 +1,13 @@
 """How well remat predicts a plan's step time: predicted against measured, whole step and split into forward
 and backward, on HF GPT-2 (dropout 0.1) and Llama (no dropout) built from config (the peers' ``default`` size).
 
-One thread, CPU seconds (``time.process_time``) for the profile and for the steps alike. After
-``remat.profile`` the plans keep-all (twice: the A/A pair), ``full``, ``memory_poor``, all-selective
-(``dots_saveable`` in every block), one block checkpointed, one block selective, and ``optimal`` at 50% and 75% run through one
-``remat.apply`` handle, interleaved round by round; each figure is the median over rounds. Per plan the table
-shows the predicted and measured step and their ratio, and the measured forward (model call and loss) and
-backward next to the blocks' predicted ones: what the plan adds to keep-all's forward and backward, predicted
-(``fwd_s_by_action`` and ``bwd_s_by_action`` less keep's) and measured (the plan's step less keep-all's).
+One thread, CPU seconds (``time.process_time``) for the profile and for the steps alike. After ``remat.profile`` the
+plans keep-all (twice: the A/A pair), ``full``, ``memory_poor``, all-selective (``dots_saveable`` in every block),
+one block checkpointed, one block selective, and ``optimal`` at 50% and 75% run through one ``remat.apply`` handle,
+interleaved round by round; each figure is the median over rounds. Per plan the table shows the predicted and
+measured step and their ratio, and the measured forward (model call and loss) and backward next to the blocks'
+predicted ones: what the plan adds to keep-all's forward and backward, predicted (``fwd_s_by_action`` and
+``bwd_s_by_action`` less keep's) and measured (the plan's step less keep-all's).
 
     .venv/bin/python benchmarks/step_prediction.py [--models gpt2 llama] [--rounds 10] [--repeats 3]
 """

@@ -70,6 +70,11 @@ def test_profile_and_advise_run_on_a_small_model(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"profiled in {info['profile_s']:.1f} s ({info['blocks_measured']} blocks measured" in printed
     assert "step keeping everything" in printed
+    # per block, what checkpointing adds to a step, recomputation + overhead, as the table has it
+    row = json.loads(out.read_text())["blocks"][0]
+    added = f"{row['recompute_s']['checkpoint'] * 1e3:.2f} + {row['overhead_s']['checkpoint'] * 1e3:.2f}"
+    assert "ms added to a step per action: recompute + overhead" in printed
+    assert f"{row['nograd_fwd_s'] * 1e3:.2f}" in printed and added in printed
     assert main(["advise", "--model", "mlp", "--batch-size", "8", "--device-memory", "1GiB"]) == 0
     assert "checkpointing is not needed" in capsys.readouterr().out
 

@@ -12,13 +12,13 @@ run ``r`` is paired with keep's run ``r``. Per round, an action's recomputation 
   copies to host the forward queued);
 * any other selective policy: its timed recomputation, at most keep's forward.
 
-and its overhead ``fwd_a + bwd_a - recompute_a - (fwd_keep + bwd_keep)`` (see :mod:`remat.costs`). Each term is
-the median over rounds. Where the rounds timed a forward under ``torch.no_grad`` too, its median, at most the
-checkpoint's recomputation, is the block's ``nograd_fwd_s``. The overhead may be negative, down to
-``-recompute_a``: a checkpointed forward saves nothing for backward and runs faster than a kept one, and the recomputation right before the block's backward
-finds its weights in cache. Flooring every block's overhead at 0 would add the positive half of each block's
-timing noise to every plan's prediction; flooring the time cost (``recompute + overhead``) at 0 keeps only
-what matters to a plan, that no action makes a step faster than keeping.
+and its overhead ``fwd_a + bwd_a - recompute_a - (fwd_keep + bwd_keep)`` (see :mod:`remat.costs`). Each term is the
+median over rounds. Where the rounds timed a forward under ``torch.no_grad`` too, its median, at most the
+checkpoint's recomputation, is the block's ``nograd_fwd_s``. The overhead may be negative, down to ``-recompute_a``:
+a checkpointed forward saves nothing for backward and runs faster than a kept one, and the recomputation right
+before the block's backward finds its weights in cache. Flooring every block's overhead at 0 would add the positive
+half of each block's timing noise to every plan's prediction; flooring the time cost (``recompute + overhead``) at 0
+keeps only what matters to a plan, that no action makes a step faster than keeping.
 """
 
 from __future__ import annotations

@@ -114,6 +114,18 @@ def _costs(args: argparse.Namespace, batch_size: int | None = None):  # noqa: AN
     return spec, batch, costs
 
 
+def _print_time_costs(costs: Any, actions: list[str]) -> None:
+    """Per block and action, the milliseconds the action adds to a step: recomputation + overhead (the overhead
+    negative where the action's forward or backward runs faster than keep's), and the no-grad forward a
+    memory-poor group re-runs the block with."""
+    print("ms added to a step per action: recompute + overhead")
+    print(f"{'block':<24}{'no-grad fwd':>12}" + "".join(f"{a[:22]:>24}" for a in actions))
+    for b in costs.blocks:
+        nograd = "-" if b.nograd_fwd_s is None else f"{b.nograd_fwd_s * 1e3:.2f}"
+        cells = [f"{b.recompute_s[a] * 1e3:.2f} + {b.overhead_s.get(a, 0.0) * 1e3:.2f}" for a in actions]
+        print(f"{b.fqn:<24}{nograd:>12}" + "".join(f"{c:>24}" for c in cells))
+
+
 def _print_costs(costs: Any) -> None:
     actions = costs.common_actions()
     head = f"{'block':<24}{'fwd ms':>9}{'bwd ms':>9}" + "".join(f"{a[:22]:>24}" for a in actions)
@@ -122,6 +134,7 @@ def _print_costs(costs: Any) -> None:
         row = f"{b.fqn:<24}{b.fwd_s * 1e3:>9.2f}{b.bwd_s * 1e3:>9.2f}"
         row += "".join(f"{format_bytes(b.saved_bytes[a]):>24}" for a in actions)
         print(row)
+    _print_time_costs(costs, [a for a in actions if a != "keep"])
     print(f"stem {format_bytes(costs.stem_bytes)}, head {format_bytes(costs.head_bytes)}, source {costs.source}")
     if "profile_s" in costs.info:
         print(f"profiled in {profile_summary(costs)}")
