@@ -33,10 +33,11 @@ pytestmark = [
 ]
 
 VOCAB = 256
-# How far a plan's step may peak from the simulator's prediction, as fractions of it. Read on an H200: at most at
-# the prediction, and under it by up to 9% on the 4-block toy GPT-2 here for plans that checkpoint or offload
-# (by 2-3% at GPT-2 small's size in benchmarks/peers.py), so the measured peak may fall 10% under it but rise
-# 2% over it at most.
+# How far a plan's step may peak from the simulator's prediction, as fractions of it. Read on an H200 while the
+# head's retained bytes still stopped at 0 (every backward then counted the embedding lookups the model's forward
+# had freed): at most at the prediction, and under it by up to 9% on the 4-block toy GPT-2 here for plans that
+# checkpoint or offload (by 2-3% at GPT-2 small's size in benchmarks/peers.py), so the measured peak may fall 10%
+# under it but rise 2% over it at most. Not read again on a GPU since.
 PEAK_OVER, PEAK_UNDER = 0.02, 0.10
 Batch = dict[str, torch.Tensor]
 
@@ -195,7 +196,9 @@ def test_plan_peak_from_the_cuda_allocator_is_within_budget_and_prediction(
         f"budget {remat.format_bytes(plan.budget_bytes)}, predicted {remat.format_bytes(plan.predicted_peak_bytes)}, "
         f"measured {remat.format_bytes(peak)}"
     )
-    assert peak <= plan.budget_bytes, summary
+    # within the budget +2%, as every fitting plan: the allocator rounds each block up to 512 bytes, which the
+    # live-tensor tracker the profile reads does not, and a plan may be predicted at the budget exactly
+    assert peak <= 1.02 * plan.budget_bytes, summary
     assert (1 - PEAK_UNDER) * plan.predicted_peak_bytes <= peak <= (1 + PEAK_OVER) * plan.predicted_peak_bytes, summary
 
 
