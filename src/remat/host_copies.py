@@ -17,6 +17,9 @@ Where the copy goes depends on the output's device:
   offload policy costs there what saving the same outputs costs, plus one copy. It is a copy, not the output
   itself, so that an in-place operator run on the output later in the region does not change what recompute
   gets.
+
+:func:`saved_on_host` is the whole-block counterpart, the ``offload`` action's: saved-tensor hooks that move
+everything autograd saves in a region to host memory and back with the sizes and strides it was saved with.
 """
 
 from __future__ import annotations

@@ -157,11 +157,10 @@ def group_terms(
     inside = [0] + [b.output for b in blocks[:-1]]
     kept = list(accumulate(inside)) if outputs_kept else [0] * len(blocks)  # outputs s..m-1 the model keeps
     forward_peak = max(max(inside[m], kept[m]) + b.checkpointed + b.fwd_temp for m, b in enumerate(blocks))
-    reruns_to = list(accumulate(b.rerun for b in blocks))  # reruns_to[m] = rerun[s] + ... + rerun[m]
     if kind == SEGMENT:
         keeps_to = list(accumulate(b.keep for b in blocks))
         backward_peak = max(keeps_to[m] + b.temp for m, b in enumerate(blocks))
-        recompute, reexecutions = reruns_to[-1], (1,) * len(blocks)
+        recompute, reexecutions = list(accumulate(b.rerun for b in blocks))[-1], (1,) * len(blocks)
     else:
         backward_peak = max(b.keep + inside[m] + b.temp for m, b in enumerate(blocks))
         inner_before = [0.0, *accumulate(b.inner for b in blocks[:-1])]  # inner[s] + ... + inner[m-1]
@@ -268,7 +267,6 @@ def group_table(
     forward_peak = np.maximum.accumulate(
         np.maximum(inside, kept) + numbers.checkpointed[block] + numbers.fwd_temp[block], axis=1
     )
-    reruns_to = np.cumsum(numbers.rerun[block], axis=1)
     length = np.arange(1, longest + 1, dtype=np.int64)
     table = GroupTable(first, numbers.checkpointed[block] + kept, {}, {}, {}, {}, {})
     frames_to = np.cumsum(numbers.frame[block], axis=1)
@@ -276,6 +274,7 @@ def group_table(
         keeps_to = np.cumsum(numbers.keep[block], axis=1)
         backward = np.maximum.accumulate(keeps_to + numbers.temp[block], axis=1) + kept + numbers.held[block]
         table.peak[SEGMENT] = np.maximum(forward_peak, backward + head_retained)
+        reruns_to = np.cumsum(numbers.rerun[block], axis=1)  # rerun[s] + ... + rerun[s + j]
         table.recompute_s[SEGMENT] = reruns_to
         table.reexecutions[SEGMENT] = length
         table.overhead_s[SEGMENT] = frames_to
