@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from .costs import CostTable
 from .planners import BudgetError, minimum_peak_bytes
 from .planners import plan as make_plan
-from .simulator import Plan, no_checkpoint_peak
+from .simulator import Plan, no_checkpoint_peak, simulate
 from .sizes import format_bytes
 
 _STATE_BYTES_PER_PARAM = {
@@ -33,7 +33,9 @@ def model_state_bytes(num_params: int, optimizer: str = "adam", mixed_precision:
 
 
 def scale_costs(costs: CostTable, factor: float) -> CostTable:
-    """The table for ``factor`` times the batch: bytes and seconds scale linearly."""
+    """The table for ``factor`` times the batch: bytes and seconds scale linearly, each action's overhead
+    included (an offload's copies grow with the batch; a selective region's per-operator dispatch does not, so
+    this overstates that part at larger batches)."""
 
     def scale_block(b):  # noqa: ANN001, ANN202
         return replace(
@@ -44,6 +46,9 @@ def scale_costs(costs: CostTable, factor: float) -> CostTable:
             output_bytes=int(b.output_bytes * factor),
             saved_bytes={k: int(v * factor) for k, v in b.saved_bytes.items()},
             recompute_s={k: v * factor for k, v in b.recompute_s.items()},
+            fwd_s_by_action={k: v * factor for k, v in b.fwd_s_by_action.items()},
+            bwd_s_by_action={k: v * factor for k, v in b.bwd_s_by_action.items()},
+            overhead_s={k: v * factor for k, v in b.overhead_s.items()},
             nograd_fwd_s=None if b.nograd_fwd_s is None else b.nograd_fwd_s * factor,
             fwd_temp_bytes=int(b.fwd_temp_bytes * factor),
             bwd_temp_bytes=int(b.bwd_temp_bytes * factor),
@@ -57,6 +62,7 @@ def scale_costs(costs: CostTable, factor: float) -> CostTable:
         head_bytes=int(costs.head_bytes * factor),
         head_retained_bytes=int(costs.head_retained_bytes * factor),
         held_args_bytes=int(costs.held_args_bytes * factor),
+        outside_s=None if costs.outside_s is None else costs.outside_s * factor,
     )
 
 
@@ -77,9 +83,10 @@ class Advice:
     minimum_bytes: int
     needs_checkpointing: bool
     plan: Plan | None
-    overhead: float | None  # predicted recompute seconds / step seconds without checkpointing
+    overhead: float | None  # seconds the plan adds (recomputation + overhead) / step seconds without checkpointing
     batch_options: list[BatchOption] = field(default_factory=list)
     time_model: str = ""
+    plan_time_cost_s: float = 0.0  # the plan's recomputation plus its actions' overhead, per step
 
     def text(self) -> str:
         lines = [
@@ -99,7 +106,7 @@ class Advice:
             lines.append(
                 f"checkpointing is needed. Plan '{self.plan.strategy}' fits with a predicted peak of "
                 f"{format_bytes(self.plan.predicted_peak_bytes)} and "
-                f"{self.plan.predicted_recompute_s * 1e3:.1f} ms of recompute per step "
+                f"{self.plan_time_cost_s * 1e3:.1f} ms of recomputation and overhead per step "
                 f"(+{100 * (self.overhead or 0):.1f}% step time)."
             )
         if self.batch_options:
@@ -122,6 +129,11 @@ class Advice:
                 else:
                     lines.append("a larger batch does not raise throughput here: keep the batch.")
         return "\n".join(lines)
+
+
+def time_cost_s(costs: CostTable, plan: Plan | None) -> float:
+    """Seconds ``plan`` adds to a step keeping everything: its recomputation plus its actions' overhead."""
+    return 0.0 if plan is None else simulate(costs, plan.actions).time_cost_s
 
 
 def _best_plan(costs: CostTable, budget: int) -> Plan | None:
@@ -162,13 +174,14 @@ def advise(
         fixed = max(t1 - per_item * b1, 0.0)
         time_model = f"measured step time = {fixed * 1e3:.1f} ms + {per_item * 1e3:.3f} ms per sample"
     step_s = fixed + per_item * batch_size
-    overhead = chosen.predicted_recompute_s / step_s if chosen is not None and step_s > 0 else None
+    chosen_cost_s = time_cost_s(costs, chosen)
+    overhead = chosen_cost_s / step_s if chosen is not None and step_s > 0 else None
     options = []
     for multiple in batch_multiples:
         size = batch_size * multiple
         scaled = scale_costs(costs, multiple)
         option_plan = _best_plan(scaled, available) if available > 0 else None
-        step = fixed + per_item * size + (option_plan.predicted_recompute_s if option_plan else 0.0)
+        step = fixed + per_item * size + time_cost_s(scaled, option_plan)
         options.append(BatchOption(size, option_plan, step, size / step if option_plan else 0.0))
     return Advice(
         device_memory_bytes=device_memory,
@@ -181,4 +194,5 @@ def advise(
         overhead=overhead,
         batch_options=options,
         time_model=time_model,
+        plan_time_cost_s=chosen_cost_s,
     )
