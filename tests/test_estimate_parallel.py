@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from toy_models import uniform_costs
@@ -11,7 +12,7 @@ from toy_models import uniform_costs
 from remat.cli import main
 from remat.estimate.activation_formula import transformer_layer_activation_bytes
 from remat.estimate.parallel import LayerShape, estimate_stages, shard_costs
-from remat.simulator import no_checkpoint_peak
+from remat.simulator import no_checkpoint_peak, simulate
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
@@ -58,6 +59,17 @@ def test_shard_costs_scale_block_bytes_by_the_formula_ratio():
     assert tp.blocks[0].saved("keep") == round(10_000 * ratio) and tp.blocks[0].input_bytes == 1000
     assert no_checkpoint_peak(sp) < no_checkpoint_peak(tp) < no_checkpoint_peak(costs)
     assert shard_costs(costs, shape, 1, sequence_parallel=False) is costs
+
+
+def test_shard_costs_divide_every_block_second_overheads_included():
+    costs = uniform_costs([f"h.{i}" for i in range(4)])
+    costs.blocks = [replace(b, overhead_s={"checkpoint": 2e-3}) for b in costs.blocks]
+    shape = LayerShape(seq=1024, micro_batch=1, hidden=1024, heads=16)
+    actions = ["checkpoint", "keep", "checkpoint", "checkpoint"]
+    whole, sharded = simulate(costs, actions), simulate(shard_costs(costs, shape, 4, sequence_parallel=False), actions)
+    assert whole.overhead_s == pytest.approx(3 * 2e-3)
+    assert sharded.time_cost_s == pytest.approx(whole.time_cost_s / 4)
+    assert sharded.step_s == pytest.approx(whole.step_s / 4)
 
 
 def test_cli_plan_prints_a_row_and_a_plan_per_stage_on_meta(tmp_path, capsys):

@@ -59,7 +59,7 @@ def uniform_plan(costs: CostTable, budget_bytes: int) -> Plan:
     plans = [remat.plan(costs, "every_k", budget_bytes, strict=False, k=k) for k in range(min(2, n), n + 1)]
     fitting = [p for p in plans if p.fits]
     if fitting:
-        return min(fitting, key=lambda p: (round(p.predicted_recompute_s, 9), p.predicted_peak_bytes))
+        return min(fitting, key=lambda p: (round(p.predicted_step_s, 9), p.predicted_peak_bytes))
     return min(plans, key=lambda p: p.predicted_peak_bytes)
 
 

@@ -60,7 +60,8 @@ class LayerShape:
 
 
 def shard_costs(costs: CostTable, shape: LayerShape, tp: int, sequence_parallel: bool) -> CostTable:
-    """The CostTable one tensor-parallel rank sees: block bytes scaled by the layer formula's ratio."""
+    """The CostTable one tensor-parallel rank sees: block bytes scaled by the layer formula's ratio, block
+    seconds (each action's overhead included) divided by ``tp``."""
     if tp < 1:
         raise ValueError(f"the tensor-parallel degree must be >= 1, got {tp}")
     if tp == 1:
@@ -83,6 +84,9 @@ def shard_costs(costs: CostTable, shape: LayerShape, tp: int, sequence_parallel:
             fwd_s=b.fwd_s / tp,
             bwd_s=b.bwd_s / tp,
             recompute_s={a: v / tp for a, v in b.recompute_s.items()},
+            fwd_s_by_action={a: v / tp for a, v in b.fwd_s_by_action.items()},
+            bwd_s_by_action={a: v / tp for a, v in b.bwd_s_by_action.items()},
+            overhead_s={a: v / tp for a, v in b.overhead_s.items()},
             nograd_fwd_s=None if b.nograd_fwd_s is None else b.nograd_fwd_s / tp,
         )
         for b in costs.blocks
