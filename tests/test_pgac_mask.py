@@ -85,6 +85,13 @@ def test_equal_scores_drop_the_block_that_frees_most_bytes_per_second():
     assert order[1] == 3  # 900 bytes per 0.5 s beats 900 per 1 s
 
 
+def test_the_tie_break_counts_a_checkpoint_overhead_as_time():
+    costs = chain([1000, 1000, 1000], fwd=[1.0, 0.5, 1.0])
+    costs.blocks[1].overhead_s = {"checkpoint": 1.5}  # 0.5 s of recomputation + 1.5 s of overhead: the dearest
+    fitter = MaskFitter(costs, budget_bytes=peak(costs, ["keep"] * 3) - 1)
+    assert fitter.drop_order([True] * 3, [0.0] * 3) == (0, 2, 1)
+
+
 def test_merges_segments_when_checkpointing_everything_is_not_enough():
     costs = chain([1000] * 8, out=400)
     full = peak(costs, ["checkpoint"] * 8)

@@ -132,6 +132,11 @@ class BlockCost:
             ) from None
         return recompute + self.overhead_s.get(action, 0.0)
 
+    def bytes_freed_per_second(self, action: str = CHECKPOINT) -> float:
+        """Stored bytes ``action`` frees over keeping, per second it adds to a step (a greedy ranking's key)."""
+        freed = self.saved(KEEP) - self.saved(action)
+        return freed / max(self.time_cost(action), 1e-12)
+
     @property
     def actions(self) -> list[str]:
         """Single-block actions this row has costs for."""

@@ -113,11 +113,8 @@ class MaskFitter:
         self.simulations = 0
         if budget_bytes is not None and budget_bytes < minimum_peak_bytes(costs, exact_actions(costs)):
             raise budget_error(costs, budget_bytes)
-        # Bytes freed per second of recompute when a block goes from keep to checkpoint (the tie-break).
-        self._efficiency = []
-        for b in costs.blocks:
-            freed = b.saved(KEEP) - b.saved(CHECKPOINT)
-            self._efficiency.append(freed / max(b.recompute_s.get(CHECKPOINT, 0.0), 1e-12))
+        # Bytes freed per second added to the step when a block goes from keep to checkpoint (the tie-break).
+        self._efficiency = [row.bytes_freed_per_second(CHECKPOINT) for row in costs.blocks]
 
     @staticmethod
     def check_blocks(costs: CostTable, fqns: Sequence[str]) -> None:

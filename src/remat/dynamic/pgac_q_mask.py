@@ -73,11 +73,8 @@ class QuantizedMaskFitter:
         self._cache: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], FittedMask] = OrderedDict()
         self._planned: FittedMask | None = None
         self.simulations = 0
-        # Bytes freed per second of recompute when a block goes from keep to checkpoint (the tie-break).
-        self._efficiency = []
-        for row in costs.blocks:
-            freed = row.saved(KEEP) - row.saved(CHECKPOINT)
-            self._efficiency.append(freed / max(row.recompute_s.get(CHECKPOINT, 0.0), 1e-12))
+        # Bytes freed per second added to the step when a block goes from keep to checkpoint (the tie-break).
+        self._efficiency = [row.bytes_freed_per_second(CHECKPOINT) for row in costs.blocks]
         if budget_bytes is not None:
             self._check_feasible()
 
