@@ -132,6 +132,25 @@ def test_recompute_timing_does_not_synchronise_within_a_step(
         handle.remove()
 
 
+def test_pgac_update_does_not_count_the_queued_device_work_as_its_own(make_gpt2: Callable[..., nn.Module]) -> None:
+    """The update reads the step's scores back, which waits for the kernels still queued; that wait is the
+    device's step, not PGAC's own time (``own_seconds``, which the benchmarks add to a plan's predicted step)."""
+    model, batch = _gpt2_on_cuda(make_gpt2, batch=4, seq=64)
+    fqns = [fqn for fqn, _ in remat.find_blocks(model)]
+    pgac = remat.PGAC(model, None, costs=uniform_costs(fqns))
+    try:
+        for _ in range(3):
+            model(**batch).loss.backward()
+            torch.cuda._sleep(2_000_000_000)  # about a second of queued device work behind the backward
+            pgac.step()
+            model.zero_grad(set_to_none=True)
+        record = pgac.history[-1]
+        assert record.scored and record.step_time_s > 0.3
+        assert record.update_s < 0.1
+    finally:
+        pgac.remove()
+
+
 @pytest.mark.parametrize("attn_pdrop", [0.0, 0.1], ids=["kernel-saved", "kernel-drawing"])
 @pytest.mark.parametrize("policy", remat.policies.MENU)
 def test_menu_policies_on_sdpa_gpt2_gradients_equal_no_checkpointing_bitwise(

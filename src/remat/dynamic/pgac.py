@@ -206,8 +206,7 @@ class PGAC:
         self._close_region()
         for hook in self._optimizer_hooks:
             hook.remove()
-        self._optimizer_hooks.clear()
-        self._optimizer = None
+        self._optimizer_hooks, self._optimizer = [], None
         self._forward_hook.remove()
         self.scorer.remove()
         self.handle.remove()
@@ -286,6 +285,7 @@ class PGAC:
 
     # ----- the update -----
     def _update(self, measured_peak_bytes: int | None = None) -> None:
+        self.scorer.wait_for_device()  # collect() would wait there, counting the device's step as PGAC's time
         start = self.clock()
         self._close_region()
         # From the previous update; in the first step after load_state_dict, from the step's first forward.

@@ -45,7 +45,8 @@ OWN_TIME_STEPS = 8  # how many recent steps own_seconds reads
 def own_seconds(history: Iterable[StepRecord]) -> tuple[float, float]:
     """PGAC's own seconds per step over its last steps (up to :data:`OWN_TIME_STEPS`): in its gradient hooks, inside
     the backward (mean: with ``every`` > 1 only some steps score), and in its update, after the optimizer step
-    (median); zeros before the first update. Host clock: on CUDA the scoring kernels run asynchronously."""
+    (median); zeros before the first update. Host clock: on CUDA the scoring kernels run asynchronously, and the
+    update's clock starts once the device has finished the work its scores need (the step's, not PGAC's own)."""
     recent = list(history)[-OWN_TIME_STEPS:]
     if not recent:
         return 0.0, 0.0

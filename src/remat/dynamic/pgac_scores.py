@@ -139,6 +139,13 @@ class GradientScorer:
         finally:
             self.seconds += time.perf_counter() - start
 
+    def wait_for_device(self) -> None:
+        """Wait for the device work the pending scores come from (on CUDA, the backward's kernels still queued),
+        which :meth:`collect` would otherwise wait for when it reads them; nothing to wait for on a CPU or when
+        this step scored nothing."""
+        if self._norms and self._norms[0][1].is_cuda:
+            torch.cuda.synchronize(self._norms[0][1].device)
+
     def take_seconds(self) -> float:
         """The seconds spent in the gradient hooks since the last call (host clock); resets the count."""
         seconds, self.seconds = self.seconds, 0.0
