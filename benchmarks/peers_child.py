@@ -352,6 +352,14 @@ def run(job: dict[str, Any]) -> None:
     for key in list(cs.contenders):
         bench.measure(cs.contenders[key])
     bench.choose_k(cs, budgets)
+    plain = pm.build_model(setting, seed=job["seed"]).to(bench.device)
+    ckptplan = peers_ckptplan.try_ckptplan(plain, pm.block_list(plain), bench.batch["input_ids"], budgets,
+                                           job.get("ckptplan_path"))
+    del plain
+    bench.emit("ckptplan", **ckptplan)
+    for budget in budgets:
+        if f"{budget:g}" in ckptplan.get("checkpointed", {}):
+            cs.add(pc.ckptplan_contender(cs.hand_written(), budget, ckptplan["checkpointed"][f"{budget:g}"]), budget)
     for budget in budgets:
         cs.remat_static(budget)
         cs.remat_pgac(budget)
@@ -360,11 +368,6 @@ def run(job: dict[str, Any]) -> None:
         bench.measure(cs.contenders[key])
     if with_compiled:
         compiled_contenders(job, bench, cs, budgets)
-    plain = pm.build_model(setting, seed=job["seed"]).to(bench.device)
-    ckptplan = peers_ckptplan.try_ckptplan(plain, pm.block_list(plain), bench.batch["input_ids"], budgets[0],
-                                           job.get("ckptplan_path"))
-    del plain
-    bench.emit("ckptplan", **ckptplan)
     bench.emit("rows", rows=[r.__dict__ for r in cs.rows], refused=[r.__dict__ for r in cs.refused],
                contenders={k: {"name": c.name, "group": c.group, "exact": c.exact, "detail": c.detail,
                                "note": c.note, "grad_reference": c.grad_reference}

@@ -3,8 +3,9 @@
 It is looked for on the import path and then in a folder of its own (``pip install --target /tmp/ckptplan
 ckptplan``, so that the shared environment is not touched; that folder is appended to ``sys.path``, so the
 environment's own torch stays the one imported). Its pipeline is tried on the model's blocks as its README
-writes it: ``declare_blocks`` -> ``profile_blocks`` -> ``plan_checkpoints`` at the byte budget. The result
-says how far it got and, where it stopped, the error it gave.
+writes it: ``declare_blocks`` -> ``profile_blocks`` -> ``plan_checkpoints`` at each budget. The result says how
+far it got and, where it stopped, the error it gave; where it planned, each plan is measured as a contender
+(``peers_contenders.ckptplan_contender``). It plans on CUDA only: on a CPU it refuses its own profiles.
 """
 
 from __future__ import annotations
@@ -49,14 +50,17 @@ def first_block_input(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor
     return hidden, {"position_embeddings": inner.rotary_emb(hidden, positions)}
 
 
-def try_ckptplan(model: nn.Module, blocks: list[nn.Module], ids: torch.Tensor, budget_fraction: float,
+def try_ckptplan(model: nn.Module, blocks: list[nn.Module], ids: torch.Tensor, budgets: list[float],
                  path: str | None) -> dict[str, Any]:
-    """Run ckptplan's pipeline on ``blocks``; ``status`` is "ran" or "not run" with ``reason``."""
+    """Run ckptplan's pipeline on ``blocks``: one profile, a plan per budget (the fraction of activation bytes it
+    may keep). ``status`` is "planned", with ``checkpointed`` (budget -> which blocks its plan checkpoints) for
+    the plans to be measured like any contender, or "not run" with ``reason``."""
     module, source = load_ckptplan(path)
     if module is None:
         return {"status": "not run", "reason": source}
     version = getattr(module, "__version__", "?")
     stage = "declare_blocks"
+    checkpointed: dict[str, list[bool]] = {}
     try:
         declared = module.declare_blocks(model, [(f"block{i}", b) for i, b in enumerate(blocks)])
         stage = "profile_blocks"
@@ -65,12 +69,15 @@ def try_ckptplan(model: nn.Module, blocks: list[nn.Module], ids: torch.Tensor, b
         profiles = module.profile_blocks(declared, (hidden,), kwargs or None, device=ids.device.type,
                                          dtype=torch.float32, num_warmup=1, num_trials=2)
         stage = "plan_checkpoints"
-        module.plan_checkpoints(profiles, declared, target_kind="activation_saving_fraction",
-                                target_value=1.0 - budget_fraction, planner="dynamic_programming")
+        for budget in budgets:
+            plan = module.plan_checkpoints(profiles, declared, target_kind="activation_saving_fraction",
+                                           target_value=1.0 - budget, planner="dynamic_programming")
+            checkpointed[f"{budget:g}"] = [bool(d.checkpointed) for d in plan.decisions]
     except Exception as err:  # any failure is the finding: report where and why
         message = " ".join(str(err).split())
         return {"status": "not run", "version": version, "source": source, "stage": stage,
                 "reason": f"ckptplan {version} stops at {stage}: {type(err).__name__}: {message}"}
-    return {"status": "planned", "version": version, "source": source,
-            "reason": f"ckptplan {version} planned, but its plan runs as a CheckpointedSequential of the blocks, "
-                      "which replaces the model's own forward; not measured here"}
+    return {"status": "planned", "version": version, "source": source, "checkpointed": checkpointed,
+            "reason": f"ckptplan {version} planned at each budget (dynamic programming, the saving fraction 1 - "
+                      "budget); its plans run as the rows 'ckptplan (PyPI) plan', blocks under torch.utils.checkpoint "
+                      "as its CheckpointedSequential runs them"}

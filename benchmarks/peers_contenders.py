@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,25 +141,30 @@ class Refused:
 
 
 class HandCheckpointed:
-    """What a user writes: each block's forward wrapped so that the first ``k`` blocks run under
-    ``torch.utils.checkpoint`` (non-reentrant; ``selective`` adds the matmul-saving policy)."""
+    """What a user writes: each block's forward wrapped so that the chosen blocks (the first ``k``, or a planner's
+    choice) run under ``torch.utils.checkpoint`` (non-reentrant; ``selective`` adds the matmul-saving policy)."""
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         self.model = model
         self.n = len(blocks)
-        self.mode, self.k = "plain", 0
+        self.mode, self.chosen = "plain", frozenset[int]()
         for i, block in enumerate(blocks):
             block.forward = functools.partial(self._forward, i, block.forward)
 
     def _forward(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if index >= self.k or not torch.is_grad_enabled():
+        if index not in self.chosen or not torch.is_grad_enabled():
             return original(*args, **kwargs)
         if self.mode == "selective":
             return checkpoint(original, *args, use_reentrant=False, context_fn=matmul_saving_contexts, **kwargs)
         return checkpoint(original, *args, use_reentrant=False, **kwargs)
 
     def use(self, mode: str, k: int) -> None:
-        self.mode, self.k = mode, k
+        self.use_blocks(mode, [i < k for i in range(self.n)])
+
+    def use_blocks(self, mode: str, checkpointed: Sequence[bool]) -> None:
+        if len(checkpointed) != self.n:
+            raise ValueError(f"{len(checkpointed)} choices for {self.n} blocks")
+        self.mode, self.chosen = mode, frozenset(i for i, c in enumerate(checkpointed) if c)
 
 
 HAND_NAMES = {"plain": "torch checkpoint, first k blocks", "selective": "torch selective (matmuls saved), first k"}
@@ -169,6 +174,16 @@ def hand_contender(hand: HandCheckpointed, mode: str, k: int) -> Contender:
     return Contender(
         key=f"hand-{mode}-k{k}", name=HAND_NAMES[mode], group=EAGER, model=hand.model, forward=hand.model,
         grad_reference="none", detail=f"k={k}/{hand.n}", select=lambda: hand.use(mode, k),
+    )
+
+
+def ckptplan_contender(hand: HandCheckpointed, budget: float, checkpointed: Sequence[bool]) -> Contender:
+    """The plan ckptplan made for ``budget``: its blocks under ``torch.utils.checkpoint`` as its own
+    ``CheckpointedSequential`` runs them (non-reentrant, RNG state preserved), inside the model's forward."""
+    detail = "".join("C" if c else "K" for c in checkpointed)
+    return Contender(
+        key=f"ckptplan-{detail}", name="ckptplan (PyPI) plan", group=EAGER, model=hand.model, forward=hand.model,
+        grad_reference="none", detail=detail, select=lambda: hand.use_blocks("plain", checkpointed),
     )
 
 

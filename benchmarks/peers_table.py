@@ -35,7 +35,7 @@ from peers_targets import targets_table
 
 REFERENCE = {"eager": "none", "compiled": "compiled"}
 KEEP_ALL = {"eager": "none", "compiled": "compiled-blocks"}  # each group's keep-all remat plan (predicted)
-EAGER_PEERS = ("torch checkpoint, first k blocks", "torch selective (matmuls saved), first k")
+EAGER_PEERS = ("torch checkpoint, first k blocks", "torch selective (matmuls saved), first k", "ckptplan (PyPI) plan")
 COMPILED_PEER = "torch.compile + activation_memory_budget"
 FITTED_PEER = "torch.compile, budget fitted by remat"
 COMPILED_PEERS = (COMPILED_PEER, FITTED_PEER)
