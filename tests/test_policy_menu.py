@@ -196,3 +196,53 @@ def test_an_attention_kernel_is_saved_only_when_it_draws_nothing() -> None:
         assert policy(ctx, flash, q, q, q, dropout_p=0.1) == CheckpointPolicy.PREFER_RECOMPUTE
         assert policy(ctx, flash, q, q, q, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
     assert policies.attention_saveable(ctx, aten.addmm.default, q, q, q) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class ScaledInPlace(nn.Module):
+    """A block that changes a matmul's output in place after the matmul (as ``router_top_value /= ...`` does in
+    Mixtral's router, or ``hidden += residual`` in ResNet): a policy saving the matmul output cannot run here."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        h /= h.detach().abs().amax() + 1
+        return torch.tanh(h) + x
+
+
+def test_a_policy_that_cannot_run_on_a_block_is_left_out_of_its_costs_and_plans() -> None:
+    model = nn.Sequential(*(ScaledInPlace() for _ in range(3)))
+    x = torch.randn(4, 16, requires_grad=True)
+    refused = r"selective:dots_saveable cannot run on ScaledInPlace blocks.*changes in place"
+    with pytest.warns(UserWarning, match=refused):
+        costs = remat.profile(model, x, policies=("dots_saveable", "attention_saveable"), repeats=1)
+    for row in costs.blocks:
+        assert "selective:dots_saveable" not in row.actions and "selective:attention_saveable" in row.actions
+        assert "changes in place" in row.unavailable["selective:dots_saveable"]
+    assert remat.CostTable.from_json(costs.to_json()).blocks[1].unavailable == costs.blocks[1].unavailable
+    plan = remat.plan(costs, "optimal", budget=0.8)
+    assert "selective:dots_saveable" not in plan.actions.values() and set(plan.actions.values()) != {"keep"}
+    with pytest.raises(RuntimeError, match="has been mutated"):  # torch's own refusal, as the profile saw it
+        remat.checkpoint(model[0], x, policy="dots_saveable").sum().backward()
+    reference = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    handle = remat.apply(model, plan)
+    try:
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(torch.autograd.grad(model(x).sum(), [x, *model.parameters()]), reference, strict=True)
+        )
+    finally:
+        handle.remove()
+
+
+def test_the_meta_estimate_leaves_out_a_policy_that_cannot_run_too() -> None:
+    from remat.estimate import meta_cost_table
+
+    model = lambda: nn.Sequential(*(ScaledInPlace() for _ in range(3)))  # noqa: E731
+    with pytest.warns(UserWarning, match=r"selective:dots_saveable cannot run on ScaledInPlace blocks"):
+        costs = meta_cost_table(model, torch.empty(4, 16), policies=("dots_saveable", "attention_saveable"))
+    assert all("selective:dots_saveable" not in row.actions for row in costs.blocks)
+    assert all("selective:attention_saveable" in row.recompute_s for row in costs.blocks)
+    assert "changes in place" in costs.blocks[2].unavailable["selective:dots_saveable"]

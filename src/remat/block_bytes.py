@@ -8,6 +8,7 @@ derives the fields from the trackers of all actions. The profiler (real device) 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from .alloc_tracker import AllocationTracker
 from .block_run import backward_releasing_output, clear_grads, run_action
 from .blocks import main_tensor
 from .compiled_partitions import is_partition
-from .costs import KEEP
+from .costs import KEEP, SELECTIVE_PREFIX
 from .lossy_actions import compresses_input, is_lossy
 from .memory import LiveTensorTracker
 
@@ -81,6 +82,34 @@ def _reads_own_peaks(action: str) -> bool:
     """Whether the simulator reads ``action``'s own forward and backward peaks, lower than keep's included:
     lossy actions and compiled partitions (see :meth:`ByteTerms.from_trackers`)."""
     return is_lossy(action) or is_partition(action)
+
+
+def run_tracked_unless_refused(
+    refused: dict[str, str], tracker: LiveTensorTracker | AllocationTracker, *args: Any, **kwargs: Any
+) -> int | None:
+    """:func:`run_tracked` (``*args`` and ``**kwargs`` as it takes them after the tracker); where the action is a
+    per-operator policy the block cannot run, None, with why in ``refused[action]`` and a warning (once per block
+    class). The usual cause: the policy saves an operator's output that the block then changes in place (``x /=
+    x.sum()``, ``x += residual``), which torch's selective checkpointing refuses in the backward rather than
+    recompute from a changed value. Other actions' errors propagate."""
+    module, action, main = args[0], args[1], args[4]
+    try:
+        return run_tracked(tracker, *args, **kwargs)
+    except RuntimeError as error:
+        if not action.startswith(SELECTIVE_PREFIX):
+            raise
+        why = " ".join(str(error).split())
+    clear_grads(module)
+    main.grad = None
+    if "mutated" in why:
+        why += " (the policy saves an output the block then changes in place)"
+    warnings.warn(
+        f"remat: {action} cannot run on {type(module).__name__} blocks: {why}; it is left out of their costs "
+        "(BlockCost.unavailable), so plans do not choose it",
+        stacklevel=2,
+    )
+    refused[action] = why
+    return None
 
 
 @dataclass

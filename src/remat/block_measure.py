@@ -15,7 +15,7 @@ from torch import nn
 from . import compiled_partitions
 from .action_times import action_times
 from .alloc_tracker import AllocationTracker, is_compiled
-from .block_bytes import ByteTerms, run_tracked, tensor_bytes, warm_up
+from .block_bytes import ByteTerms, run_tracked_unless_refused, tensor_bytes, warm_up
 from .block_run import GradsRestored, edge_backward_supported, parameters_detached
 from .block_timing import Clock, time_actions
 from .blocks import (
@@ -55,6 +55,7 @@ def measure_block(
     main = source.detach().requires_grad_(True)
     args, kwargs = detached_from_step(*without_caches(*replace_slot(args, kwargs, slot, main)))
     trackers: dict[str, LiveTensorTracker | AllocationTracker] = {}
+    unavailable: dict[str, str] = {}
     # A compiled block (module.compile()) is metered from the allocator's events: the live-tensor tracker, a
     # dispatch mode, would make dynamo run it eagerly (and skip its compiled code from then on).
     compiled = is_compiled(module)
@@ -87,8 +88,11 @@ def measure_block(
             for action in actions:
                 warm_up(module, action, args, kwargs, main, pick)
         for action in actions:
-            trackers[action] = meter(device)
-            output_bytes = run_tracked(trackers[action], module, action, args, kwargs, main, pick=pick)
+            tracker = meter(device)
+            ran = run_tracked_unless_refused(unavailable, tracker, module, action, args, kwargs, main, pick=pick)
+            if ran is not None:
+                trackers[action], output_bytes = tracker, ran
+        actions = [a for a in actions if a not in unavailable]
         runs = time_actions(
             module, actions, args, kwargs, main, device, repeats, pick=pick, clock=clock,
             no_grad_forward=CHECKPOINT in actions,
@@ -113,4 +117,5 @@ def measure_block(
         bwd_s_by_action=times.bwd_s_by_action,
         overhead_s=times.overhead_s,
         nograd_fwd_s=times.nograd_fwd_s,
+        unavailable=unavailable,
     )

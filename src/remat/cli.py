@@ -19,6 +19,7 @@ import torch
 
 from . import cli_args, cli_parallel
 from .costs import profile_summary
+from .policies import PROFILED_BY_DEFAULT
 from .sizes import format_bytes
 
 
@@ -43,8 +44,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=cli_args.FLOAT_DTYPES)
     p.add_argument(
         "--policies",
-        default="dots_saveable",
-        help="selective policies to cost, comma-separated ('menu': every policy of remat.policies.MENU)",
+        default=PROFILED_BY_DEFAULT,
+        help="selective policies to cost, comma-separated ('menu', the default: every policy of remat.policies.MENU)",
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write machine-readable results here")
 
@@ -135,6 +136,9 @@ def _print_costs(costs: Any) -> None:
         row += "".join(f"{format_bytes(b.saved_bytes[a]):>24}" for a in actions)
         print(row)
     _print_time_costs(costs, [a for a in actions if a != "keep"])
+    for b in costs.blocks:
+        for action, why in b.unavailable.items():
+            print(f"{b.fqn}: {action} cannot run here, left out of its plans: {why}")
     print(f"stem {format_bytes(costs.stem_bytes)}, head {format_bytes(costs.head_bytes)}, source {costs.source}")
     if "profile_s" in costs.info:
         print(f"profiled in {profile_summary(costs)}")

@@ -120,6 +120,7 @@ class BlockCost:
     bwd_s_by_action: dict[str, float] = field(default_factory=dict)
     overhead_s: dict[str, float] = field(default_factory=dict)
     nograd_fwd_s: float | None = None
+    unavailable: dict[str, str] = field(default_factory=dict)  # action -> why it cannot run on this block
 
     def time_cost(self, action: str) -> float:
         """Seconds ``action`` adds to a step over keeping: its recomputation plus its overhead."""

@@ -17,8 +17,8 @@ recompute in backward) or recomputed. Use one with ``remat.checkpoint(fn, x, pol
 * ``dots_every_other_saveable``: save attention outputs and every other matmul (the 1st, 3rd... of each region
   run), recompute the others and everything elementwise: torchtitan's op-level policy. The count starts afresh
   in every region and recompute sees the same decisions, so gradients stay exact.
-* :data:`MENU`: ``dots_saveable`` and the three above; ``remat.profile(..., policies="menu")`` measures
-  every one, and ``optimal`` picks per block among them.
+* :data:`MENU`: ``dots_saveable`` and the three above; ``remat.profile`` measures every one unless told
+  otherwise (:data:`PROFILED_BY_DEFAULT`), and ``optimal`` picks per block among them.
 * ``save_only(*ops)``, ``save_all_but(*ops)``: name operators as ``torch.ops.aten.mm``, ``"aten.mm"`` or
   ``"mm"``.
 * ``offload_dots``: keep the outputs of matmuls, convolutions and attention in host memory (pinned on CUDA),
@@ -77,6 +77,7 @@ __all__ = [
     "DOT_OPS",
     "MATMUL_OPS",
     "MENU",
+    "PROFILED_BY_DEFAULT",
     "EveryOtherMatmul",
     "Policy",
     "all_but_pointwise_saveable",
@@ -311,6 +312,8 @@ MENU: tuple[str, ...] = (
     "attention_saveable",
     "dots_every_other_saveable",
 )
+# What ``remat.profile``, the meta estimate and ``remat profile``/``plan`` measure when ``policies`` is not given.
+PROFILED_BY_DEFAULT = "menu"
 
 
 def register(policy: Policy) -> Policy:

@@ -25,7 +25,7 @@ COMPILED_BLOCK_ACTIONS = (KEEP, CHECKPOINT, OFFLOAD)
 
 
 def default_actions(
-    device: torch.device, policies: str | Iterable[str] = ("dots_saveable",), lossy: Iterable[str] = ()
+    device: torch.device, policies: str | Iterable[str] = _policies.PROFILED_BY_DEFAULT, lossy: Iterable[str] = ()
 ) -> list[str]:
     """The actions a block is profiled under: keep, checkpoint, ``selective:<policy>`` for each of ``policies``
     (``"menu"`` for :data:`remat.policies.MENU`), offload on CUDA, and ``compress:<format>`` for each of

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import policies as _policies
-from ..block_bytes import ByteTerms, run_tracked
+from ..block_bytes import ByteTerms, run_tracked_unless_refused
 from ..block_run import GradsRestored, backward_releasing_output, clear_grads, run_action
 from ..blocks import (
     BlockIO,
@@ -118,11 +118,16 @@ def _meta_block_cost(
 
     trackers: dict[str, LiveTensorTracker] = {}
     times: dict[str, tuple[float, float]] = {}
+    unavailable: dict[str, str] = {}
     output_bytes = 0
     with suspend_all(), GradsRestored(module):
         for action in actions:
-            tracker = trackers[action] = LiveTensorTracker()
-            output_bytes = run_tracked(tracker, module, action, args, kwargs, main, _storage_bytes, pick)
+            tracker = LiveTensorTracker()
+            ran = run_tracked_unless_refused(unavailable, tracker, module, action, args, kwargs, main,
+                                             _storage_bytes, pick)  # fmt: skip
+            if ran is None:
+                continue
+            trackers[action], output_bytes = tracker, ran
             fwd_flops, bwd_flops = _block_flops(module, action, args, kwargs, main, pick)
             times[action] = (
                 flops_time_model(fwd_flops, tracker.written_between("start", "fwd_end"), device_flops=device),
@@ -131,7 +136,7 @@ def _meta_block_cost(
     terms = ByteTerms.from_trackers(trackers)
     fwd_s, bwd_s = times[KEEP]
     recompute = {KEEP: 0.0}
-    for action in actions:
+    for action in times:
         if action == CHECKPOINT:
             recompute[action] = fwd_s
         elif action != KEEP:
@@ -147,6 +152,7 @@ def _meta_block_cost(
         fwd_temp_bytes=terms.fwd_temp,
         bwd_temp_bytes=terms.bwd_temp,
         bwd_extra_bytes=terms.bwd_extra,
+        unavailable=unavailable,
     )
 
 
@@ -183,7 +189,7 @@ def meta_cost_table(
     *,
     blocks: BlocksArg = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    policies: str | Iterable[str] = ("dots_saveable",),
+    policies: str | Iterable[str] = _policies.PROFILED_BY_DEFAULT,
     device_flops: float | str | DeviceThroughput = "h100-bf16",
     main_input: InputName | Mapping[str, InputName] = None,
     main_output: OutputName | Mapping[str, OutputName] = None,
