@@ -8,8 +8,8 @@
 #
 # Every step writes its log and results under OUT_DIR/files; OUT_DIR/results.tar.gz packs them at the end.
 # PYTHON (default python3) is the interpreter that has torch with CUDA; remat is imported from src/.
-# PEERS_MODELS (gpt2), PEERS_LIMIT (360 s), PEERS_EXTRA (more options, like --no-compiled) and BENCH_LIMIT
-# (150 s) change the peers and bench steps. The peers step measures ckptplan's plans where ckptplan imports (from
+# PEERS_MODELS (gpt2), PEERS_DTYPES (bf16), PEERS_LIMIT (360 s), PEERS_EXTRA (more options, like --no-compiled)
+# and BENCH_LIMIT (150 s) change the peers and bench steps. The peers step measures ckptplan's plans where ckptplan imports (from
 # PYTHONPATH or /tmp/ckptplan: `pip install --no-deps --target DIR ckptplan` on a machine with a registry).
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR smoke|tests|peers|bench...}
@@ -55,7 +55,7 @@ for mode in "$@"; do
     peers)
         limit=${PEERS_LIMIT:-360}
         step peers ${limit} "$py" benchmarks/peers.py --device cuda --size gpu --models "${PEERS_MODELS:-gpt2}" \
-            --dtypes bf16 --rounds 3 --duel-rounds 10 --choice-rounds 2 --retries 0 --unit-timeout $((limit - 20)) \
+            --dtypes "${PEERS_DTYPES:-bf16}" --rounds 3 --duel-rounds 10 --choice-rounds 2 --retries 0 --unit-timeout $((limit - 20)) \
             --out "$out/files/peers.jsonl" --markdown "$out/files/peers-cuda.md" ${PEERS_EXTRA:-}
         ;;
     bench)
