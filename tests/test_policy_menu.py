@@ -222,6 +222,10 @@ def test_a_policy_that_cannot_run_on_a_block_is_left_out_of_its_costs_and_plans(
         assert "selective:dots_saveable" not in row.actions and "selective:attention_saveable" in row.actions
         assert "changes in place" in row.unavailable["selective:dots_saveable"]
     assert remat.CostTable.from_json(costs.to_json()).blocks[1].unavailable == costs.blocks[1].unavailable
+    with pytest.raises(ValueError, match=r"not available for every block.*cannot run on block '0': .*in place"):
+        remat.plan(costs, "optimal", budget=0.8, actions=["keep", "selective:dots_saveable"])
+    with pytest.raises(KeyError, match=r"cannot run on this block: .*in place.*Choose another"):
+        remat.Plan.from_actions(costs, ["selective:dots_saveable"] * 3)
     plan = remat.plan(costs, "optimal", budget=0.8)
     assert "selective:dots_saveable" not in plan.actions.values() and set(plan.actions.values()) != {"keep"}
     with pytest.raises(RuntimeError, match="has been mutated"):  # torch's own refusal, as the profile saw it

@@ -127,10 +127,7 @@ class BlockCost:
         try:
             recompute = self.recompute_s[action]
         except KeyError:
-            raise KeyError(
-                f"block {self.fqn!r} has no time cost for action {action!r}; it has {sorted(self.recompute_s)}. "
-                "Profile with that action included (remat.profile(..., policies=...))."
-            ) from None
+            raise KeyError(self._missing(action, "time cost", self.recompute_s)) from None
         return recompute + self.overhead_s.get(action, 0.0)
 
     def bytes_freed_per_second(self, action: str = CHECKPOINT) -> float:
@@ -147,10 +144,14 @@ class BlockCost:
         try:
             return self.saved_bytes[action]
         except KeyError:
-            raise KeyError(
-                f"block {self.fqn!r} has no cost for action {action!r}; it has {sorted(self.saved_bytes)}. "
-                "Profile with that action included (remat.profile(..., policies=...))."
-            ) from None
+            raise KeyError(self._missing(action, "cost", self.saved_bytes)) from None
+
+    def _missing(self, action: str, what: str, present: dict[str, Any]) -> str:
+        """Why this row has no ``what`` for ``action``, and what to do."""
+        message = f"block {self.fqn!r} has no {what} for action {action!r}; it has {sorted(present)}."
+        if action in self.unavailable:
+            return f"{message} The action cannot run on this block: {self.unavailable[action]}. Choose another."
+        return f"{message} Profile with that action included (remat.profile(..., policies=...))."
 
 
 @dataclass

@@ -178,9 +178,10 @@ def allowed_actions(costs: CostTable, actions: list[str] | None) -> tuple[list[s
         elif action in available:
             singles.append(action)
         else:
+            refused = next((f"{b.fqn!r}: {b.unavailable[action]}" for b in costs.blocks if action in b.unavailable), "")
             raise ValueError(
                 f"action {action!r} is not available for every block of the cost table; choose among "
-                f"{available + list(GROUP_KINDS)}"
+                f"{available + list(GROUP_KINDS)}" + (f". It cannot run on block {refused}" if refused else "")
             )
     if not singles:
         raise ValueError(f"actions={actions!r} names no single-block action; include at least 'keep'")
