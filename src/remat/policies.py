@@ -64,7 +64,6 @@ from .op_kinds import (
     DOT_OPS,
     MATMUL_OPS,
     aliases_input,
-    asks_policy,
     draws_random,
     never_saved,
     packet,
@@ -125,14 +124,14 @@ class Policy:
         return bool(self.offload(op))
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if not asks_policy(op, args, kwargs):  # per call: an attention kernel draws only when its dropout_p > 0
-            return CheckpointPolicy.PREFER_RECOMPUTE
         # keyed by id (an OpOverload hashes in Python), the op kept beside its decision so that an id reused by
         # another object is not mistaken for it
         entry = self._decisions.get(id(op))
         if entry is None or entry[0] is not op:
-            entry = self._decisions[id(op)] = (op, self._decide_by_op(ctx, op, *args, **kwargs))
-        decision = entry[1]
+            entry = self._decisions[id(op)] = (op, *self._decide_by_op(ctx, op, *args, **kwargs))
+        _, draws_per_call, decision = entry
+        if draws_per_call and draws_random(op, args, kwargs):  # an attention kernel draws when its dropout_p > 0
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if decision is _OFFLOADED:
             # torch recomputes it as far as it knows; the host copy modes under it answer the recompute.
             return CheckpointPolicy.MUST_SAVE if replayed_draws.tracing() else CheckpointPolicy.PREFER_RECOMPUTE
@@ -140,13 +139,19 @@ class Policy:
             return _as_checkpoint_policy(self.save(ctx, op, *args, **kwargs))
         return decision
 
-    def _decide_by_op(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        """The decision for every call of ``op``: a ``CheckpointPolicy``, ``_OFFLOADED``, or ``_ASK``."""
+    def _decide_by_op(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        """Whether each call of ``op`` must first be asked if it draws (an attention kernel), and the decision for
+        every call that does not: a ``CheckpointPolicy``, ``_OFFLOADED``, or ``_ASK``. Fresh buffers, ops that
+        mutate their inputs and random ops are recomputed whatever the policy says
+        (:func:`remat.op_kinds.asks_policy`)."""
+        if never_saved(op) or (draws_random(op) and packet(op) not in ATTENTION_OPS):
+            return False, CheckpointPolicy.PREFER_RECOMPUTE
+        draws_per_call = draws_random(op)
         if self.offloads(op):
-            return _OFFLOADED
+            return draws_per_call, _OFFLOADED
         if not self.by_op:
-            return _ASK
-        return _as_checkpoint_policy(self.save(ctx, op, *args, **kwargs))
+            return draws_per_call, _ASK
+        return draws_per_call, _as_checkpoint_policy(self.save(ctx, op, *args, **kwargs))
 
     def for_region(self) -> Policy:
         """This policy with its own per-region state (a fresh call count for :data:`dots_every_other_saveable`);
