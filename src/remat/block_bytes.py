@@ -85,20 +85,28 @@ def _reads_own_peaks(action: str) -> bool:
 
 
 def run_tracked_unless_refused(
-    refused: dict[str, str], tracker: LiveTensorTracker | AllocationTracker, *args: Any, **kwargs: Any
+    refused: dict[str, str],
+    tracker: LiveTensorTracker | AllocationTracker,
+    module: nn.Module,
+    action: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    main: torch.Tensor,
+    *more: Any,
+    **options: Any,
 ) -> int | None:
-    """:func:`run_tracked` (``*args`` and ``**kwargs`` as it takes them after the tracker); where the action is a
-    per-operator policy the block cannot run, None, with why in ``refused[action]`` and a warning (once per block
-    class). The usual cause: the policy saves an operator's output that the block then changes in place (``x /=
-    x.sum()``, ``x += residual``), which torch's selective checkpointing refuses in the backward rather than
-    recompute from a changed value. Other actions' errors propagate."""
-    module, action, main = args[0], args[1], args[4]
+    """:func:`run_tracked`, except where ``action`` is a per-operator policy the block cannot run: then None, with
+    why in ``refused[action]`` and a warning (once per block class). The usual cause: the policy saves an
+    operator's output that the block then changes in place (``x /= x.sum()``, ``x += residual``), which torch's
+    selective checkpointing refuses in the backward rather than recompute from a changed value. Other actions'
+    errors propagate."""
     try:
-        return run_tracked(tracker, *args, **kwargs)
+        return run_tracked(tracker, module, action, args, kwargs, main, *more, **options)
     except RuntimeError as error:
         if not action.startswith(SELECTIVE_PREFIX):
             raise
         why = " ".join(str(error).split())
+    tracker.close()
     clear_grads(module)
     main.grad = None
     if "mutated" in why:
