@@ -109,8 +109,11 @@ def run_tracked_unless_refused(
     tracker.close()
     clear_grads(module)
     main.grad = None
-    if "mutated" in why:
-        why += " (the policy saves an output the block then changes in place)"
+    if "mutated" in why or "changed in place" in why:  # torch's refusal, or the policies' account of it
+        why = (
+            "the policy saves an operator's output that the block then changes in place, which torch's selective "
+            "checkpointing refuses in the backward"
+        )
     warnings.warn(
         f"remat: {action} cannot run on {type(module).__name__} blocks: {why}; it is left out of their costs "
         "(BlockCost.unavailable), so plans do not choose it",

@@ -173,7 +173,7 @@ class Policy:
             below = (replayed_draws.RecordDraws(log),)
         # Counting policies start each recompute from the first call (torch < 2.6 asks them again there).
         restart = getattr(policy.save, "recompute_started", None)
-        replay_first = (replay, *([_OnEnter(restart)] if restart is not None else []))
+        replay_first = (_ExplainsChangedSaves(self.name), replay, *([_OnEnter(restart)] if restart is not None else []))
         # torch's mode innermost: it decides what to cache, and what it runs reaches the draw log below it.
         if self.offload is None:
             return (
@@ -191,6 +191,28 @@ def _as_checkpoint_policy(decision: bool | CheckpointPolicy) -> CheckpointPolicy
     if isinstance(decision, CheckpointPolicy):
         return decision
     return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _ExplainsChangedSaves:
+    """Around a recompute: torch's refusal of a saved output the region changed in place after saving it, said
+    with what to do about it (re-enterable, like the other contexts of a region)."""
+
+    def __init__(self, policy_name: str) -> None:
+        self.policy_name = policy_name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if isinstance(error, RuntimeError) and "cached during selective activation checkpoint has been mutated" in str(
+            error
+        ):
+            raise RuntimeError(
+                f"remat: the policy {self.policy_name!r} saved an operator's output that the region then changed in "
+                "place (x /= ..., x += residual), so its recomputation cannot use it; torch refuses it in the "
+                "backward. Use a policy that does not save that operator here (remat.profile leaves such a policy "
+                "out of a block's costs, see BlockCost.unavailable), or write the in-place op out of place."
+            ) from error
 
 
 class _OnEnter:
