@@ -39,28 +39,56 @@ def run_tracked(
     main: torch.Tensor,
     output_bytes: Callable[[torch.Tensor], int] = tensor_bytes,
     pick: Callable[[Any], torch.Tensor | None] = main_tensor,
-) -> int:
+    refused: dict[str, str] | None = None,
+) -> int | None:
     """One forward and backward of the block under ``action`` inside ``tracker``, marked ``start``,
     ``fwd_end``, ``bwd_start`` and ``bwd_end``; returns ``output_bytes`` of the output (its main output,
-    which ``pick`` takes from what the block returns)."""
-    with tracker:
-        tracker.mark("start")
-        out = pick(run_action(module, action, args, kwargs))
-        tracker.mark("fwd_end")
-        grad = torch.ones_like(out)
-        nbytes = output_bytes(out)
-        holder = [out]
-        del out
-        tracker.mark("bwd_start")
-        backward_releasing_output(holder, grad)
-        tracker.mark("bwd_end")
-        del grad
-        main.grad = None
+    which ``pick`` takes from what the block returns).
+
+    With ``refused``, a per-operator policy the block cannot run returns None instead of raising, with why in
+    ``refused[action]`` and a warning (once per block class). The usual cause: the policy saves an operator's
+    output that the block then changes in place (``x /= x.sum()``, ``x += residual``), which torch's selective
+    checkpointing refuses in the backward rather than recompute from a changed value."""
+    try:
+        with tracker:
+            tracker.mark("start")
+            out = pick(run_action(module, action, args, kwargs))
+            tracker.mark("fwd_end")
+            grad = torch.ones_like(out)
+            nbytes = output_bytes(out)
+            holder = [out]
+            del out
+            tracker.mark("bwd_start")
+            backward_releasing_output(holder, grad)
+            tracker.mark("bwd_end")
+            del grad
+            main.grad = None
+    except RuntimeError as error:
+        if refused is None or not action.startswith(SELECTIVE_PREFIX):
+            raise
+        refused[action] = _refusal(module, action, error)
+        nbytes, main.grad = None, None
     # Close while the parameter gradients are alive: like in a real step they outlive the region, so they are
     # survivors, not activations, and stay out of the backward transient.
     tracker.close()
     clear_grads(module)
     return nbytes
+
+
+def _refusal(module: nn.Module, action: str, error: RuntimeError) -> str:
+    """Why ``module`` cannot run the policy ``action``, from its error; warns with it."""
+    why = " ".join(str(error).split())
+    if "mutated" in why or "changed in place" in why:  # torch's refusal, or the policies' account of it
+        why = (
+            "the policy saves an operator's output that the block then changes in place, which torch's selective "
+            "checkpointing refuses in the backward"
+        )
+    warnings.warn(
+        f"remat: {action} cannot run on {type(module).__name__} blocks: {why}; it is left out of their costs "
+        "(BlockCost.unavailable), so plans do not choose it",
+        stacklevel=3,
+    )
+    return why
 
 
 def warm_up(
@@ -82,45 +110,6 @@ def _reads_own_peaks(action: str) -> bool:
     """Whether the simulator reads ``action``'s own forward and backward peaks, lower than keep's included:
     lossy actions and compiled partitions (see :meth:`ByteTerms.from_trackers`)."""
     return is_lossy(action) or is_partition(action)
-
-
-def run_tracked_unless_refused(
-    refused: dict[str, str],
-    tracker: LiveTensorTracker | AllocationTracker,
-    module: nn.Module,
-    action: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    main: torch.Tensor,
-    *more: Any,
-    **options: Any,
-) -> int | None:
-    """:func:`run_tracked`, except where ``action`` is a per-operator policy the block cannot run: then None, with
-    why in ``refused[action]`` and a warning (once per block class). The usual cause: the policy saves an
-    operator's output that the block then changes in place (``x /= x.sum()``, ``x += residual``), which torch's
-    selective checkpointing refuses in the backward rather than recompute from a changed value. Other actions'
-    errors propagate."""
-    try:
-        return run_tracked(tracker, module, action, args, kwargs, main, *more, **options)
-    except RuntimeError as error:
-        if not action.startswith(SELECTIVE_PREFIX):
-            raise
-        why = " ".join(str(error).split())
-    tracker.close()
-    clear_grads(module)
-    main.grad = None
-    if "mutated" in why or "changed in place" in why:  # torch's refusal, or the policies' account of it
-        why = (
-            "the policy saves an operator's output that the block then changes in place, which torch's selective "
-            "checkpointing refuses in the backward"
-        )
-    warnings.warn(
-        f"remat: {action} cannot run on {type(module).__name__} blocks: {why}; it is left out of their costs "
-        "(BlockCost.unavailable), so plans do not choose it",
-        stacklevel=2,
-    )
-    refused[action] = why
-    return None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from torch import nn
 from . import compiled_partitions
 from .action_times import action_times
 from .alloc_tracker import AllocationTracker, is_compiled
-from .block_bytes import ByteTerms, run_tracked_unless_refused, tensor_bytes, warm_up
+from .block_bytes import ByteTerms, run_tracked, tensor_bytes, warm_up
 from .block_run import GradsRestored, edge_backward_supported, parameters_detached
 from .block_timing import Clock, time_actions
 from .blocks import (
@@ -89,7 +89,7 @@ def measure_block(
                 warm_up(module, action, args, kwargs, main, pick)
         for action in actions:
             tracker = meter(device)
-            ran = run_tracked_unless_refused(unavailable, tracker, module, action, args, kwargs, main, pick=pick)
+            ran = run_tracked(tracker, module, action, args, kwargs, main, pick=pick, refused=unavailable)
             if ran is not None:
                 trackers[action], output_bytes = tracker, ran
         actions = [a for a in actions if a not in unavailable]

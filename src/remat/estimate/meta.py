@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import policies as _policies
-from ..block_bytes import ByteTerms, run_tracked_unless_refused
+from ..block_bytes import ByteTerms, run_tracked
 from ..block_run import GradsRestored, backward_releasing_output, clear_grads, run_action
 from ..blocks import (
     BlockIO,
@@ -123,8 +123,7 @@ def _meta_block_cost(
     with suspend_all(), GradsRestored(module):
         for action in actions:
             tracker = LiveTensorTracker()
-            ran = run_tracked_unless_refused(unavailable, tracker, module, action, args, kwargs, main,
-                                             _storage_bytes, pick)  # fmt: skip
+            ran = run_tracked(tracker, module, action, args, kwargs, main, _storage_bytes, pick, unavailable)
             if ran is None:
                 continue
             trackers[action], output_bytes = tracker, ran
