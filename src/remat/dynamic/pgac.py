@@ -285,9 +285,9 @@ class PGAC:
 
     # ----- the update -----
     def _update(self, measured_peak_bytes: int | None = None) -> None:
-        self.scorer.wait_for_device()  # collect() would wait there, counting the device's step as PGAC's time
+        self._close_region()  # on CUDA the meter's end and the scores' read-back wait for the step's device work,
+        self.scorer.wait_for_device()  # the step's time, not PGAC's own: the clock starts after both
         start = self.clock()
-        self._close_region()
         # From the previous update; in the first step after load_state_dict, from the step's first forward.
         since = self._last_update if self._last_update is not None or self.step_count == 0 else self._step_start
         step_time = start - since if since is not None else None
