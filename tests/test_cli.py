@@ -90,3 +90,22 @@ def test_profile_and_advise_run_on_a_small_model(tmp_path, capsys):
 def test_bad_input_fails_with_a_clear_message(args, message, capsys):
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_profile_prints_a_policy_a_block_cannot_run_and_why(capsys, monkeypatch):
+    from remat import policies
+
+    def refuses(ctx, op, *args, **kwargs):  # noqa: ANN001, ANN202
+        raise RuntimeError("this policy refuses every operator")
+
+    monkeypatch.setitem(policies._REGISTRY, "refuses_all", policies.Policy("refuses_all", refuses))
+    with pytest.warns(UserWarning, match="selective:refuses_all cannot run on"):
+        assert main(["profile", "--model", "mlp", "--batch-size", "8", "--policies", "dots_saveable,refuses_all"]) == 0
+    printed = capsys.readouterr().out
+    header = printed.splitlines()[1]
+    assert "selective:dots_saveabl" in header and "refuses_all" not in header  # columns: the actions measured
+    for fqn in ("blocks.0", "blocks.3"):
+        line = (
+            f"{fqn}: selective:refuses_all cannot run here, left out of its plans: this policy refuses every operator"
+        )
+        assert line in printed
