@@ -9,8 +9,9 @@
 # Every step writes its log and results under OUT_DIR/files; OUT_DIR/results.tar.gz packs them at the end.
 # PYTHON (default python3) is the interpreter that has torch with CUDA; remat is imported from src/.
 # PEERS_MODELS (gpt2), PEERS_DTYPES (bf16), PEERS_LIMIT (360 s), PEERS_EXTRA (more options, like --no-compiled)
-# and BENCH_LIMIT (150 s) change the peers and bench steps. The peers step measures ckptplan's plans where ckptplan imports (from
-# PYTHONPATH or /tmp/ckptplan: `pip install --no-deps --target DIR ckptplan` on a machine with a registry).
+# and BENCH_LIMIT (150 s) change the peers and bench steps. The peers step measures ckptplan's plans where
+# ckptplan imports (from PYTHONPATH or /tmp/ckptplan: `pip install --no-deps --target DIR ckptplan` on a machine
+# with a registry).
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR smoke|tests|peers|bench...}
 shift

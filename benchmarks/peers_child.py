@@ -358,8 +358,9 @@ def run(job: dict[str, Any]) -> None:
     del plain
     bench.emit("ckptplan", **ckptplan)
     for budget in budgets:
-        if f"{budget:g}" in ckptplan.get("checkpointed", {}):
-            cs.add(pc.ckptplan_contender(cs.hand_written(), budget, ckptplan["checkpointed"][f"{budget:g}"]), budget)
+        checkpointed = ckptplan.get("checkpointed", {}).get(f"{budget:g}")
+        if checkpointed is not None:
+            cs.add(pc.ckptplan_contender(cs.hand_written(), checkpointed), budget)
     for budget in budgets:
         cs.remat_static(budget)
         cs.remat_pgac(budget)

@@ -177,9 +177,10 @@ def hand_contender(hand: HandCheckpointed, mode: str, k: int) -> Contender:
     )
 
 
-def ckptplan_contender(hand: HandCheckpointed, budget: float, checkpointed: Sequence[bool]) -> Contender:
-    """The plan ckptplan made for ``budget``: its blocks under ``torch.utils.checkpoint`` as its own
-    ``CheckpointedSequential`` runs them (non-reentrant, RNG state preserved), inside the model's forward."""
+def ckptplan_contender(hand: HandCheckpointed, checkpointed: Sequence[bool]) -> Contender:
+    """A plan ckptplan made: the blocks it checkpoints under ``torch.utils.checkpoint`` as its own
+    ``CheckpointedSequential`` runs them (non-reentrant, RNG state preserved), inside the model's forward; plans
+    alike at several budgets share the contender."""
     detail = "".join("C" if c else "K" for c in checkpointed)
     return Contender(
         key=f"ckptplan-{detail}", name="ckptplan (PyPI) plan", group=EAGER, model=hand.model, forward=hand.model,

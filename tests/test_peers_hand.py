@@ -42,7 +42,7 @@ def test_chosen_blocks_are_checkpointed_and_the_gradients_stay_exact(modules, mo
     peaks, grads = {}, {}
     for choice in ("KKK", "CKC", "CCC"):
         checkpointed = [c == "C" for c in choice]
-        contender = pc.ckptplan_contender(hand, 0.5, checkpointed)
+        contender = pc.ckptplan_contender(hand, checkpointed)
         assert contender.detail == "".join("C" if c else "K" for c in checkpointed)
         contender.select()
         calls.clear()

@@ -23,6 +23,7 @@ from .compiled_partitions import is_partition
 from .costs import KEEP, SELECTIVE_PREFIX
 from .lossy_actions import compresses_input, is_lossy
 from .memory import LiveTensorTracker
+from .policies import SavedOutputChanged
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -77,12 +78,13 @@ def run_tracked(
 
 def _refusal(module: nn.Module, action: str, error: RuntimeError) -> str:
     """Why ``module`` cannot run the policy ``action``, from its error; warns with it."""
-    why = " ".join(str(error).split())
-    if "mutated" in why or "changed in place" in why:  # torch's refusal, or the policies' account of it
+    if isinstance(error, SavedOutputChanged):
         why = (
             "the policy saves an operator's output that the block then changes in place, which torch's selective "
             "checkpointing refuses in the backward"
         )
+    else:
+        why = " ".join(str(error).split())
     warnings.warn(
         f"remat: {action} cannot run on {type(module).__name__} blocks: {why}; it is left out of their costs "
         "(BlockCost.unavailable), so plans do not choose it",

@@ -77,6 +77,7 @@ __all__ = [
     "MATMUL_OPS",
     "MENU",
     "PROFILED_BY_DEFAULT",
+    "SavedOutputChanged",
     "EveryOtherMatmul",
     "Policy",
     "all_but_pointwise_saveable",
@@ -144,9 +145,9 @@ class Policy:
         every call that does not: a ``CheckpointPolicy``, ``_OFFLOADED``, or ``_ASK``. Fresh buffers, ops that
         mutate their inputs and random ops are recomputed whatever the policy says
         (:func:`remat.op_kinds.asks_policy`)."""
-        if never_saved(op) or (draws_random(op) and packet(op) not in ATTENTION_OPS):
+        draws_per_call = draws_random(op)  # tagged random; an attention kernel only when its dropout_p > 0
+        if never_saved(op) or (draws_per_call and packet(op) not in ATTENTION_OPS):
             return False, CheckpointPolicy.PREFER_RECOMPUTE
-        draws_per_call = draws_random(op)
         if self.offloads(op):
             return draws_per_call, _OFFLOADED
         if not self.by_op:
@@ -193,6 +194,11 @@ def _as_checkpoint_policy(decision: bool | CheckpointPolicy) -> CheckpointPolicy
     return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class SavedOutputChanged(RuntimeError):
+    """A policy saved an operator's output that its region then changed in place, which torch's selective
+    checkpointing refuses in the backward (this error's cause)."""
+
+
 class _ExplainsChangedSaves:
     """Around a recompute: torch's refusal of a saved output the region changed in place after saving it, said
     with what to do about it (re-enterable, like the other contexts of a region)."""
@@ -207,7 +213,7 @@ class _ExplainsChangedSaves:
         if isinstance(error, RuntimeError) and "cached during selective activation checkpoint has been mutated" in str(
             error
         ):
-            raise RuntimeError(
+            raise SavedOutputChanged(
                 f"remat: the policy {self.policy_name!r} saved an operator's output that the region then changed in "
                 "place (x /= ..., x += residual), so its recomputation cannot use it; torch refuses it in the "
                 "backward. Use a policy that does not save that operator here (remat.profile leaves such a policy "

@@ -160,7 +160,7 @@ def group_terms(
     if kind == SEGMENT:
         keeps_to = list(accumulate(b.keep for b in blocks))
         backward_peak = max(keeps_to[m] + b.temp for m, b in enumerate(blocks))
-        recompute, reexecutions = list(accumulate(b.rerun for b in blocks))[-1], (1,) * len(blocks)
+        recompute, reexecutions = sum(b.rerun for b in blocks), (1,) * len(blocks)
     else:
         backward_peak = max(b.keep + inside[m] + b.temp for m, b in enumerate(blocks))
         inner_before = [0.0, *accumulate(b.inner for b in blocks[:-1])]  # inner[s] + ... + inner[m-1]
