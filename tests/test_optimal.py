@@ -4,7 +4,7 @@ long chains (within budget, no worse than the static strategies, deterministic).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 
 import pytest
@@ -48,10 +48,16 @@ def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
         extra = {p: draw(st.integers(0, 6)) for p in policies}  # kept dropout draws held while recomputing
         # an overhead may be a saving, never larger than the recomputation (time costs stay >= 0)
         overhead = {a: draw(st.integers(-round(recompute[a] / TICK), 12)) * TICK for a in saved if a != "keep"}
+        # a block may refuse policies (one changes a saved output in place): they are left out of its costs
+        refused = draw(st.lists(st.sampled_from(policies), unique=True)) if draw(st.integers(0, 3)) == 0 else []
+        for costs_by_action in (saved, recompute, extra, overhead):
+            for policy in refused:
+                del costs_by_action[policy]
         blocks.append(
             BlockCost(f"layers.{i}", rerun, 2 * rerun, out, out, saved, recompute, draw(small), draw(small), extra,
                       overhead_s=overhead, nograd_fwd_s=draw(st.none() | st.integers(0, round(rerun / TICK)).map(
-                          lambda t: t * TICK)))  # a memory-poor group's inner re-runs, when timed
+                          lambda t: t * TICK)),  # a memory-poor group's inner re-runs, when timed
+                      unavailable=dict.fromkeys(refused, "changes a saved output in place"))
         )  # fmt: skip
     stem = draw(st.integers(0, 5))
     return CostTable(
@@ -66,15 +72,18 @@ def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
     )
 
 
-def every_plan(n: int, singles: list[str], groups: tuple[str, ...] = ("segment", "memory_poor"), longest: int = 0):
-    """Every assignment of the blocks to units: a single action per block, or a group of 2+ blocks."""
+def every_plan(
+    n: int, singles: Callable[[int], list[str]], groups: tuple[str, ...] = ("segment", "memory_poor"), longest: int = 0
+):
+    """Every assignment of the blocks to units: a single action per block (block ``i`` chooses among
+    ``singles(i)``), or a group of 2+ blocks."""
     longest = longest or n
 
     def plans_from(i: int, group_id: int) -> Iterator[list[str]]:
         if i == n:
             yield []
             return
-        for action in singles:
+        for action in singles(i):
             for rest in plans_from(i + 1, group_id):
                 yield [action, *rest]
         for length in range(2, min(longest, n - i) + 1):
@@ -86,9 +95,11 @@ def every_plan(n: int, singles: list[str], groups: tuple[str, ...] = ("segment",
 
 
 def brute_force(costs: CostTable, **restrict) -> list[tuple[Simulation, list[str]]]:
-    singles = restrict.get("singles", costs.common_actions())
+    """Every plan, each block choosing among the actions it has costs for (or only ``singles``)."""
+    singles = restrict.get("singles")
     groups = restrict.get("groups", ("segment", "memory_poor"))
-    plans = every_plan(len(costs), singles, groups, restrict.get("longest", 0))
+    runs = lambda i: [a for a in singles or costs.blocks[i].actions if a in costs.blocks[i].actions]  # noqa: E731
+    plans = every_plan(len(costs), runs, groups, restrict.get("longest", 0))
     return [(simulate(costs, actions), actions) for actions in plans]
 
 

@@ -149,6 +149,20 @@ def uniform_costs(fqns: Sequence[str], *, keep: int = 1000, io: int = 100, temp:
     return CostTable(rows, stem_bytes=io, head_bytes=io)
 
 
+class ScaledInPlace(nn.Module):
+    """A block that changes a matmul's output in place after the matmul (as ``router_top_value /= ...`` does in
+    Mixtral's router, or ``hidden += residual`` in ResNet): a policy saving the matmul output cannot run here."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        h /= h.detach().abs().amax() + 1
+        return torch.tanh(h) + x
+
+
 def tiny_gpt2_config(
     n_layer: int = 2,
     n_embd: int = 64,

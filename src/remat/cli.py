@@ -115,6 +115,9 @@ def _costs(args: argparse.Namespace, batch_size: int | None = None):  # noqa: AN
     return spec, batch, costs
 
 
+REFUSED = "cannot run"  # the cell of an action a block cannot run (the reason is printed below the table)
+
+
 def _print_time_costs(costs: Any, actions: list[str]) -> None:
     """Per block and action, the milliseconds the action adds to a step: recomputation + overhead (the overhead
     negative where the action's forward or backward runs faster than keep's), and the no-grad forward a
@@ -123,17 +126,21 @@ def _print_time_costs(costs: Any, actions: list[str]) -> None:
     print(f"{'block':<24}{'no-grad fwd':>12}" + "".join(f"{a[:22]:>24}" for a in actions))
     for b in costs.blocks:
         nograd = "-" if b.nograd_fwd_s is None else f"{b.nograd_fwd_s * 1e3:.2f}"
-        cells = [f"{b.recompute_s[a] * 1e3:.2f} + {b.overhead_s.get(a, 0.0) * 1e3:.2f}" for a in actions]
+        cells = [
+            f"{b.recompute_s[a] * 1e3:.2f} + {b.overhead_s.get(a, 0.0) * 1e3:.2f}" if a in b.recompute_s else REFUSED
+            for a in actions
+        ]
         print(f"{b.fqn:<24}{nograd:>12}" + "".join(f"{c:>24}" for c in cells))
 
 
-def _print_costs(costs: Any) -> None:
-    actions = costs.common_actions()
+def print_costs(costs: Any) -> None:
+    """What ``remat profile`` prints of a cost table: bytes kept and time added per block and action."""
+    actions = costs.plannable_actions()
     head = f"{'block':<24}{'fwd ms':>9}{'bwd ms':>9}" + "".join(f"{a[:22]:>24}" for a in actions)
     print(head)
     for b in costs.blocks:
         row = f"{b.fqn:<24}{b.fwd_s * 1e3:>9.2f}{b.bwd_s * 1e3:>9.2f}"
-        row += "".join(f"{format_bytes(b.saved_bytes[a]):>24}" for a in actions)
+        row += "".join(f"{format_bytes(b.saved_bytes[a]) if a in b.saved_bytes else REFUSED:>24}" for a in actions)
         print(row)
     _print_time_costs(costs, [a for a in actions if a != "keep"])
     for b in costs.blocks:
@@ -155,7 +162,7 @@ def _print_costs(costs: Any) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     spec, _, costs = _costs(args)
     print(_label(spec, args))
-    _print_costs(costs)
+    print_costs(costs)
     _write_json(args.json, costs.to_dict())
     return 0
 

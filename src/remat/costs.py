@@ -266,6 +266,15 @@ class CostTable:
             common &= set(block.actions)
         return [a for a in self.blocks[0].actions if a in common]
 
+    def plannable_actions(self) -> list[str]:
+        """Single-block actions a plan may choose among: those every row either has costs for or cannot run
+        (``BlockCost.unavailable``), and at least one row has costs for; a plan uses each only on the rows
+        that have it. In the order rows first list them."""
+        rows = [(block.actions, set(block.actions) | set(block.unavailable)) for block in self.blocks]
+        covered = set.intersection(*(known for _, known in rows)) if rows else set()
+        ordered = dict.fromkeys(action for actions, _ in rows for action in actions)
+        return [action for action in ordered if action in covered]
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -51,9 +51,10 @@ computes sequentially), so the two give the same floating-point numbers, not onl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
 import numpy as np
 
@@ -187,22 +188,32 @@ class SingleTable:
     reexecutions: np.ndarray  # (actions,): re-runs per block, the same for every block
     overhead_s: np.ndarray
     time_cost_s: np.ndarray  # recompute_s + overhead_s
+    runs: np.ndarray  # (actions, blocks): the block has costs for the action; the other entries read as keep
 
 
 def single_table(costs: CostTable, actions: Sequence[str]) -> SingleTable:
-    """:func:`single_terms` of every block of ``costs`` under every one of ``actions`` at once."""
+    """:func:`single_terms` of every block of ``costs`` under every one of ``actions`` at once. A block without
+    costs for an action (one it cannot run, :meth:`CostTable.plannable_actions`) reads as keep there and is
+    marked in ``runs``."""
     blocks, n, i64 = costs.blocks, len(costs), np.int64
+    has = [set(b.actions) for b in blocks]
+    runs = np.array([[a in has[j] for j in range(n)] for a in actions], dtype=bool).reshape(-1, n)
+
+    def column(a: str, value: Callable[[BlockCost, str], Any]) -> list[Any]:
+        return [value(b, a if a in has[j] else KEEP) for j, b in enumerate(blocks)]
+
     keep = np.array([b.saved(KEEP) for b in blocks], dtype=i64)
     fwd_temp = np.array([b.fwd_temp_bytes for b in blocks], dtype=i64)
     temp = np.array([temp_bytes(b) for b in blocks], dtype=i64)
-    saved = np.array([[b.saved(a) for b in blocks] for a in actions], dtype=i64).reshape(-1, n)
-    bwd_extra = np.array([[b.bwd_extra_bytes.get(a, 0) for b in blocks] for a in actions], dtype=i64).reshape(-1, n)
+    saved = np.array([column(a, BlockCost.saved) for a in actions], dtype=i64).reshape(-1, n)
+    bwd_extra = np.array([column(a, lambda b, a: b.bwd_extra_bytes.get(a, 0)) for a in actions], i64).reshape(-1, n)
     held = np.array(costs.held_outputs_per_row(), dtype=i64)
     peak = np.maximum(saved + fwd_temp, keep + temp + bwd_extra + held + int(costs.head_retained_bytes))
-    recompute = np.array([[b.recompute_s[a] for b in blocks] for a in actions], dtype=np.float64).reshape(-1, n)
-    overhead = np.array([[b.overhead_s.get(a, 0.0) for b in blocks] for a in actions], dtype=np.float64).reshape(-1, n)
-    runs = np.array([reruns(a) for a in actions], i64)
-    return SingleTable(list(actions), keep, saved, peak, recompute, runs, overhead, recompute + overhead)
+    recompute = np.array([column(a, lambda b, a: b.recompute_s[a]) for a in actions], np.float64).reshape(-1, n)
+    overhead = np.array([column(a, lambda b, a: b.overhead_s.get(a, 0.0)) for a in actions], np.float64).reshape(-1, n)
+    reexecutions = np.array([reruns(a) for a in actions], i64)
+    time_cost = recompute + overhead
+    return SingleTable(list(actions), keep, saved, peak, recompute, reexecutions, overhead, time_cost, runs)
 
 
 @dataclass(frozen=True)

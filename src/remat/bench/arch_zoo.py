@@ -248,6 +248,27 @@ def architectures() -> list[Architecture]:
             extras=("router_logits",),
         ),
         Architecture(
+            "deepseek_v3",  # a dense first layer, then mixture-of-experts layers: blocks of one class that differ
+            _decoder(
+                "DeepseekV3Config",
+                "DeepseekV3ForCausalLM",
+                num_key_value_heads=4,
+                moe_intermediate_size=32,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_group=1,
+                topk_group=1,
+                first_k_dense_replace=1,
+                q_lora_rank=16,
+                kv_lora_rank=16,
+                qk_rope_head_dim=4,
+                qk_nope_head_dim=4,
+                v_head_dim=8,
+            ),
+            _lm_batch,
+            ("model.layers",),
+        ),
+        Architecture(
             "gpt_neox",
             _from_config(
                 "GPTNeoXConfig",

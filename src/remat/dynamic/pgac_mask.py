@@ -75,9 +75,10 @@ class FittedMask:
 
 
 def exact_actions(costs: CostTable) -> list[str]:
-    """The exact single actions every block of ``costs`` has, and the group kinds when checkpoint is one."""
-    singles = [a for a in costs.common_actions() if not is_lossy(a)]
-    return singles + ([SEGMENT, MEMORY_POOR] if CHECKPOINT in singles else [])
+    """The exact single actions plans on ``costs`` may use (each on the blocks that can run it), and the group
+    kinds when every block has checkpoint."""
+    singles = [a for a in costs.plannable_actions() if not is_lossy(a)]
+    return singles + ([SEGMENT, MEMORY_POOR] if CHECKPOINT in costs.common_actions() else [])
 
 
 def budget_error(costs: CostTable, budget_bytes: int) -> BudgetError:

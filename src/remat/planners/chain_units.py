@@ -124,10 +124,11 @@ class ChainUnits:
         peaks, seconds and re-executions ``picks`` holds per kind."""
         singles, i64 = self.singles, np.int64
         n_single = len(singles.actions)
-        at = np.full(n_single, block, dtype=i64)
-        codes = np.arange(n_single, dtype=i64)
+        runs = singles.runs[:, block]  # the actions this block has costs for
+        at = np.full(int(runs.sum()), block, dtype=i64)
+        codes = np.arange(n_single, dtype=i64)[runs]
         column = (singles.retained, singles.peak, singles.time_cost_s)
-        parts = [(at, at, *(terms[:, block] for terms in column), singles.reexecutions, codes)]
+        parts = [(at, at, *(terms[runs, block] for terms in column), singles.reexecutions[runs], codes)]
         within = self.chain_of[starts] == self.chain_of[ends]  # groups stay inside one chain
         for k, kind in enumerate(self.group_kinds if picks else ()):
             group = (starts, ends, *picks[kind], np.full(len(starts), n_single + k, dtype=i64))
@@ -155,14 +156,16 @@ class ChainUnits:
 
 def allowed_actions(costs: CostTable, actions: list[str] | None) -> tuple[list[str], list[str]]:
     """The single actions and group kinds a search may use: ``actions`` checked against the cost table, or
-    every common action and both group kinds when ``actions`` is None."""
-    available = costs.common_actions()
-    if KEEP not in available:
+    every plannable action (:meth:`CostTable.plannable_actions`, each used on the blocks that can run it) and
+    both group kinds when ``actions`` is None."""
+    available = costs.plannable_actions()
+    common = costs.common_actions()
+    if KEEP not in common:
         raise ValueError(
-            f"the cost table has no 'keep' costs for every block (common actions: {available}); "
+            f"the cost table has no 'keep' costs for every block (common actions: {common}); "
             "profile the model again, 'keep' is always measured"
         )
-    groups_possible = CHECKPOINT in available
+    groups_possible = CHECKPOINT in common
     if actions is None:
         return available, list(GROUP_KINDS) if groups_possible else []
     singles: list[str] = []
@@ -178,14 +181,24 @@ def allowed_actions(costs: CostTable, actions: list[str] | None) -> tuple[list[s
         elif action in available:
             singles.append(action)
         else:
-            refused = next((f"{b.fqn!r}: {b.unavailable[action]}" for b in costs.blocks if action in b.unavailable), "")
-            raise ValueError(
-                f"action {action!r} is not available for every block of the cost table; choose among "
-                f"{available + list(GROUP_KINDS)}" + (f". It cannot run on block {refused}" if refused else "")
-            )
+            raise ValueError(_not_plannable(costs, action, available))
     if not singles:
         raise ValueError(f"actions={actions!r} names no single-block action; include at least 'keep'")
     return [a for a in available if a in singles], [k for k in GROUP_KINDS if k in groups]
+
+
+def _not_plannable(costs: CostTable, action: str, available: list[str]) -> str:
+    """Why a plan cannot use ``action`` on ``costs``, and what to choose instead."""
+    choose = f"choose among {available + list(GROUP_KINDS)}"
+    refused = [b for b in costs.blocks if action in b.unavailable]
+    if refused and len(refused) == len(costs.blocks):
+        why = refused[0].unavailable[action]
+        return f"action {action!r} cannot run on any block of the cost table ({why}); {choose}"
+    missing = [b.fqn for b in costs.blocks if action not in b.actions and action not in b.unavailable]
+    return (
+        f"action {action!r} has no costs for blocks {missing[:3]}{' ...' if len(missing) > 3 else ''} of the "
+        f"cost table; profile with it included (remat.profile(..., policies=...)) or {choose}"
+    )
 
 
 def holding_arguments(costs: CostTable) -> CostTable:

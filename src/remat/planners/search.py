@@ -51,7 +51,7 @@ def memory_prices(chain: ChainUnits, room: int, need: np.ndarray, max_segment: i
     """
     n = chain.n
     saving = chain.singles.keep[None, :] - chain.singles.retained
-    useful = (saving > 0) & (chain.singles.time_cost_s > 0)
+    useful = (saving > 0) & (chain.singles.time_cost_s > 0) & chain.singles.runs
     if not useful.any():
         return [0.0]
     ratios = chain.singles.time_cost_s[useful] / saving[useful]
@@ -200,7 +200,7 @@ class Search:
         kinds = self.chain.group_kinds
         if len(kinds) < 2:
             return
-        n_single = len(self.chain.singles.actions)
+        n_single = int((units.code < len(self.chain.singles.actions)).sum())  # the singles this block can run
         n_groups = (len(units.start) - n_single) // 2
         segment = slice(n_single, n_single + n_groups)
         memory_poor = slice(n_single + n_groups, None)
