@@ -87,6 +87,27 @@ def test_the_planner_uses_it_where_it_runs_with_exact_gradients_and_the_predicte
     assert peak == pytest.approx(plan.predicted_peak_bytes, rel=0.05)
 
 
+class Switched(ScaledInPlace):
+    """:class:`ScaledInPlace` or :class:`ScaledOutOfPlace` by a plain attribute: the same modules, parameters
+    and saved tensors, so only the operators the forward runs tell the two apart."""
+
+    def __init__(self, width: int, in_place: bool) -> None:
+        super().__init__(width)
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if self.in_place else ScaledOutOfPlace.forward(self, x)
+
+
+def test_blocks_that_differ_only_in_an_attribute_are_measured_apart_not_reused() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Switched(64, in_place=i % 2 == 1) for i in range(4)))
+    with pytest.warns(UserWarning, match=r"selective:dots_saveable cannot run on Switched blocks"):
+        costs = remat.profile(model, torch.randn(32, 64, requires_grad=True), policies=("dots_saveable",), repeats=1)
+    assert [DOTS in row.actions for row in costs.blocks] == [True, False, True, False]
+    assert (costs.info["blocks_measured"], costs.info["blocks_reused"]) == (2, 2)
+
+
 def test_an_action_no_block_can_run_is_refused_with_the_reason() -> None:
     rows = [
         BlockCost(f"b{i}", 1.0, 2.0, 4, 4, {"keep": 40, "checkpoint": 4}, {"keep": 0.0, "checkpoint": 1.0},

@@ -6,17 +6,24 @@ call (tensor arguments by shape, stride, dtype, device and ``requires_grad``; ot
 identity where they have no plain value). Two blocks with equal signatures run the same operators on the
 same sizes. What a signature cannot see (a Python attribute that changes the forward) is caught by
 :func:`keep_footprint`: one forward under ``keep`` noting the shape and dtype of every tensor autograd saves
-and of the output, compared with the measured block's footprint, taken the same way, before its row is reused.
+and of the output, and the operators it runs in order, compared with the measured block's footprint, taken the
+same way, before its row is reused. The operators tell apart blocks that save the same tensors but compute
+differently: one that changes a matmul's output in place refuses a policy saving it (see
+:class:`remat.costs.BlockCost`'s ``unavailable``), one written out of place does not. Compiled blocks are not
+run under the operator log (a dispatch mode would make dynamo run them eagerly); they run no per-operator
+policies.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .block_run import GradsRestored, run_action
 from .blocks import BlockIO, InputSlot, main_input_slot, replace_slot, slot_value, without_caches
@@ -79,20 +86,39 @@ def block_signature(
 @dataclass(frozen=True)
 class Footprint:
     """What one forward under ``keep`` shows of a block: the shape and dtype of each tensor autograd saved for
-    backward, in order, and of its output."""
+    backward, in order, and of its output, and the operators the forward ran, in order (empty where not
+    logged)."""
 
     saved: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     output_shape: tuple[int, ...]
     output_dtype: torch.dtype
+    operators: tuple[str, ...] = ()
+
+
+class _OperatorLog(TorchDispatchMode):
+    """Notes the name of every operator that reaches the kernels while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def keep_footprint(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], io: BlockIO | None = None
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    io: BlockIO | None = None,
+    log_operators: bool = True,
 ) -> Footprint:
-    """One forward of the block under ``keep`` on these inputs, noting what autograd saves, set apart from the
-    step like :func:`remat.block_measure.measure_block` (RNG forked, gradients restored, remat hooks suspended). No
-    dispatch mode and no backward: a few percent of the block's full measurement. ``io`` says which argument
-    and output are the hidden state (guessed by default)."""
+    """One forward of the block under ``keep`` on these inputs, noting what autograd saves and, with
+    ``log_operators``, the operators it runs, set apart from the step like
+    :func:`remat.block_measure.measure_block` (RNG forked, gradients restored, remat hooks suspended). No
+    backward: a few percent of the block's full measurement. ``io`` says which argument and output are the
+    hidden state (guessed by default)."""
     io = io or BlockIO()
     slot = io.input_slot(args, kwargs)
     source = slot_value(args, kwargs, slot)
@@ -106,16 +132,18 @@ def keep_footprint(
         # nothing is kept: the graph is never run backward, and holding nothing lets it go with its output
 
     rng_devices = [device.index or 0] if device.type == "cuda" else []
+    log = _OperatorLog()
     with (
         suspend_all(),
         torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
         GradsRestored(module),
         torch.random.fork_rng(devices=rng_devices, device_type=device.type),
+        log if log_operators else contextlib.nullcontext(),
     ):
         out = io.output(run_action(module, KEEP, args, kwargs), main.shape)
         shape, dtype = tuple(out.shape), out.dtype
         del out
-    return Footprint(saved=tuple(saved), output_shape=shape, output_dtype=dtype)
+    return Footprint(saved=tuple(saved), output_shape=shape, output_dtype=dtype, operators=tuple(log.names))
 
 
 def renamed(row: BlockCost, fqn: str) -> BlockCost:

@@ -18,10 +18,10 @@ the tracker does not count them; on CPU they are, and it does (see :mod:`remat.h
 action's recompute seconds are the recomputation plus the forward's extra time (the copies it queues).
 
 Blocks that cost the same (equal :func:`~remat.block_signature.block_signature`: structure, parameter and
-input shapes, the same other arguments) are measured once: the first of each group fully, the others by one
-forward under ``keep`` whose saved tensors and output must match the first's
-(:func:`~remat.block_signature.keep_footprint`) before its row is reused under their names; a block that
-does not match is measured fully. The table's ``info`` records the profile's wall time and how many blocks
+input shapes, the same other arguments) are measured once: each block first by one forward under ``keep``
+(:func:`~remat.block_signature.keep_footprint`: saved tensors, output, operators run), and a block whose
+footprint matches that of a measured block of its group gets that block's row under its own name; the others
+are measured fully. The table's ``info`` records the profile's wall time and how many blocks
 were measured and reused.
 
 Lossy actions (``compress:``, ``recompute+compress:``, ``checkpoint+compress:<format>``) are profiled only when
@@ -123,7 +123,7 @@ class BlockProfiler:
         self.reused: set[tuple[int, int]] = set()
         self.outputs = CollectedOutputs()  # does the model's output hold blocks' outputs (output_hidden_states)?
         # signature -> (row key of the call measured for it, its footprint under keep)
-        self._groups: dict[Hashable, tuple[tuple[int, int], Footprint]] = {}
+        self._groups: dict[Hashable, dict[Footprint, tuple[int, int]]] = {}  # signature -> footprint -> row
         self._start: float | None = None
         self._elapsed: float | None = None
         self._hooks: list[Any] = []
@@ -215,17 +215,16 @@ class BlockProfiler:
             return
         io = self.io[i]
         group = (block_signature(module, args, kwargs, io.input_slot(args, kwargs)), tuple(actions))
-        footprint = keep_footprint(module, args, kwargs, io)
-        first = self._groups.get(group)
-        if first is not None and first[1] == footprint:
-            self.rows[key] = renamed(self.rows[first[0]], fqn)
+        footprint = keep_footprint(module, args, kwargs, io, log_operators=not is_compiled(module))
+        measured = self._groups.setdefault(group, {})
+        if footprint in measured:
+            self.rows[key] = renamed(self.rows[measured[footprint]], fqn)
             self.reused.add(key)
             return
         self.rows[key] = measure_block(
             fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i], clock=self.clock
         )
-        if first is None:
-            self._groups[group] = (key, footprint)
+        measured[footprint] = key
 
     def _main_output(self, i: int, args: Any, kwargs: dict[str, Any], output: Any) -> torch.Tensor | None:
         io = self.io[i]
