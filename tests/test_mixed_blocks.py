@@ -11,6 +11,7 @@ from toy_models import ScaledInPlace
 
 import remat
 from remat.costs import BlockCost, CostTable
+from remat.double_backward import double_backward_actions
 from remat.dynamic.pgac_mask import exact_actions
 from remat.planners.optimal import min_peak_bytes
 
@@ -106,6 +107,25 @@ def test_blocks_that_differ_only_in_an_attribute_are_measured_apart_not_reused()
         costs = remat.profile(model, torch.randn(32, 64, requires_grad=True), policies=("dots_saveable",), repeats=1)
     assert [DOTS in row.actions for row in costs.blocks] == [True, False, True, False]
     assert (costs.info["blocks_measured"], costs.info["blocks_reused"]) == (2, 2)
+
+
+def test_remat_plan_and_double_backward_plans_offer_it_by_default() -> None:
+    # The policy saves nearly as little as a checkpoint and recomputes much less, so a plan at the peak of
+    # [policy, checkpoint, keep] uses it on block 0; block 1 cannot run it.
+    saved = {"keep": 100, "checkpoint": 10, DOTS: 12}
+    recompute = {"keep": 0.0, "checkpoint": 1.0, DOTS: 0.25}
+    rows = [BlockCost(f"b{i}", 1.0, 2.0, 10, 10, dict(saved), dict(recompute)) for i in (0, 2)]
+    rows.insert(
+        1,
+        BlockCost("b1", 1.0, 2.0, 10, 10, {"keep": 100, "checkpoint": 10}, {"keep": 0.0, "checkpoint": 1.0},
+                  unavailable={DOTS: "a saved output is changed in place"}),
+    )  # fmt: skip
+    costs = CostTable(rows)
+    budget = remat.Plan.from_actions(costs, [DOTS, "checkpoint", "keep"]).predicted_peak_bytes
+    plan = remat.plan(costs, "optimal", budget)
+    assert plan.actions["b0"] == DOTS and plan.actions["b1"] != DOTS, plan.actions
+    assert remat.plan(costs, "optimal", budget, allow_lossy=True).actions == plan.actions
+    assert DOTS not in double_backward_actions(costs) and "checkpoint" in double_backward_actions(costs)
 
 
 def test_an_action_no_block_can_run_is_refused_with_the_reason() -> None:

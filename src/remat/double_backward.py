@@ -39,8 +39,8 @@ def double_backward_actions(costs: CostTable, actions: Sequence[str] | None = No
     """The optimal planner's ``actions=`` for a step that runs a second backward: ``actions`` (default: every
     single-block action of ``costs`` and both group kinds) without the ones that fail a second pass."""
     if actions is None:
-        available = costs.common_actions()
-        actions = [*available, *(GROUP_KINDS if CHECKPOINT in available else ())]
+        available = costs.plannable_actions()
+        actions = [*available, *(GROUP_KINDS if CHECKPOINT in costs.common_actions() else ())]
     return [a for a in actions if double_backward_safe(a)]
 
 

@@ -40,7 +40,7 @@ def lossy_plan(spec: StrategySpec, costs: CostTable, budget_bytes: int) -> Plan:
         return Plan.from_actions(costs, [action] * len(costs), "compress", budget_bytes)
     # the spec's format only: compressed storage, compressed recomputation and (no policy) a compressed input
     lossy = {action, RECOMPUTE_COMPRESS_PREFIX + fmt, INPUT_COMPRESS_PREFIX + fmt}
-    allowed = [a for a in costs.common_actions() if a in lossy or not is_lossy(a)]
+    allowed = [a for a in costs.plannable_actions() if a in lossy or not is_lossy(a)]
     allowed += ["segment", "memory_poor"]
     options = {"max_grad_error": spec.opts["max_grad_error"]} if "max_grad_error" in spec.opts else {}
     try:

@@ -62,8 +62,8 @@ def plan_error(costs: CostTable, plan: Plan) -> float:
 def _all_actions(costs: CostTable, actions: list[str] | None) -> list[str]:
     if actions is not None:
         return list(actions)
-    available = [a for a in costs.common_actions() if usable(costs, a)]
-    return [*available, *((SEGMENT, MEMORY_POOR) if CHECKPOINT in available else ())]
+    available = [a for a in costs.plannable_actions() if usable(costs, a)]
+    return [*available, *((SEGMENT, MEMORY_POOR) if CHECKPOINT in costs.common_actions() else ())]
 
 
 def _priced(costs: CostTable, price: float) -> CostTable:
