@@ -153,3 +153,13 @@ def test_remat_profile_prints_cannot_run_in_the_cells_of_a_refused_action(mixed,
     rows = {line.split()[0]: line for line in lines[1:5]}
     assert rows["1"].rstrip().endswith("cannot run") and rows["3"].rstrip().endswith("cannot run")
     assert not rows["0"].rstrip().endswith("cannot run")
+
+
+def test_the_bench_plots_a_refused_action_as_a_missing_bar(mixed, tmp_path) -> None:
+    from remat.bench.plots import block_memory
+
+    costs = mixed[2]
+    saved = {a: [row.saved_bytes.get(a) for row in costs.blocks] for a in costs.plannable_actions()}
+    assert saved[DOTS][1] is None and saved[DOTS][0] is not None
+    path = block_memory(costs.fqns, saved, tmp_path / "block_memory.png", "footer")
+    assert path.read_bytes().startswith(b"\x89PNG") and path.stat().st_size > 5000

@@ -75,8 +75,8 @@ def make_plots(res: Results, rows: list[dict[str, Any]]) -> list[tuple[str, str]
     costs_path = res.out / "costs" / "seed0.json"
     if costs_path.exists():
         costs = CostTable.from_json(costs_path.read_text())
-        actions = costs.common_actions()
-        saved = {a: [b.saved_bytes[a] for b in costs.blocks] for a in actions}
+        actions = costs.plannable_actions()
+        saved = {a: [b.saved_bytes.get(a) for b in costs.blocks] for a in actions}
         plots.block_memory(costs.fqns, saved, out / "block_memory.png", footer)
         made.append(
             (

@@ -118,17 +118,19 @@ def mask_heatmap(
     return _finish(fig, path, footer)
 
 
-def block_memory(fqns: Sequence[str], saved: Mapping[str, Sequence[int]], path: Path, footer: str) -> Path:
-    """Bytes each block keeps for backward under each action, from the CostTable."""
+def block_memory(fqns: Sequence[str], saved: Mapping[str, Sequence[int | None]], path: Path, footer: str) -> Path:
+    """Bytes each block keeps for backward under each action, from the CostTable (None: the block cannot run the
+    action, and its bar is left out)."""
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(fqns) + 3), 4.6))
     actions = list(saved)
     width = 0.8 / max(1, len(actions))
     for j, action in enumerate(actions):
-        xs = [i + (j - (len(actions) - 1) / 2) * width for i in range(len(fqns))]
-        ax.bar(xs, [b / MIB for b in saved[action]], width=width, label=action, color=f"C{j}")
+        offset = (j - (len(actions) - 1) / 2) * width
+        bars = [(i + offset, b / MIB) for i, b in enumerate(saved[action]) if b is not None]
+        ax.bar([x for x, _ in bars], [h for _, h in bars], width=width, label=action, color=f"C{j}")
     ax.set_xticks(range(len(fqns)))
     ax.set_xticklabels(fqns, rotation=30, ha="right", fontsize=7)
-    top = max((b for values in saved.values() for b in values), default=0) / MIB
+    top = max((b for values in saved.values() for b in values if b is not None), default=0) / MIB
     ax.set_ylim(0, top * 1.35 if top > 0 else 1)
     ax.set_ylabel("bytes kept after forward (MiB)")
     ax.set_title("Per-block activation memory by action (profiled CostTable, seed 0)")
