@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 
 from .compiled_partitions import budget_of, is_partition
-from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
+from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX, CostTable
 from .lossy_actions import is_lossy, validate_lossy
 
 SEGMENT_PREFIX = "segment:"
@@ -36,6 +36,7 @@ LEGACY_NESTED_PREFIX = LEGACY_MEMORY_POOR + ":"
 SINGLE = "single"
 SEGMENT = "segment"
 MEMORY_POOR = "memory_poor"
+GROUP_KINDS = (SEGMENT, MEMORY_POOR)
 
 
 @dataclass(frozen=True)
@@ -120,3 +121,10 @@ def units_from_actions(actions: list[str]) -> list[Unit]:
         units.append(Unit(kind, i, j, CHECKPOINT))
         i = j + 1
     return units
+
+
+def plan_choices(costs: CostTable) -> list[str]:
+    """What a plan on ``costs`` may choose among when not told: every plannable single-block action
+    (:meth:`~remat.costs.CostTable.plannable_actions`, each on the blocks that run it), then both group kinds
+    when every block has checkpoint costs (a group recomputes its blocks from its input)."""
+    return [*costs.plannable_actions(), *(GROUP_KINDS if CHECKPOINT in costs.common_actions() else ())]

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .actions import MEMORY_POOR, SEGMENT
-from .costs import CHECKPOINT, SELECTIVE_PREFIX, CostTable
+from .actions import plan_choices
+from .costs import SELECTIVE_PREFIX, CostTable
 
 # Selective policies that save no operator output on the device (offload_dots keeps host copies, which serve
 # every recompute), so their regions can be passed through more than once.
 SAVES_NOTHING = frozenset({"nothing_saveable", "offload_dots"})
-GROUP_KINDS = (SEGMENT, MEMORY_POOR)
 
 
 def double_backward_safe(action: str) -> bool:
@@ -38,10 +37,7 @@ def double_backward_safe(action: str) -> bool:
 def double_backward_actions(costs: CostTable, actions: Sequence[str] | None = None) -> list[str]:
     """The optimal planner's ``actions=`` for a step that runs a second backward: ``actions`` (default: every
     single-block action of ``costs`` and both group kinds) without the ones that fail a second pass."""
-    if actions is None:
-        available = costs.plannable_actions()
-        actions = [*available, *(GROUP_KINDS if CHECKPOINT in costs.common_actions() else ())]
-    return [a for a in actions if double_backward_safe(a)]
+    return [a for a in (plan_choices(costs) if actions is None else actions) if double_backward_safe(a)]
 
 
 def check_double_backward(actions: Sequence[str]) -> None:

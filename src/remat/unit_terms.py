@@ -58,11 +58,9 @@ from typing import Any
 
 import numpy as np
 
-from .actions import MEMORY_POOR, SEGMENT, SINGLE, Unit
+from .actions import GROUP_KINDS, MEMORY_POOR, SEGMENT, SINGLE, Unit
 from .compiled_partitions import is_partition
 from .costs import CHECKPOINT, KEEP, OFFLOAD, BlockCost, CostTable
-
-GROUP_KINDS = (SEGMENT, MEMORY_POOR)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..actions import MEMORY_POOR, SEGMENT
+from ..actions import plan_choices
 from ..costs import CHECKPOINT, KEEP, CostTable
 from ..lossy_actions import is_lossy
 from ..planners import BudgetError, minimum_peak_bytes
@@ -77,8 +77,7 @@ class FittedMask:
 def exact_actions(costs: CostTable) -> list[str]:
     """The exact single actions plans on ``costs`` may use (each on the blocks that can run it), and the group
     kinds when every block has checkpoint."""
-    singles = [a for a in costs.plannable_actions() if not is_lossy(a)]
-    return singles + ([SEGMENT, MEMORY_POOR] if CHECKPOINT in costs.common_actions() else [])
+    return [a for a in plan_choices(costs) if not is_lossy(a)]
 
 
 def budget_error(costs: CostTable, budget_bytes: int) -> BudgetError:

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..actions import MEMORY_POOR, SEGMENT
-from ..costs import CHECKPOINT, CostTable
+from ..actions import plan_choices
+from ..costs import CostTable
 from ..lossy_actions import compresses_input, is_lossy
 from ..simulator import Plan
 from ..sizes import format_bytes
@@ -62,8 +62,7 @@ def plan_error(costs: CostTable, plan: Plan) -> float:
 def _all_actions(costs: CostTable, actions: list[str] | None) -> list[str]:
     if actions is not None:
         return list(actions)
-    available = [a for a in costs.plannable_actions() if usable(costs, a)]
-    return [*available, *((SEGMENT, MEMORY_POOR) if CHECKPOINT in costs.common_actions() else ())]
+    return [a for a in plan_choices(costs) if usable(costs, a)]
 
 
 def _priced(costs: CostTable, price: float) -> CostTable:
