@@ -172,6 +172,43 @@ def test_plan_on_compiled_blocks_switches_without_recompiling() -> None:
     handle.remove()
 
 
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()", "compiled step function"])
+def test_a_forward_under_whole_model_compile_is_refused_while_the_plan_recomputes(how: str) -> None:
+    torch._dynamo.reset()
+    reference = grads(chain())
+    model = chain()
+    handle = remat.apply(model, remat.Plan({"blocks.0": "checkpoint", "blocks.1": "keep", "blocks.2": "offload"}))
+    if how == "torch.compile(model)":
+        run = torch.compile(model, backend="aot_eager")
+    elif how == "model.compile()":
+        model.compile(backend="aot_eager")
+        run = model
+    else:
+        run = torch.compile(lambda x: model(x), backend="aot_eager")
+    with pytest.raises(RuntimeError, match=r"runs under torch.compile .*compile_blocks\(model\)"):
+        run(X)
+    assert not handle._open  # nothing left open by the refused forward
+
+    # a plan that keeps every block opens no region: the compiled forward runs, exact up to compiled kernels
+    handle.set_plan(remat.Plan(dict.fromkeys(handle.fqns, "keep")))
+    for p in model.parameters():
+        p.grad = None
+    run(X).backward()
+    assert_close(reference, {n: p.grad.clone() for n, p in model.named_parameters()}, 1e-6)
+    handle.remove()
+
+
+def test_compiled_blocks_under_an_eager_model_pass_the_compiled_caller_check() -> None:
+    torch._dynamo.reset()
+    reference = grads(chain())
+    model = chain()
+    handle = remat.apply(model, remat.Plan({"blocks.0": "checkpoint", "blocks.1": "keep", "blocks.2": "checkpoint"}))
+    remat_compile.compile_blocks(model, backend="aot_eager")
+    assert_close(reference, grads(model), 1e-6)
+    assert handle.stats.calls == {"blocks.0": 1, "blocks.1": 0, "blocks.2": 1}
+    handle.remove()
+
+
 def test_live_tensor_tracker_runs_compiled_code_eagerly() -> None:
     """remat.measure() on CPU is a TorchDispatchMode; dynamo does not run compiled frames while one is active, so
     the step runs (and is measured) in eager mode, and torch 2.13 keeps skipping that frame until

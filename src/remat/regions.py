@@ -6,8 +6,9 @@ it installs the saved-tensor hooks of a checkpoint frame; advanced again, it rem
 or of the last block of a segment), as ``torch.distributed``'s composable checkpoint does. This module owns
 that use of the generator (:func:`open_checkpoint_frame`), the record a recomputation re-runs a block from
 (:class:`CallRecord`), the state of a region between its two hooks and how it is closed (:class:`OpenRegion`,
-which also runs the region with autocast's weight-cast cache off, see :mod:`remat.precision`), and the two checks
-the hooks rely on (:func:`same_tensor`, :func:`eager`).
+which also runs the region with autocast's weight-cast cache off, see :mod:`remat.precision`), the two checks
+the hooks rely on (:func:`same_tensor`, :func:`eager`), and the refusal of a forward that itself runs under
+``torch.compile`` while regions would open in it (:func:`compiled_caller_check`).
 """
 
 from __future__ import annotations
@@ -205,6 +206,38 @@ def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook``, never traced by ``torch.compile`` (as FSDP2 does with its hooks): with compiled blocks
     (``block.compile()``) the checkpoint regions open and close in eager code around the compiled forward."""
     return torch.compiler.disable(hook)
+
+
+COMPILED_CALLER_MESSAGE = (
+    "the model runs under torch.compile (torch.compile(model), model.compile(), or a compiled function that calls "
+    "it) while its remat plan recomputes or stores blocks' activations: the blocks would run compiled in forward "
+    "and eagerly when recomputed, and their saved tensors would not match. Compile the blocks instead, after "
+    "remat.apply: remat.integrations.compile.compile_blocks(model) (plans then switch without recompiling); or, "
+    "without a remat plan, fit torch.compile's own budget to bytes with "
+    "remat.integrations.compile.fit_compile_budget or fit_compiled (docs/compile.md)"
+)
+
+# torch's probe of the frame-evaluation callback that torch.compile installs while compiled code runs; None where
+# this torch lacks it (then the check below does nothing).
+_COMPILE_CALLBACK = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_compile_callback = getattr(_COMPILE_CALLBACK, "get_eval_frame_callback", None)
+
+
+def compiled_caller_check(handle: Any) -> Callable[..., None]:
+    """A forward pre-hook for the model that raises :data:`COMPILED_CALLER_MESSAGE` when the model's forward
+    runs inside ``torch.compile`` while ``handle.opens_regions`` (a plain attribute: the hook makes no Python
+    call, since under compile every frame it called would be compiled in turn). torch.compile skips the hook's
+    own frame but leaves its callback installed, which is what the hook reads; :func:`eager` hooks would see it
+    removed. Blocks compiled on their own (``compile_blocks``) run the model's forward eagerly and pass."""
+    probe = _compile_callback
+    if probe is None:
+        return lambda *_: None
+
+    def check(*_: Any) -> None:
+        if handle.opens_regions and probe() is not None:
+            raise RuntimeError(COMPILED_CALLER_MESSAGE)
+
+    return torch.compiler.disable(check, recursive=False)
 
 
 def exception_propagating() -> bool:

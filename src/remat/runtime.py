@@ -8,10 +8,8 @@ forward the hooks read the current plan's units and open/close the matching regi
 * ``segment`` groups: one frame from the first block to the last (re-run in order in backward); ``memory_poor``
   groups: one frame per block, re-deriving its input from the group's input, storing nothing;
 * ``offload``, ``compress:`` and ``recompute+compress:``: saved tensors on the host, compressed, or re-run
-  and compressed in backward (:mod:`remat.recompute_compression`); ``checkpoint+compress:``: its own frame.
-
-``partition:<budget>`` runs a compiled block's variant of that budget. Nothing is re-wrapped on ``set_plan``;
-``remove()`` leaves the model as it was; ``stats`` counts re-executions and recompute seconds. Notes [1] to [8].
+  and compressed in backward (:mod:`remat.recompute_compression`); ``checkpoint+compress:``: its own frame;
+* ``partition:<budget>``: a compiled block's variant of that budget. Notes [1] to [8]; ``stats`` counts re-runs.
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from .recompute_stats import RecomputeStats
 from .regions import (
     CallRecord,
     OpenRegion,
+    compiled_caller_check,
     eager,
     exception_propagating,
     handoff_error,
@@ -76,12 +75,13 @@ from .suspension import Counting, all_suspended
 # blocks) need.
 #
 # Note [4] Hooks installed once.
-# apply() registers per block one forward pre-hook (opens regions) and one forward hook with always_call=True
-# (closes them, also when the block raises), and marks the model, so a second apply() is refused. Nothing is
-# wrapped: parameter names and state_dict keys stay. The hooks are kept out of torch.compile (regions.eager) and
-# do nothing while inactive: grad disabled, during a recomputation (a re-run block must not open a region of
-# its own), under handle.suspended() or suspend_all() (the profiler runs blocks alone). So a recomputation calls
-# the block's forward past them where no other hook or compiled call is on it (applied.forward_past_own_hooks).
+# apply() puts on each block one forward pre-hook (opens regions) and one forward hook with always_call=True (closes
+# them, also when the block raises), and marks the model (a second apply() is refused). Nothing is wrapped: parameter
+# names and state_dict keys stay. The hooks are kept out of torch.compile (regions.eager); a forward that itself runs
+# compiled while the plan opens regions is refused (regions.compiled_caller_check: a recomputation would run eagerly
+# what the forward ran compiled). The hooks do nothing while inactive: grad disabled, during a recomputation (a re-run
+# block must not open a region of its own), under handle.suspended() or suspend_all() (the profiler runs blocks alone).
+# Recomputation runs a block's forward past them if no other hook or compiled call is on it (forward_past_own_hooks).
 #
 # Note [5] What set_plan may change.
 # Between steps, set_plan may change every block's action and the grouping into segments and memory-poor
@@ -144,8 +144,8 @@ class RematHandle:
             post = module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
             self._hooks += [pre, post]
             self._own_hook_ids.append(frozenset((pre.id, post.id)))
-        model_entry = applied.CopyRefusingHook(eager(lambda *_: self._calls.reset()))  # Note [8]
-        self._hooks.append(model.register_forward_pre_hook(model_entry))
+        for entry in (eager(lambda *_: self._calls.reset()), compiled_caller_check(self)):  # Notes [8], [4]
+            self._hooks.append(model.register_forward_pre_hook(applied.CopyRefusingHook(entry)))
         model_exit = applied.CopyRefusingHook(eager(self._after_model_forward))
         self._hooks.append(model.register_forward_hook(model_exit, always_call=True))  # Note [6]
 
@@ -160,6 +160,8 @@ class RematHandle:
         self.plan, self._positions, self._names = plan, positions, list(plan.actions)
         self._single_positions = positions.single_call_positions()  # None: some block's calls are planned apart
         self._unit_of = [unit for unit in units for _ in range(unit.size)]
+        kept = (KEEP, *(a for a in plan.actions.values() if compiled_partitions.is_partition(a)))
+        self.opens_regions = any(u.kind != "single" or u.action not in kept for u in units)  # Note [4]
 
     @property
     def mask(self) -> dict[str, bool]:

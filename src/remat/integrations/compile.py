@@ -11,7 +11,7 @@ Two ways compose correctly (``docs/compile.md`` has the details and examples):
   each block of the chain. The checkpoint regions open and close in eager code around each compiled forward,
   recomputation calls the same compiled forward again, and ``handle.set_plan`` switches actions between steps
   without recompiling. Compiling the whole model around an applied plan is not supported: the forward would
-  run compiled and the recomputation eagerly, and torch's checkpoint rejects the mismatch.
+  run compiled and the recomputation eagerly; such a forward is refused at its start.
 * **torch.compile's own budget, fitted to bytes**: :func:`fit_compile_budget` (:mod:`.compile_budget`) compiles
   the whole model under a grid of ``activation_memory_budget`` fractions, measures each step's peak and time,
   and returns the fastest that fits a byte budget. One graph takes one budget, so below the least peak it
