@@ -3,7 +3,10 @@ downloaded), ``nn.Sequential`` and ``nn.ModuleList`` chains, explicit names, and
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 from torch import nn
 from toy_models import MLPBlock, MLPChain
 
@@ -77,9 +80,55 @@ def test_mixed_class_lists_are_not_chains() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.layers = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+            # a list of mixed classes says nothing of how they are called (a speech model's feature extractor)
+            self.convs = nn.ModuleList([nn.Conv1d(4, 4, 3), *[MLPBlock(4) for _ in range(3)]])
             self.pair = nn.ModuleList([MLPBlock(4), MLPBlock(4)])
 
-    assert [name for name, _ in remat.find_blocks(Model())] == ["pair.0", "pair.1"]
+    assert [[name for name, _ in chain] for chain in remat.find_chains(Model())] == [["pair.0", "pair.1"]]
+
+
+def _step_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    model(x).square().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy", ["full", "sqrt", "memory_poor"])
+def test_a_sequential_gives_the_run_of_repeated_blocks_between_its_stem_and_head(strategy: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), *[MLPBlock(8, dropout=0.1) for _ in range(4)], nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    assert [n for n, _ in remat.find_blocks(model)] == ["1", "2", "3", "4"]
+    x = torch.randn(3, 4)
+    handle = remat.apply(model, remat.plan(remat.profile(model, x, loss_fn=lambda y: y.square().mean()), strategy))
+    grads = _step_grads(model, x)
+    assert handle.stats.total_calls >= 4
+    expected = _step_grads(reference, x)
+    assert all(torch.equal(grads[n], expected[n]) for n in expected)
+
+
+def test_a_module_dict_of_layers_is_a_chain_in_its_order() -> None:
+    class Model(nn.Module):  # torchtitan keeps its layers in a ModuleDict keyed by layer number
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleDict({str(i): MLPBlock(8, dropout=0.1) for i in range(3)})
+            self.head = nn.ModuleDict({"norm": nn.LayerNorm(8), "out": nn.Linear(8, 8)})  # mixed: not a chain
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers.values():
+                x = layer(x)
+            return self.head["out"](self.head["norm"](x))
+
+    torch.manual_seed(0)
+    model = Model()
+    reference = copy.deepcopy(model)
+    assert [n for n, _ in remat.find_blocks(model)] == ["layers.0", "layers.1", "layers.2"]
+    x = torch.randn(3, 8)
+    plan = remat.Plan({"layers.0": "checkpoint", "layers.1": "segment:a", "layers.2": "segment:a"})
+    handle = remat.apply(model, plan)
+    grads, expected = _step_grads(model, x), _step_grads(reference, x)
+    assert grads.keys() == expected.keys() and all(torch.equal(grads[n], expected[n]) for n in expected)
+    assert handle.stats.calls == {"layers.0": 1, "layers.1": 1, "layers.2": 1}
 
 
 def test_explicit_names_in_the_order_given() -> None:

@@ -1,10 +1,11 @@
 """Finding the chains of repeated blocks in a model: the units that plans act on.
 
 A chain is the ordered list of ``(fqn, module)`` of one stack of repeated layers: a Hugging Face layer list
-(``transformer.h``, ``encoder.layer``, ``model.layers``...), an ``nn.Sequential`` or any ``nn.ModuleList``
-whose children share one class and hold parameters. Only outermost stacks count: a list inside a block of
-another stack (the experts of a mixture-of-experts layer, the layers of a ResNet stage) is part of that
-block, not a chain of its own.
+(``transformer.h``, ``encoder.layer``, ``model.layers``...), any ``nn.ModuleList`` or ``nn.ModuleDict`` (in its
+order, as torchtitan keeps its layers) whose children share one class and hold parameters, and in an
+``nn.Sequential`` each run of two or more consecutive children of one class (``nn.Sequential(stem, *blocks,
+head)`` gives its blocks). Only outermost stacks count: a list inside a block of another stack (the experts of a
+mixture-of-experts layer, the layers of a ResNet stage) is part of that block, not a chain of its own.
 
 A model may have several chains: an encoder and a decoder, the text and vision towers of CLIP.
 :func:`find_chains` returns all of them in module order, each on its own (towers are never merged into one
@@ -26,19 +27,29 @@ Chain = list[tuple[str, nn.Module]]
 def _candidate_lists(model: nn.Module) -> list[tuple[str, Chain]]:
     found = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList | nn.Sequential):
+        if not isinstance(module, nn.ModuleList | nn.Sequential | nn.ModuleDict):
             continue
-        children = list(module.named_children())
-        if len(children) < 2:
-            continue
-        classes = {type(child) for _, child in children}
-        if len(classes) != 1:
-            continue
-        if all(sum(1 for _ in child.parameters()) == 0 for _, child in children):
-            continue  # e.g. a Sequential of activations: nothing worth checkpointing
         prefix = f"{name}." if name else ""
-        found.append((name, [(prefix + child_name, child) for child_name, child in children]))
+        for run in _runs_of_one_class(list(module.named_children()), whole=not isinstance(module, nn.Sequential)):
+            found.append((name, [(prefix + child_name, child) for child_name, child in run]))
     return found
+
+
+def _runs_of_one_class(children: list[tuple[str, nn.Module]], whole: bool) -> list[list[tuple[str, nn.Module]]]:
+    """The maximal runs of two or more consecutive children of one class that hold parameters (a Sequential of
+    activations has nothing worth checkpointing). ``whole``: only a run of every child counts. A Sequential runs
+    its children one into the next, so its repeated blocks between a stem and a head are a chain; a ModuleList
+    or ModuleDict of mixed classes says nothing of how the model calls them (the convolutions of a speech
+    model's feature extractor after its first, differing one are not the layers to plan)."""
+    runs: list[list[tuple[str, nn.Module]]] = []
+    for child in children:
+        if runs and type(runs[-1][-1][1]) is type(child[1]):
+            runs[-1].append(child)
+        else:
+            runs.append([child])
+    if whole and len(runs) > 1:
+        return []
+    return [run for run in runs if len(run) >= 2 and any(True for _, c in run for _ in c.parameters())]
 
 
 def _outermost(candidates: list[tuple[str, Chain]]) -> list[tuple[str, Chain]]:
@@ -49,9 +60,9 @@ def _outermost(candidates: list[tuple[str, Chain]]) -> list[tuple[str, Chain]]:
 
 def _no_chain_error(model: nn.Module) -> ValueError:
     return ValueError(
-        f"no chain of repeated blocks found in {type(model).__name__}: it has no nn.ModuleList or "
-        "nn.Sequential of two or more modules of one class. Name the blocks yourself, e.g. "
-        "remat.find_blocks(model, names=['layer1', 'layer2']) or blocks=[...] in profile/apply."
+        f"no chain of repeated blocks found in {type(model).__name__}: no nn.ModuleList or nn.ModuleDict in it "
+        "holds two or more modules of one class only, and no nn.Sequential two consecutive ones. Name the blocks "
+        "yourself, e.g. remat.find_blocks(model, names=['layer1', 'layer2']) or blocks=[...] in profile/apply."
     )
 
 
