@@ -152,3 +152,22 @@ def test_a_model_without_a_chain_says_how_to_name_blocks() -> None:
     assert "names=[" in str(info.value) and "blocks=[" in str(info.value)
     # The advice works: naming the blocks gives a chain.
     assert [n for n, _ in remat.find_blocks(model, names=["0", "2"])] == ["0", "2"]
+
+
+def test_a_model_with_one_shared_layer_is_told_to_name_it() -> None:
+    class Shared(nn.Module):  # ALBERT's shape: one layer, called once per depth
+        def __init__(self) -> None:
+            super().__init__()
+            self.groups = nn.ModuleList([MLPBlock(8)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(3):
+                x = self.groups[0](x)
+            return x.square().mean()
+
+    model = Shared()
+    with pytest.raises(ValueError, match=r"calls several times .*blocks=\['groups\.0'\]"):
+        remat.find_blocks(model)
+    # The advice works: each call is a block of the plan.
+    costs = remat.profile(model, torch.randn(2, 8), loss_fn=lambda y: y, blocks=["groups.0"])
+    assert costs.fqns == ["groups.0", "groups.0@2", "groups.0@3"]

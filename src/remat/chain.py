@@ -59,10 +59,23 @@ def _outermost(candidates: list[tuple[str, Chain]]) -> list[tuple[str, Chain]]:
 
 
 def _no_chain_error(model: nn.Module) -> ValueError:
+    shared = [
+        f"{name}.{child_name}" if name else child_name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList | nn.Sequential | nn.ModuleDict)
+        for child_name, child in module.named_children()
+        if len(module) == 1 and any(True for _ in child.parameters())
+    ]
+    hint = (
+        f" A single layer that the forward calls several times (shared weights, as in ALBERT) is a chain of its "
+        f"calls, each planned on its own: blocks={shared[:1]!r}."
+        if shared
+        else ""
+    )
     return ValueError(
         f"no chain of repeated blocks found in {type(model).__name__}: no nn.ModuleList or nn.ModuleDict in it "
         "holds two or more modules of one class only, and no nn.Sequential two consecutive ones. Name the blocks "
-        "yourself, e.g. remat.find_blocks(model, names=['layer1', 'layer2']) or blocks=[...] in profile/apply."
+        "yourself, e.g. remat.find_blocks(model, names=['layer1', 'layer2']) or blocks=[...] in profile/apply." + hint
     )
 
 
