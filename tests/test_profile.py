@@ -212,6 +212,29 @@ def test_profile_batch_forms_and_loss_fn() -> None:
         assert [r.saved_bytes for r in costs.blocks] == [r.saved_bytes for r in by_tensor.blocks]
 
 
+def test_a_step_with_nothing_to_train_is_refused_with_the_reason() -> None:
+    model, x = MLPChain([16] * 4), torch.randn(5, 8)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"loss does not require grad.*torch\.no_grad\(\)"):
+        remat.profile(model, x, repeats=1)
+    with pytest.raises(RuntimeError, match="does not depend on a parameter"):
+        remat.profile(model, x, loss_fn=lambda out: torch.zeros(()), repeats=1)
+    model.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="no parameter of MLPChain requires grad"):
+        remat.profile(model, x, repeats=1)
+
+
+def test_a_model_in_eval_mode_is_profiled_as_it_is_with_a_warning() -> None:
+    model, x = MLPChain([16] * 4, dropout=0.5), torch.randn(5, 8)
+    model.eval()
+    with pytest.warns(UserWarning, match=r"remat.profile: MLPChain is in eval mode .*model.train\(\)"):
+        evaluating = remat.profile(model, x, repeats=1)
+    assert not model.training
+    model.train()
+    training = remat.profile(model, x, repeats=1)
+    # dropout's masks are saved only in training: what the eval-mode step keeps is less
+    assert evaluating.blocks[0].saved_bytes[KEEP] < training.blocks[0].saved_bytes[KEEP]
+
+
 def test_profile_on_named_blocks() -> None:
     model = uniform_chain(4, width=16)
     costs = remat.profile(model, torch.randn(5, 8), blocks=["blocks.1", "blocks.3"], repeats=1)

@@ -76,7 +76,7 @@ from .profiled_actions import compiled_block_actions, default_actions
 from .regions import eager, in_place_error
 from .step_anchor import anchor_to_plain_steps
 from .suspension import suspend_all
-from .training_step import Batch, default_loss, run_step
+from .training_step import Batch, default_loss, run_step, warn_if_evaluating
 
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
 
@@ -366,6 +366,7 @@ def profile(
     ``holds_output=False`` so the head's figures leave them out and the predicted peak is that loop's, not the
     logits higher. A table profiled so under-predicts a loop that holds the output by what the output holds;
     ``info["holds_output"]`` records the setting."""
+    warn_if_evaluating(model, "remat.profile")
     spec = autocast_spec(autocast, model_device(model).type)
     chains = resolve_chains(model, blocks)
     io = block_ios([pair for chain in chains for pair in chain], main_input, main_output)

@@ -8,12 +8,15 @@ training loop. The output is held through the backward (``out = model(x); loss_f
 ``holds_output=False``, which drops it once the loss is computed, as a loop keeping only the loss does
 (``model(**batch).loss.backward()``, Hugging Face's Trainer): what the output holds beyond the loss (the
 logits) is then freed before the backward. :func:`timed_step` times one such step, and
-:func:`interleaved_rounds` times several contenders' steps against each other.
+:func:`interleaved_rounds` times several contenders' steps against each other. A step whose loss does not require
+grad is refused with the reason (:func:`untrainable_step_error`); :func:`warn_if_evaluating` warns that a model
+in eval mode is not measured as training runs it.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -46,6 +49,8 @@ def run_step(
         else:
             output = model(batch)
         loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+    if not loss.requires_grad:
+        raise untrainable_step_error(model)
     if not holds_output:
         del output
     with autocast_off():  # also inside the user's autocast context: a loop's backward runs outside it
@@ -97,3 +102,27 @@ def interleaved_rounds(names: Sequence[Name], run: Callable[[Name], float], roun
         for name in names if r % 2 == 0 else names[::-1]:
             results[name].append(run(name))
     return results
+
+
+def untrainable_step_error(model: nn.Module) -> RuntimeError:
+    """The error for a step whose loss does not require grad, with the reason that applies."""
+    if not torch.is_grad_enabled():
+        why = "grad is disabled here (torch.no_grad() or torch.inference_mode() around the call): call it outside"
+    elif not any(p.requires_grad for p in model.parameters()):
+        why = f"no parameter of {type(model).__name__} requires grad: unfreeze the ones the training updates"
+    else:
+        why = "the loss does not depend on a parameter that requires grad: check loss_fn (or the batch's labels)"
+    return RuntimeError(f"the step's loss does not require grad, so there is no backward to measure or plan: {why}")
+
+
+def warn_if_evaluating(model: nn.Module, what: str) -> None:
+    """Warn that ``what`` runs ``model`` in eval mode, so not as training runs it: dropout off, normalisation on
+    running statistics (and whatever else a module does differently), hence other saved tensors and times."""
+    if not model.training:
+        warnings.warn(
+            f"{what}: {type(model).__name__} is in eval mode (model.eval(); from_pretrained returns models so): "
+            "dropout is off and normalisation reads running statistics, so the step measured is not the training "
+            "step, whose activations can be larger than predicted. Call model.train() first if training runs in "
+            "train mode.",
+            stacklevel=3,
+        )
