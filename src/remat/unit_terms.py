@@ -17,10 +17,15 @@ and cannot tell the two apart.
 A single block under action ``a``::
 
     retained   = saved[a]
-    peak       = max(saved[a] + fwd_temp, keep + temp + bwd_extra[a] + head_retained)
+    peak       = max(saved[a] + fwd_temp, keep + bwd_temp + bwd_extra[a] + head_retained)
     recompute  = recompute[a]
     overhead   = overhead[a]
     re-runs    = 0 for keep and offload, else 1
+
+``keep + bwd_temp + bwd_extra[a]`` is the block's backward peak under ``a`` as measured alone
+(:mod:`remat.block_bytes`), a recomputation's forward transients included: ``temp`` there would count them twice
+(Qwen3's blocks, whose attention is wider than the hidden state, were over-predicted by 16%). A group's blocks
+re-run their forward inside its backward beside what the blocks before them rebuilt, so groups read ``temp``.
 
 A group of blocks ``s..e``, with ``inside[m] = output[m-1]`` for ``m > s`` and ``0`` for ``m = s`` (the
 group's own input belongs to the unit before)::
@@ -108,7 +113,7 @@ def single_terms(block: BlockCost, action: str, head_retained: int, held: int = 
     """The terms of one block under the single-block ``action``; ``held``: the outputs the model holds through
     the block's backward (its own and later ones, see the module's notes)."""
     saved = block.saved(action)
-    backward = block.saved(KEEP) + temp_bytes(block) + block.bwd_extra_bytes.get(action, 0) + held
+    backward = block.saved(KEEP) + block.bwd_temp_bytes + block.bwd_extra_bytes.get(action, 0) + held
     peak = max(saved + block.fwd_temp_bytes, backward + head_retained)
     recompute = block.recompute_s[action]
     return UnitTerms(saved, peak, recompute, (reruns(action),), block.overhead_s.get(action, 0.0))
@@ -202,11 +207,11 @@ def single_table(costs: CostTable, actions: Sequence[str]) -> SingleTable:
 
     keep = np.array([b.saved(KEEP) for b in blocks], dtype=i64)
     fwd_temp = np.array([b.fwd_temp_bytes for b in blocks], dtype=i64)
-    temp = np.array([temp_bytes(b) for b in blocks], dtype=i64)
+    bwd_temp = np.array([b.bwd_temp_bytes for b in blocks], dtype=i64)
     saved = np.array([column(a, BlockCost.saved) for a in actions], dtype=i64).reshape(-1, n)
     bwd_extra = np.array([column(a, lambda b, a: b.bwd_extra_bytes.get(a, 0)) for a in actions], i64).reshape(-1, n)
     held = np.array(costs.held_outputs_per_row(), dtype=i64)
-    peak = np.maximum(saved + fwd_temp, keep + temp + bwd_extra + held + int(costs.head_retained_bytes))
+    peak = np.maximum(saved + fwd_temp, keep + bwd_temp + bwd_extra + held + int(costs.head_retained_bytes))
     recompute = np.array([column(a, lambda b, a: b.recompute_s[a]) for a in actions], np.float64).reshape(-1, n)
     overhead = np.array([column(a, lambda b, a: b.overhead_s.get(a, 0.0)) for a in actions], np.float64).reshape(-1, n)
     reexecutions = np.array([reruns(a) for a in actions], i64)

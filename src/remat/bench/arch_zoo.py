@@ -222,6 +222,12 @@ def architectures() -> list[Architecture]:
         ),
         Architecture("qwen2", _decoder("Qwen2Config", "Qwen2ForCausalLM"), _lm_batch, ("model.layers",)),
         Architecture(
+            "qwen3",  # its default head_dim (128): attention wider than the hidden state, as in Qwen3's own sizes
+            _decoder("Qwen3Config", "Qwen3ForCausalLM"),
+            _lm_batch,
+            ("model.layers",),
+        ),
+        Architecture(
             "gemma2",
             _decoder("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=8, query_pre_attn_scalar=8),
             _lm_batch,
