@@ -168,6 +168,15 @@ def test_in_flight_counts_and_budget_share():
         pipeline.in_flight("zero-bubble", 4, 0, 8)
 
 
+def test_a_stage_before_the_last_sets_aside_its_output_gradient_buffer():
+    costs = remat.profile(make_stage(0), sample(0), repeats=1)
+    output = costs.blocks[-1].output_bytes
+    assert output == (BATCH // MICRO) * SEQ * D * 4
+    assert pipeline.stage_share(costs, 10**6, "1f1b", 2, 0, MICRO) == (10**6 - output) // 2
+    last = pipeline.micro_batch_budget(10**6, "1f1b", 2, 1, MICRO)
+    assert pipeline.stage_share(costs, "1MB", "1f1b", 2, 1, MICRO) == last  # the last stage computes the loss
+
+
 def test_split_chain_keeps_order_stem_and_head():
     blocks = [nn.Linear(2, 2) for _ in range(5)]
     stem, head = nn.Identity(), nn.Identity()

@@ -6,7 +6,8 @@ How many micro-batches are alive at once on a stage depends on the schedule (:fu
 all forwards run before any backward, so all ``n_microbatches`` are alive on every stage; under 1F1B stage
 ``p`` of ``S`` runs ``min(n_microbatches, S - p)`` forwards before its first backward and then alternates one
 backward and one forward, so at most that many are alive. A stage's budget (bytes for all its activations) is
-therefore divided by the in-flight count to plan one micro-batch (:func:`micro_batch_budget`), and a plan or
+therefore divided by the in-flight count to plan one micro-batch (:func:`micro_batch_budget`; :func:`stage_share`
+first sets aside the buffer a stage before the last receives its output's gradient into), and a plan or
 PGAC mask is fitted to that share, with costs profiled on one micro-batch (on the last stage with the real
 loss, whose own temporaries count). Call ``schedule.step(..., return_outputs=False)`` in training: with the
 default the last stage keeps every micro-batch's output to merge them, memory no plan accounts for.
@@ -127,6 +128,20 @@ def micro_batch_budget(
     return total // in_flight(schedule, num_stages, stage_index, n_microbatches)
 
 
+def stage_share(
+    costs: CostTable, stage_budget: int | str, schedule: str, num_stages: int, stage_index: int, n_microbatches: int
+) -> int:
+    """What one micro-batch's plan may use on the stage: :func:`micro_batch_budget` of the stage budget less, on a
+    stage before the last, the buffer the next stage's gradient of this stage's output is received into. The
+    stage's profile ends in a sum of its output, whose gradient allocates nothing of that size; in the schedule
+    one such buffer is alive beside the activations (1F1B's first stage measured 4,208 B over a plan at its
+    share's edge without it)."""
+    total = parse_budget(stage_budget) if isinstance(stage_budget, str) else int(stage_budget)
+    if stage_index < num_stages - 1 and costs.blocks:
+        total -= costs.blocks[-1].output_bytes
+    return micro_batch_budget(total, schedule, num_stages, stage_index, n_microbatches)
+
+
 def build(
     stage: nn.Module,
     stage_index: int,
@@ -193,7 +208,7 @@ def apply_stage_plan(
     loss_fn=...)``, the real loss on the last stage). Raises
     :class:`remat.BudgetError` when the share is below what the stage needs."""
     p, s = _stage_position(stage_index, num_stages, group)
-    budget = micro_batch_budget(stage_budget, schedule, s, p, n_microbatches)
+    budget = stage_share(costs, stage_budget, schedule, s, p, n_microbatches)
     chosen = make_plan(costs, strategy, budget, **plan_options)
     return apply(stage, chosen, costs.fqns)
 
@@ -255,7 +270,7 @@ def stage_pgac(
     if "sync" in pgac_options or "threshold_scores" in pgac_options:
         raise ValueError("stage_pgac sets PGAC's thresholds itself: pass thresholds='local' or 'global'")
     p, s = _stage_position(stage_index, num_stages, group)
-    budget = micro_batch_budget(stage_budget, schedule, s, p, n_microbatches)
+    budget = stage_share(costs, stage_budget, schedule, s, p, n_microbatches)
     chain = ChainScores(p, s, group) if thresholds == "global" else None
     pgac = PGAC(stage, budget, costs=costs, blocks=costs.fqns, threshold_scores=chain, **pgac_options)
     # Every micro-batch in flight is scored, not only the one whose forward ran last.
