@@ -23,7 +23,7 @@ from torch import nn
 from . import compiled_partitions
 from .checkpointing import checkpoint
 from .compression import compressed_saving
-from .costs import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE_PREFIX
+from .costs import CHECKPOINT, OFFLOAD, SELECTIVE_PREFIX
 from .host_copies import saved_on_host
 from .input_compression import run_compressed_input
 from .lossy_actions import compresses_input, compresses_recompute, is_lossy
@@ -49,7 +49,7 @@ def run_action(
 
 
 def _run(module: Callable[..., Any], action: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if action == KEEP or compiled_partitions.is_partition(action):
+    if compiled_partitions.runs_plainly(action):
         return module(*args, **kwargs)
     if action == CHECKPOINT:
         return checkpoint(module, *args, **kwargs)

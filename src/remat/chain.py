@@ -49,7 +49,11 @@ def _runs_of_one_class(children: list[tuple[str, nn.Module]], whole: bool) -> li
             runs.append([child])
     if whole and len(runs) > 1:
         return []
-    return [run for run in runs if len(run) >= 2 and any(True for _, c in run for _ in c.parameters())]
+    return [run for run in runs if len(run) >= 2 and any(_holds_parameters(c) for _, c in run)]
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 def _outermost(candidates: list[tuple[str, Chain]]) -> list[tuple[str, Chain]]:
@@ -64,7 +68,7 @@ def _no_chain_error(model: nn.Module) -> ValueError:
         for name, module in model.named_modules()
         if isinstance(module, nn.ModuleList | nn.Sequential | nn.ModuleDict)
         for child_name, child in module.named_children()
-        if len(module) == 1 and any(True for _ in child.parameters())
+        if len(module) == 1 and _holds_parameters(child)
     ]
     hint = (
         f" A single layer that the forward calls several times (shared weights, as in ALBERT) is a chain of its "

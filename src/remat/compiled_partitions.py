@@ -152,6 +152,12 @@ def is_partition(action: str) -> bool:
     return action.startswith(PARTITION_PREFIX)
 
 
+def runs_plainly(action: str) -> bool:
+    """Whether a block under ``action`` runs as a plain call, with no region around it: ``keep``, or a partition
+    (its compiled variant saves what its budget says)."""
+    return action == KEEP or is_partition(action)
+
+
 def partition_action(budget: float) -> str:
     """The action name of ``budget``: ``"partition:0.5"``."""
     return f"{PARTITION_PREFIX}{float(budget):g}"

@@ -219,8 +219,9 @@ COMPILED_CALLER_MESSAGE = (
 
 # torch's probe of the frame-evaluation callback that torch.compile installs while compiled code runs; None where
 # this torch lacks it (then the check below does nothing).
-_COMPILE_CALLBACK = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-_compile_callback = getattr(_COMPILE_CALLBACK, "get_eval_frame_callback", None)
+_compile_callback = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None
+)
 
 
 def compiled_caller_check(handle: Any) -> Callable[..., None]:

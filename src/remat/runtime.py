@@ -160,8 +160,7 @@ class RematHandle:
         self.plan, self._positions, self._names = plan, positions, list(plan.actions)
         self._single_positions = positions.single_call_positions()  # None: some block's calls are planned apart
         self._unit_of = [unit for unit in units for _ in range(unit.size)]
-        kept = (KEEP, *(a for a in plan.actions.values() if compiled_partitions.is_partition(a)))
-        self.opens_regions = any(u.kind != "single" or u.action not in kept for u in units)  # Note [4]
+        self.opens_regions = any(u.kind != "single" or not compiled_partitions.runs_plainly(u.action) for u in units)
 
     @property
     def mask(self) -> dict[str, bool]:
@@ -297,7 +296,7 @@ class RematHandle:
         self, i: int, p: int, unit: Unit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         action = unit.action
-        if action == KEEP or compiled_partitions.is_partition(action):  # Note [5]: its compiled variant runs it
+        if compiled_partitions.runs_plainly(action):  # Note [5]: a partition's compiled variant runs it
             return
         region = OpenRegion(unit)
         if action == OFFLOAD or (is_lossy(action) and not compresses_input(action)):

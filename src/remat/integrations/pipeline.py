@@ -121,11 +121,17 @@ def in_flight(schedule: str, num_stages: int, stage_index: int, n_microbatches: 
 
 
 def micro_batch_budget(
-    stage_budget: int | str, schedule: str, num_stages: int, stage_index: int, n_microbatches: int
+    stage_budget: int | str,
+    schedule: str,
+    num_stages: int,
+    stage_index: int,
+    n_microbatches: int,
+    reserved: int = 0,
 ) -> int:
-    """The bytes one micro-batch may use on the stage: the stage's budget divided by the in-flight count."""
+    """The bytes one micro-batch may use on the stage: the stage's budget, less ``reserved`` bytes the schedule
+    holds beside the activations, divided by the in-flight count."""
     total = parse_budget(stage_budget) if isinstance(stage_budget, str) else int(stage_budget)
-    return total // in_flight(schedule, num_stages, stage_index, n_microbatches)
+    return (total - reserved) // in_flight(schedule, num_stages, stage_index, n_microbatches)
 
 
 def stage_share(
@@ -136,10 +142,9 @@ def stage_share(
     stage's profile ends in a sum of its output, whose gradient allocates nothing of that size; in the schedule
     one such buffer is alive beside the activations (1F1B's first stage measured 4,208 B over a plan at its
     share's edge without it)."""
-    total = parse_budget(stage_budget) if isinstance(stage_budget, str) else int(stage_budget)
-    if stage_index < num_stages - 1 and costs.blocks:
-        total -= costs.blocks[-1].output_bytes
-    return micro_batch_budget(total, schedule, num_stages, stage_index, n_microbatches)
+    receives_grad = stage_index < num_stages - 1 and costs.blocks
+    reserved = costs.blocks[-1].output_bytes if receives_grad else 0
+    return micro_batch_budget(stage_budget, schedule, num_stages, stage_index, n_microbatches, reserved)
 
 
 def build(
