@@ -45,9 +45,12 @@ def measure_block(
     repeats: int = 3,
     io: BlockIO | None = None,
     clock: Clock = time.perf_counter,
+    blocks_in_step: int = 1,
 ) -> BlockCost:
     """Costs of one block on these inputs, under each of ``actions`` (``"keep"`` must be among them), times
-    read from ``clock``; ``io`` says which argument and output are its hidden state (guessed by default)."""
+    read from ``clock``; ``io`` says which argument and output are its hidden state (guessed by default).
+    ``blocks_in_step``: how many blocks the step runs; the step's traffic between this block's forward and its
+    backward, which the timing's cache flush stands for, is taken as that many times what it saves under keep."""
     io = io or BlockIO.of(fqn, module)
     slot = io.input_slot(args, kwargs)
     source = slot_value(args, kwargs, slot)
@@ -93,9 +96,10 @@ def measure_block(
             if ran is not None:
                 trackers[action], output_bytes = tracker, ran
         actions = [a for a in actions if a not in unavailable]
+        traffic = blocks_in_step * trackers[KEEP].bytes_at("fwd_end") if KEEP in trackers else None
         runs = time_actions(
             module, actions, args, kwargs, main, device, repeats, pick=pick, clock=clock,
-            no_grad_forward=CHECKPOINT in actions,
+            no_grad_forward=CHECKPOINT in actions, traffic_bytes=traffic,
         )  # fmt: skip
         times = action_times(runs)
         errors = {a: block_grad_error(module, a, args, kwargs, main) for a in actions if is_lossy(a)}

@@ -208,23 +208,20 @@ class BlockProfiler:
         kwargs: dict[str, Any],
         actions: list[str],
     ) -> None:
-        if not self.reuse_identical:
-            self.rows[key] = measure_block(
-                fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i], clock=self.clock
-            )
-            return
-        io = self.io[i]
-        group = (block_signature(module, args, kwargs, io.input_slot(args, kwargs)), tuple(actions))
-        footprint = keep_footprint(module, args, kwargs, io, log_operators=not is_compiled(module))
-        measured = self._groups.setdefault(group, {})
-        if footprint in measured:
-            self.rows[key] = renamed(self.rows[measured[footprint]], fqn)
-            self.reused.add(key)
-            return
+        if self.reuse_identical:
+            io = self.io[i]
+            group = (block_signature(module, args, kwargs, io.input_slot(args, kwargs)), tuple(actions))
+            footprint = keep_footprint(module, args, kwargs, io, log_operators=not is_compiled(module))
+            measured = self._groups.setdefault(group, {})
+            if footprint in measured:
+                self.rows[key] = renamed(self.rows[measured[footprint]], fqn)
+                self.reused.add(key)
+                return
+            measured[footprint] = key
         self.rows[key] = measure_block(
-            fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i], clock=self.clock
-        )
-        measured[footprint] = key
+            fqn, module, args, kwargs, actions, repeats=self.repeats, io=self.io[i], clock=self.clock,
+            blocks_in_step=len(self.chain),
+        )  # fmt: skip
 
     def _main_output(self, i: int, args: Any, kwargs: dict[str, Any], output: Any) -> torch.Tensor | None:
         io = self.io[i]
