@@ -96,14 +96,13 @@ def measure_block(
             if ran is not None:
                 trackers[action], output_bytes = tracker, ran
         actions = [a for a in actions if a not in unavailable]
-        traffic = blocks_in_step * trackers[KEEP].bytes_at("fwd_end") if KEEP in trackers else None
+        terms = ByteTerms.from_trackers(trackers, input_bytes=tensor_bytes(main))
         runs = time_actions(
             module, actions, args, kwargs, main, device, repeats, pick=pick, clock=clock,
-            no_grad_forward=CHECKPOINT in actions, traffic_bytes=traffic,
+            no_grad_forward=CHECKPOINT in actions, traffic_bytes=blocks_in_step * terms.saved[KEEP],
         )  # fmt: skip
         times = action_times(runs)
         errors = {a: block_grad_error(module, a, args, kwargs, main) for a in actions if is_lossy(a)}
-    terms = ByteTerms.from_trackers(trackers, input_bytes=tensor_bytes(main))
     return BlockCost(
         fqn=fqn,
         fwd_s=times.fwd_s,

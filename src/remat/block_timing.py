@@ -13,7 +13,7 @@ its saved tensors and weights in cache and its backward, above all a recomputati
 in the step, the more so when another process shares the last-level cache. The flush writes as many bytes as
 that traffic (``traffic_bytes``, the profiler's estimate of the step's activations), at most twice the
 last-level cache: a flush larger than the step's own traffic leaves the block colder than the step does (on a
-host reporting a 480 MiB last-level cache, a 960 MiB flush priced a small GPT-2 block's checkpoint 15-60% above
+host reporting a 480 MiB last-level cache, a 960 MiB flush priced a small GPT-2 block's checkpoint 17-63% above
 what it added to the step).
 """
 
