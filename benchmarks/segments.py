@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_models import ModelSetting, build_model, make_batch  # noqa: E402
+from runtime_overhead import fmt, quantiles  # noqa: E402
+from step_prediction import timed_step  # noqa: E402
 
 import remat  # noqa: E402
 
@@ -44,23 +46,11 @@ def actions_of(name: str, n: int) -> list[str]:
     }[name]
 
 
-def step_seconds(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:
-    model.zero_grad(set_to_none=True)
-    start = time.process_time()
-    model(**batch).loss.backward()
-    return time.process_time() - start
-
-
-def quartiles(values: list[float]) -> str:
-    q1, median, q3 = statistics.quantiles(values, n=4)
-    return f"{median:.3f} [{q1:.3f}-{q3:.3f}]"
-
-
 def run_model(name: str, rounds: int) -> None:
     setting = ModelSetting(name, "fp32")
     model, batch = build_model(setting), make_batch(setting)
     for _ in range(2):
-        step_seconds(model, batch)
+        timed_step(model, batch)
     costs = remat.profile(model, batch, clock=time.process_time, holds_output=False)
     n = len(costs.fqns)
     names = ["keep", BASE, f"{BASE} (A/A)", "GGGGKK", "G4KK"]
@@ -70,14 +60,14 @@ def run_model(name: str, rounds: int) -> None:
     for round_ in range(rounds + 2):
         for label in names if round_ % 2 == 0 else reversed(names):
             handle.set_plan(plans[label])
-            seconds = step_seconds(model, batch)
+            seconds = sum(timed_step(model, batch))  # forward and backward
             if round_ >= 2:  # two warm-up rounds
                 steps[label].append(seconds)
     handle.remove()
     print(f"{name}: {n} blocks, {rounds} rounds")
     print(f"{'plan':<14}{'peak MiB':>10}{'pred ms':>10}{'meas ms':>10}   / {BASE} per round [q1-q3]")
     for label, plan in plans.items():
-        ratio = quartiles([a / b for a, b in zip(steps[label], steps[BASE], strict=True)])
+        ratio = fmt(quantiles([a / b for a, b in zip(steps[label], steps[BASE], strict=True)]))
         print(
             f"{label:<14}{plan.predicted_peak_bytes / 2**20:>10.2f}{plan.predicted_step_s * 1e3:>10.1f}"
             f"{statistics.median(steps[label]) * 1e3:>10.1f}   {ratio}"
