@@ -103,10 +103,11 @@ def brute_force(costs: CostTable, **restrict) -> list[tuple[Simulation, list[str
     return [(simulate(costs, actions), actions) for actions in plans]
 
 
-def rank(sim: Simulation) -> tuple[float, int, int]:
+def rank(sim: Simulation) -> tuple[float, int, int, int]:
     """The planner's order: least time cost (recomputation plus overhead: the step time beyond keeping
-    everything), then fewest re-executions, then lowest peak."""
-    return sim.time_cost_s, sum(sim.reexecutions), sim.peak_bytes
+    everything), then fewest re-executions, then fewest blocks re-run ahead of a later block's backward, then
+    lowest peak."""
+    return sim.time_cost_s, sum(sim.reexecutions), sim.deferred, sim.peak_bytes
 
 
 def budgets_to_try(sims: list[Simulation], rng: random.Random) -> list[int]:
@@ -161,21 +162,45 @@ def test_restricted_choices_equal_brute_force_over_them(costs: CostTable, seed: 
         check_against(costs, short_groups, budget, max_segment=2)
 
 
-def test_ties_go_to_fewer_reexecutions_then_lower_peak() -> None:
+def test_ties_go_to_fewer_reexecutions_then_fewer_deferred_blocks_then_lower_peak() -> None:
     blocks = [
         BlockCost(f"b{i}", 0.5, 1.0, 4, 4, {"keep": 40, "checkpoint": 4}, {"keep": 0.0, "checkpoint": 0.5})
         for i in range(4)
     ]
     costs = CostTable(blocks)
-    # Two blocks must be recomputed: as two checkpoints (peak 88) or as one segment of two (peak 84), same
-    # time and same re-executions, so the segment wins; a memory-poor group of two would re-run more.
-    budget = 100
+    # Two blocks must be recomputed: as two checkpoints (peak 88) or as one segment of two (peak 84), same time
+    # and re-executions; the segment re-runs its first block ahead of the second's backward, so the checkpoints
+    # win where they fit. A memory-poor group of two would re-run more.
+    for budget, expected, peak in ((100, ["checkpoint", "checkpoint", "keep", "keep"], 88),
+                                   (86, ["segment:0", "segment:0", "keep", "keep"], 84)):  # fmt: skip
+        plan = optimal(costs, budget)
+        fitting = [s for s, _ in brute_force(costs) if s.peak_bytes <= budget]
+        assert rank(simulate(costs, plan.actions)) == min(rank(s) for s in fitting)
+        assert list(plan.actions.values()) == expected
+        assert plan.predicted_peak_bytes == peak
+        assert plan.actions == optimal(costs, budget).actions  # deterministic
+
+
+def test_a_segment_ties_the_checkpoints_of_its_blocks_whatever_the_measured_seconds() -> None:
+    """Measured seconds are not multiples of a power of two; summed in a different order they would differ in
+    the last bit and decide for whichever plan rounding favours. On the time grid they tie exactly."""
+    rng = random.Random(3)
+    blocks = [
+        BlockCost(f"b{i}", 0.01, 0.02, 4, 4, {"keep": 40, "checkpoint": 4},
+                  {"keep": 0.0, "checkpoint": rng.uniform(1e-4, 1e-2)},
+                  overhead_s={"checkpoint": rng.uniform(-1e-5, 1e-3)})
+        for i in range(6)
+    ]  # fmt: skip
+    costs = CostTable(blocks)
+    for segments in (["segment:0"] * 2 + ["segment:1"] * 2, ["segment:0"] * 4, ["segment:0"] * 3 + ["segment:1"]):
+        actions = segments + ["keep", "keep"]
+        assert simulate(costs, actions).time_cost_s == simulate(costs, ["checkpoint"] * 4 + ["keep"] * 2).time_cost_s
+        assert simulate(costs, actions).deferred == 4 - len(set(segments))
+    budget = simulate(costs, ["checkpoint"] * 4 + ["keep"] * 2).peak_bytes
     plan = optimal(costs, budget)
     fitting = [s for s, _ in brute_force(costs) if s.peak_bytes <= budget]
     assert rank(simulate(costs, plan.actions)) == min(rank(s) for s in fitting)
-    assert list(plan.actions.values()) == ["segment:0", "segment:0", "keep", "keep"]
-    assert plan.predicted_peak_bytes == 84
-    assert plan.actions == optimal(costs, budget).actions  # deterministic
+    assert plan.count("checkpoint") == 4 and simulate(costs, plan.actions).deferred == 0
 
 
 def test_an_overhead_larger_than_the_recomputation_saved_loses_to_checkpointing() -> None:

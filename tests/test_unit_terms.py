@@ -14,7 +14,7 @@ from remat.actions import MEMORY_POOR, SEGMENT, SINGLE, Unit
 from remat.costs import BlockCost, CostTable
 from remat.planners.chain_units import ChainUnits, holding_arguments
 from remat.simulator import simulate, units_from_actions
-from remat.unit_terms import ChainNumbers, group_table, single_table, unit_terms
+from remat.unit_terms import TIME_GRID_S, ChainNumbers, group_table, on_time_grid, single_table, unit_terms
 
 SELECTIVE = "selective:dots_saveable"
 
@@ -95,8 +95,8 @@ CASES = [
     ),
 ]
 
-# retained bytes, peak bytes above the prefix, time cost (recompute plus overhead seconds), re-runs
-Terms = tuple[int, int, float, int]
+# retained bytes, peak bytes above the prefix, time cost (recompute plus overhead seconds), re-runs, deferred
+Terms = tuple[int, int, float, int, int]
 
 
 def simulator_form(costs: CostTable, actions: list[str]) -> list[Terms]:
@@ -106,7 +106,7 @@ def simulator_form(costs: CostTable, actions: list[str]) -> list[Terms]:
     rows = []
     for unit, peak in zip(units, sim.unit_peaks, strict=True):
         terms = unit_terms(costs, unit)
-        rows.append((terms.retained, peak, terms.time_cost_s, sum(terms.reexecutions)))
+        rows.append((terms.retained, peak, terms.time_cost_s, sum(terms.reexecutions), terms.deferred))
     return rows
 
 
@@ -147,13 +147,13 @@ def table_form(costs: CostTable, actions: list[str]) -> list[Terms]:
         if unit.kind == SINGLE:
             t = single_table(searched, [unit.action])
             rows.append((t.retained[0, unit.start], t.peak[0, unit.start] + held, t.time_cost_s[0, unit.start],
-                         t.reexecutions[0]))  # fmt: skip
+                         t.reexecutions[0], 0))  # fmt: skip
             continue
         g = group_table(ChainNumbers.of(searched), searched.head_retained_bytes, n, [SEGMENT, MEMORY_POOR],
                         outputs_kept=searched.outputs_kept)  # fmt: skip
         s, j = unit.start, unit.size - 1
         rows.append((g.retained[s, j], g.peak[unit.kind][s, j] + held, g.time_cost_s[unit.kind][s, j],
-                     g.reexecutions[unit.kind][j]))  # fmt: skip
+                     g.reexecutions[unit.kind][j], g.deferred[unit.kind][j]))  # fmt: skip
     return rows
 
 
@@ -165,8 +165,8 @@ def planner_form(costs: CostTable, actions: list[str], by: str) -> list[Terms]:
     rows = []
     for unit in units_from_actions(actions):
         listed = chain_units.starting_at(unit.start, n) if by == "start" else chain_units.ending_at(unit.end, n)
-        retained, peak, time_cost, reexec = _pick(chain_units, listed, unit)
-        rows.append((retained, peak + folded_held(costs), time_cost, reexec))
+        retained, peak, time_cost, reexec, deferred = _pick(chain_units, listed, unit)
+        rows.append((retained, peak + folded_held(costs), time_cost, reexec, deferred))
     return rows
 
 
@@ -177,11 +177,11 @@ def _pick(chain_units: ChainUnits, listed, unit: Unit) -> Terms:  # noqa: ANN001
         code = len(chain_units.singles.actions) + chain_units.group_kinds.index(unit.kind)
     (row,) = [r for r in range(len(listed.code)) if listed.code[r] == code and listed.start[r] == unit.start
               and listed.end[r] == unit.end]  # fmt: skip
-    return listed.retained[row], listed.peak[row], listed.time[row], listed.reexec[row]
+    return listed.retained[row], listed.peak[row], listed.time[row], listed.reexec[row], listed.deferred[row]
 
 
 def as_python(rows: list[Terms]) -> list[Terms]:
-    return [(int(r), int(p), float(t), int(x)) for r, p, t, x in rows]
+    return [(int(r), int(p), float(t), int(x), int(d)) for r, p, t, x, d in rows]
 
 
 @pytest.mark.parametrize("name, costs, actions", CASES, ids=[c[0] for c in CASES])
@@ -193,7 +193,8 @@ def test_every_form_gives_the_same_numbers(name: str, costs: CostTable, actions:
     assert as_python(planner_form(costs, actions, by="end")) == expected
     assert table_seconds(costs, actions) == simulator_seconds(costs, actions)
     sim = simulate(costs, actions)
-    assert sim.time_cost_s == sum(t for _, _, t, _ in expected)  # summed unit by unit, as the search does
+    assert sim.time_cost_s == sum(t for _, _, t, _, _ in expected)  # summed unit by unit, as the search does
+    assert sim.deferred == sum(d for *_, d in expected)
     assert sim.step_s == sum(b.fwd_s + b.bwd_s for b in costs.blocks) + sim.time_cost_s
 
 
@@ -245,9 +246,24 @@ def test_the_table_exercises_what_it_names() -> None:
     frames = [b.overhead_s["checkpoint"] for b in costs.blocks]
     assert len(set(frames)) == 6
     assert unit_terms(costs, unit).overhead_s == pytest.approx(sum(frames))
+    assert unit_terms(costs, unit).deferred == 0  # each block's backward follows its own re-run
     costs, actions = by_name["segment of the whole chain"]
     (unit,) = units_from_actions(actions)
     assert unit_terms(costs, unit).overhead_s == pytest.approx(sum(frames))
+    assert unit_terms(costs, unit).deferred == 5  # every block but the last waits for the later ones
+
+
+def test_time_terms_lie_on_a_grid_where_every_sum_is_exact() -> None:
+    """Invariant 1: a segment costs exactly what checkpoints of its blocks cost, summed in any order."""
+    costs = chain(6)
+    for b, seconds in zip(costs.blocks, (0.1, 1 / 3, 0.7, 2e-4, 3.3e-3, 0.011), strict=True):
+        b.recompute_s["checkpoint"], b.overhead_s["checkpoint"] = seconds, seconds / 7
+    (segment,) = units_from_actions(["segment:0"] * 6)
+    singles = [unit_terms(costs, Unit(SINGLE, i, i, "checkpoint")).time_cost_s for i in range(6)]
+    assert all(t / TIME_GRID_S == round(t / TIME_GRID_S) for t in singles)
+    assert unit_terms(costs, segment).time_cost_s == sum(singles) == sum(reversed(singles))
+    assert abs(on_time_grid(0.1) - 0.1) <= TIME_GRID_S / 2
+    assert on_time_grid(-3 * TIME_GRID_S) == -3 * TIME_GRID_S
 
 
 def test_group_kind_and_missing_checkpoint_costs_are_named() -> None:

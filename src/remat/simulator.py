@@ -65,6 +65,7 @@ class Simulation:
     overhead_s: float = 0.0  # the units' overheads beyond their recomputation
     time_cost_s: float = 0.0  # the units' recomputation plus overhead, summed unit by unit (what optimal minimises)
     step_s: float = 0.0  # the predicted step: blocks kept, outside_s when known, plus time_cost_s
+    deferred: int = 0  # blocks re-run ahead of a later block's backward (see remat.unit_terms)
 
 
 def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulation:
@@ -80,6 +81,7 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
     peak = 0
     recompute = overhead = time_cost = 0.0
     reexec: list[int] = []
+    deferred = 0
     unit_peaks = []
     units = units_from_actions(actions)
     held = costs.held_args_bytes if any(not (u.kind == SINGLE and u.action == KEEP) for u in units) else 0
@@ -97,9 +99,12 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
         overhead += terms.overhead_s
         time_cost += terms.time_cost_s
         reexec.extend(terms.reexecutions)
+        deferred += terms.deferred
     peak = max(peak, prefix + costs.head_bytes + held) + costs.stem_bytes
     step = keep_step_s(costs) + time_cost
-    return Simulation(int(peak), recompute, int(prefix), tuple(reexec), tuple(unit_peaks), overhead, time_cost, step)
+    return Simulation(
+        int(peak), recompute, int(prefix), tuple(reexec), tuple(unit_peaks), overhead, time_cost, step, deferred
+    )
 
 
 def keep_step_s(costs: CostTable) -> float:

@@ -21,6 +21,7 @@ A single block under action ``a``::
     recompute  = recompute[a]
     overhead   = overhead[a]
     re-runs    = 0 for keep and offload, else 1
+    deferred   = 0
 
 ``keep + bwd_temp + bwd_extra[a]`` is the block's backward peak under ``a`` as measured alone
 (:mod:`remat.block_bytes`), a recomputation's forward transients included: ``temp`` there would count them twice
@@ -40,6 +41,7 @@ group's own input belongs to the unit before)::
                             (block m's backward re-runs s..m-1 under no_grad, then m recording its graph)
     group overhead        = frame[s] + ... + frame[e]
     re-runs of block m    = 1 in a segment, e - m + 1 in a memory-poor group
+    deferred              = e - s in a segment, 0 in a memory-poor group
 
 When the model keeps every block's output to the end of the step (``outputs_kept``: Hugging Face's
 ``output_hidden_states`` collects them), a group's inner outputs are not freed: they add up to the sum of the
@@ -50,8 +52,17 @@ backward too (``held[e]``, :meth:`remat.costs.CostTable.held_outputs_per_row`; 0
 block's backward is measured with its output released, as a step that does not hold it runs. So every backward
 term above (single or group) has ``held[e]`` added inside its ``max``.
 
-Sums of seconds run left to right in both forms (``itertools.accumulate`` and ``np.cumsum``, which numpy
-computes sequentially), so the two give the same floating-point numbers, not only close ones.
+``deferred`` counts the blocks that a unit re-runs ahead of a later block's backward: a segment re-runs all its
+blocks before the first backward, so the recomputed activations of every block but its last wait while the later
+ones re-run and run backward; a checkpoint or a memory-poor group runs each block's backward right after its
+re-run. The time terms charge a segment what its blocks cost as checkpoints, but whole steps measure it slower
+(``benchmarks/segments.py``: 1-4% per step on CPU for groups of two to four blocks, a cost a block timed alone
+does not show), so the optimal planner breaks ties in time towards fewer deferred blocks.
+
+Invariant 1: every time term is read on a grid of 2**-30 s (:func:`on_time_grid`, under a nanosecond), so each
+sum of terms, in any order and in either form, is exact: a segment and the checkpoints of the same blocks cost
+exactly the same, and ties between plans are real ties, decided by the planner's order and not by rounding.
+Sums of seconds also run left to right in both forms (``itertools.accumulate`` and ``np.cumsum``).
 """
 
 from __future__ import annotations
@@ -67,6 +78,8 @@ from .actions import GROUP_KINDS, MEMORY_POOR, SEGMENT, SINGLE, Unit
 from .compiled_partitions import is_partition
 from .costs import CHECKPOINT, KEEP, OFFLOAD, BlockCost, CostTable
 
+TIME_GRID_S = 2.0**-30  # invariant 1: sums of multiples of this are exact below 2**23 s (97 days)
+
 
 @dataclass(frozen=True)
 class UnitTerms:
@@ -75,11 +88,17 @@ class UnitTerms:
     recompute_s: float
     reexecutions: tuple[int, ...]  # block re-executions in backward, per block of the unit
     overhead_s: float = 0.0
+    deferred: int = 0  # blocks re-run ahead of a later block's backward (a segment's blocks but its last)
 
     @property
     def time_cost_s(self) -> float:
         """Seconds the unit adds to a step that keeps everything: recomputation plus overhead."""
         return self.recompute_s + self.overhead_s
+
+
+def on_time_grid(seconds: float) -> float:
+    """``seconds`` rounded to the nearest multiple of :data:`TIME_GRID_S` (invariant 1)."""
+    return round(seconds / TIME_GRID_S) * TIME_GRID_S
 
 
 def temp_bytes(block: BlockCost) -> int:
@@ -115,8 +134,8 @@ def single_terms(block: BlockCost, action: str, head_retained: int, held: int = 
     saved = block.saved(action)
     backward = block.saved(KEEP) + block.bwd_temp_bytes + block.bwd_extra_bytes.get(action, 0) + held
     peak = max(saved + block.fwd_temp_bytes, backward + head_retained)
-    recompute = block.recompute_s[action]
-    return UnitTerms(saved, peak, recompute, (reruns(action),), block.overhead_s.get(action, 0.0))
+    recompute = on_time_grid(block.recompute_s[action])
+    return UnitTerms(saved, peak, recompute, (reruns(action),), on_time_grid(block.overhead_s.get(action, 0.0)))
 
 
 @dataclass(frozen=True)
@@ -145,9 +164,9 @@ class BlockNumbers:
             output=block.output_bytes,
             fwd_temp=block.fwd_temp_bytes,
             temp=temp_bytes(block),
-            rerun=block.recompute_s[CHECKPOINT],
-            frame=block.overhead_s.get(CHECKPOINT, 0.0),
-            inner=block.recompute_s[CHECKPOINT] if block.nograd_fwd_s is None else block.nograd_fwd_s,
+            rerun=on_time_grid(block.recompute_s[CHECKPOINT]),
+            frame=on_time_grid(block.overhead_s.get(CHECKPOINT, 0.0)),
+            inner=on_time_grid(block.recompute_s[CHECKPOINT] if block.nograd_fwd_s is None else block.nograd_fwd_s),
         )
 
 
@@ -165,15 +184,17 @@ def group_terms(
         keeps_to = list(accumulate(b.keep for b in blocks))
         backward_peak = max(keeps_to[m] + b.temp for m, b in enumerate(blocks))
         recompute, reexecutions = sum(b.rerun for b in blocks), (1,) * len(blocks)
+        deferred = len(blocks) - 1
     else:
         backward_peak = max(b.keep + inside[m] + b.temp for m, b in enumerate(blocks))
         inner_before = [0.0, *accumulate(b.inner for b in blocks[:-1])]  # inner[s] + ... + inner[m-1]
         recompute = list(accumulate(before + b.rerun for before, b in zip(inner_before, blocks, strict=True)))[-1]
         reexecutions = tuple(len(blocks) - m for m in range(len(blocks)))
+        deferred = 0
     overhead = list(accumulate(b.frame for b in blocks))[-1]
     peak = max(forward_peak, backward_peak + kept[-1] + held + head_retained)
     retained = blocks[-1].checkpointed + kept[-1]
-    return UnitTerms(retained, peak, recompute, reexecutions, overhead)
+    return UnitTerms(retained, peak, recompute, reexecutions, overhead, deferred)
 
 
 # ---------------------------------------------------------------- vectorised form: every unit of a chain
@@ -212,8 +233,9 @@ def single_table(costs: CostTable, actions: Sequence[str]) -> SingleTable:
     bwd_extra = np.array([column(a, lambda b, a: b.bwd_extra_bytes.get(a, 0)) for a in actions], i64).reshape(-1, n)
     held = np.array(costs.held_outputs_per_row(), dtype=i64)
     peak = np.maximum(saved + fwd_temp, keep + bwd_temp + bwd_extra + held + int(costs.head_retained_bytes))
-    recompute = np.array([column(a, lambda b, a: b.recompute_s[a]) for a in actions], np.float64).reshape(-1, n)
-    overhead = np.array([column(a, lambda b, a: b.overhead_s.get(a, 0.0)) for a in actions], np.float64).reshape(-1, n)
+    recompute = np.array([column(a, lambda b, a: on_time_grid(b.recompute_s[a])) for a in actions], np.float64)
+    overhead = np.array([column(a, lambda b, a: on_time_grid(b.overhead_s.get(a, 0.0))) for a in actions], np.float64)
+    recompute, overhead = recompute.reshape(-1, n), overhead.reshape(-1, n)
     reexecutions = np.array([reruns(a) for a in actions], i64)
     time_cost = recompute + overhead
     return SingleTable(list(actions), keep, saved, peak, recompute, reexecutions, overhead, time_cost, runs)
@@ -254,6 +276,7 @@ class GroupTable:
     peak: dict[str, np.ndarray]  # per group kind
     recompute_s: dict[str, np.ndarray]
     reexecutions: dict[str, np.ndarray]  # (longest,): re-runs summed over the group's blocks, per length
+    deferred: dict[str, np.ndarray]  # (longest,): blocks re-run ahead of a later block's backward, per length
     overhead_s: dict[str, np.ndarray]
     time_cost_s: dict[str, np.ndarray]  # recompute_s + overhead_s
 
@@ -282,7 +305,7 @@ def group_table(
         np.maximum(inside, kept) + numbers.checkpointed[block] + numbers.fwd_temp[block], axis=1
     )
     length = np.arange(1, longest + 1, dtype=np.int64)
-    table = GroupTable(first, numbers.checkpointed[block] + kept, {}, {}, {}, {}, {})
+    table = GroupTable(first, numbers.checkpointed[block] + kept, {}, {}, {}, {}, {}, {})
     frames_to = np.cumsum(numbers.frame[block], axis=1)
     if SEGMENT in kinds:
         keeps_to = np.cumsum(numbers.keep[block], axis=1)
@@ -291,6 +314,7 @@ def group_table(
         reruns_to = np.cumsum(numbers.rerun[block], axis=1)  # rerun[s] + ... + rerun[s + j]
         table.recompute_s[SEGMENT] = reruns_to
         table.reexecutions[SEGMENT] = length
+        table.deferred[SEGMENT] = length - 1
         table.overhead_s[SEGMENT] = frames_to
         table.time_cost_s[SEGMENT] = reruns_to + table.overhead_s[SEGMENT]
     if MEMORY_POOR in kinds:
@@ -301,6 +325,7 @@ def group_table(
         inner_before = np.concatenate([np.zeros((rows, 1)), inner_to[:, :-1]], axis=1)
         table.recompute_s[MEMORY_POOR] = np.cumsum(inner_before + numbers.rerun[block], axis=1)
         table.reexecutions[MEMORY_POOR] = length * (length + 1) // 2
+        table.deferred[MEMORY_POOR] = np.zeros(longest, dtype=np.int64)
         table.overhead_s[MEMORY_POOR] = frames_to
         table.time_cost_s[MEMORY_POOR] = table.recompute_s[MEMORY_POOR] + table.overhead_s[MEMORY_POOR]
     return table
@@ -312,9 +337,11 @@ __all__ = [
     "ChainNumbers",
     "GroupTable",
     "SingleTable",
+    "TIME_GRID_S",
     "UnitTerms",
     "group_table",
     "group_terms",
+    "on_time_grid",
     "single_table",
     "single_terms",
     "unit_terms",

@@ -26,6 +26,7 @@ class Units:
     peak: np.ndarray
     time: np.ndarray  # time cost: recomputation plus overhead
     reexec: np.ndarray  # block re-executions in backward, summed over the unit's blocks
+    deferred: np.ndarray  # blocks re-run ahead of a later block's backward (a segment's blocks but its last)
     code: np.ndarray  # a single action index, or len(singles) plus the group kind index
 
 
@@ -85,6 +86,7 @@ class ChainUnits:
                     picks[kind] = (
                         table.retained[row, lengths], table.peak[kind][row, lengths],
                         table.time_cost_s[kind][row, lengths], table.reexecutions[kind][lengths],
+                        table.deferred[kind][lengths],
                     )  # fmt: skip
             starts = np.full(length - 1, start)
             self._starting[key] = self._collect(start, starts, starts + np.arange(1, length), picks)
@@ -112,7 +114,7 @@ class ChainUnits:
             cells = (starts - table.first, end - starts)
             for kind in self.group_kinds:
                 picks[kind] = (table.retained[cells], table.peak[kind][cells], table.time_cost_s[kind][cells],
-                               table.reexecutions[kind][cells[1]])  # fmt: skip
+                               table.reexecutions[kind][cells[1]], table.deferred[kind][cells[1]])  # fmt: skip
         return self._collect(end, starts, np.full(len(starts), end), picks)
 
     def _group_table(self, longest: int, first: int = 0, rows: int = -1) -> GroupTable:
@@ -121,14 +123,15 @@ class ChainUnits:
 
     def _collect(self, block: int, starts: np.ndarray, ends: np.ndarray, picks: dict[str, tuple]) -> Units:
         """The singles of ``block`` followed by the groups ``starts..ends`` of each kind, whose retained bytes,
-        peaks, seconds and re-executions ``picks`` holds per kind."""
+        peaks, seconds, re-executions and deferred blocks ``picks`` holds per kind."""
         singles, i64 = self.singles, np.int64
         n_single = len(singles.actions)
         runs = singles.runs[:, block]  # the actions this block has costs for
         at = np.full(int(runs.sum()), block, dtype=i64)
         codes = np.arange(n_single, dtype=i64)[runs]
         column = (singles.retained, singles.peak, singles.time_cost_s)
-        parts = [(at, at, *(terms[runs, block] for terms in column), singles.reexecutions[runs], codes)]
+        reexec, deferred = singles.reexecutions[runs], np.zeros(len(codes), dtype=i64)  # no single defers
+        parts = [(at, at, *(terms[runs, block] for terms in column), reexec, deferred, codes)]
         within = self.chain_of[starts] == self.chain_of[ends]  # groups stay inside one chain
         for k, kind in enumerate(self.group_kinds if picks else ()):
             group = (starts, ends, *picks[kind], np.full(len(starts), n_single + k, dtype=i64))

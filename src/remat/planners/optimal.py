@@ -13,7 +13,11 @@ and the search runs left to right over positions, keeping at each position the P
 by (prefix bytes, time-cost seconds) (:mod:`remat.planners.pareto`). The units it chooses among and their
 terms come from :mod:`remat.planners.chain_units`, which reads the vectorised form of :mod:`remat.unit_terms`.
 
-Ties in time cost go to fewer block re-executions in backward, then to the lower peak.
+Ties in time cost go to fewer block re-executions in backward, then to fewer blocks re-run ahead of a later
+block's backward (a segment's blocks but its last: whole steps measure a segment slower than checkpoints of
+the same blocks, which the time terms cannot see, see :mod:`remat.unit_terms`), then to the lower peak. Time
+terms lie on a grid that makes their sums exact (invariant 1 of :mod:`remat.unit_terms`), so a tie is a real
+one: a segment and checkpoints of its blocks cost the same, and the checkpoints win where both fit.
 
 Exactness and long chains: the search is exact under the simulator unless a front had to be thinned or
 group lengths were capped (``Plan.options["exact"]`` says which). Thinning rounds the memory axis: partial
@@ -115,10 +119,11 @@ def optimal(
     return plan
 
 
-def _rank(costs: CostTable, plan: Plan) -> tuple[float, int, int]:
-    """The search's order: least time cost, then fewest block re-executions, then the lowest peak."""
+def _rank(costs: CostTable, plan: Plan) -> tuple[float, int, int, int]:
+    """The search's order: least time cost, then fewest block re-executions, then fewest deferred blocks, then
+    the lowest peak."""
     sim = simulate(costs, plan.actions)
-    return sim.time_cost_s, sum(sim.reexecutions), sim.peak_bytes
+    return sim.time_cost_s, sum(sim.reexecutions), sim.deferred, sim.peak_bytes
 
 
 def _search(

@@ -1,10 +1,10 @@
 """Fronts of partial plans for the optimal planner's search: partial plans as columns, the exact Pareto front
 by (bytes, time cost: recomputation plus overhead), and thinning a front by bucketing its bytes.
 
-A partial plan with more bytes and no less time (then no fewer re-executions, then no lower peak) can never
-lead to a better plan, so dropping it is exact. Thinning merges partial plans whose bytes share a bucket,
-keeping per bucket the fastest one and the best ones at estimated prices of memory; merged plans keep their
-exact byte counts, so thinning can only miss a better plan, never exceed a budget.
+A partial plan with more bytes and no less time (then no fewer re-executions, then no fewer deferred blocks,
+then no lower peak) can never lead to a better plan, so dropping it is exact. Thinning merges partial plans
+whose bytes share a bucket, keeping per bucket the fastest one and the best ones at estimated prices of memory;
+merged plans keep their exact byte counts, so thinning can only miss a better plan, never exceed a budget.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class Partials:
     prefix: np.ndarray  # bytes retained by the units so far
     time: np.ndarray  # time-cost seconds so far
     reexec: np.ndarray  # block re-executions in backward so far
+    deferred: np.ndarray  # blocks re-run ahead of a later block's backward so far (remat.unit_terms)
     peak: np.ndarray  # highest prefix + unit peak so far
     parent: np.ndarray
     start: np.ndarray
@@ -32,15 +33,15 @@ class Partials:
         return Partials(*(getattr(self, name)[index] for name in COLUMNS))
 
 
-COLUMNS = ("prefix", "time", "reexec", "peak", "parent", "start", "code")
+COLUMNS = ("prefix", "time", "reexec", "deferred", "peak", "parent", "start", "code")
 
 
 def pareto_front(p: Partials) -> Partials:
-    """The partial plans no other one matches or beats both in bytes and in (time, re-executions, peak)
-    order, sorted by bytes."""
+    """The partial plans no other one matches or beats both in bytes and in (time, re-executions, deferred
+    blocks, peak) order, sorted by bytes."""
     if len(p.prefix) <= 1:
         return p
-    p = p.take(np.lexsort((p.peak, p.reexec, p.time, p.prefix)))
+    p = p.take(np.lexsort((p.peak, p.deferred, p.reexec, p.time, p.prefix)))
     first_of_bytes = np.empty(len(p.prefix), dtype=bool)
     first_of_bytes[0] = True
     first_of_bytes[1:] = p.prefix[1:] != p.prefix[:-1]
@@ -52,11 +53,12 @@ def pareto_front(p: Partials) -> Partials:
         survives[1:] = p.time[1:] < fastest_before
         return p.take(survives)
     # Ties in time: compare whole keys through their rank.
-    by_key = np.lexsort((p.peak, p.reexec, p.time))
-    t, r, k = p.time[by_key], p.reexec[by_key], p.peak[by_key]
-    changed = np.empty(len(by_key), dtype=bool)
+    by_key = np.lexsort((p.peak, p.deferred, p.reexec, p.time))
+    changed = np.zeros(len(by_key), dtype=bool)
     changed[0] = True
-    changed[1:] = (t[1:] != t[:-1]) | (r[1:] != r[:-1]) | (k[1:] != k[:-1])
+    for column in (p.time, p.reexec, p.deferred, p.peak):
+        keyed = column[by_key]
+        changed[1:] |= keyed[1:] != keyed[:-1]
     rank = np.empty(len(by_key), dtype=np.int64)
     rank[by_key] = np.cumsum(changed)
     survives = np.empty(len(rank), dtype=bool)

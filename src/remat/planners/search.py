@@ -95,6 +95,7 @@ class Store:
         self.prefix = np.empty(capacity, dtype=np.int64)
         self.time = np.empty(capacity, dtype=np.float64)
         self.reexec = np.empty(capacity, dtype=np.int64)
+        self.deferred = np.empty(capacity, dtype=np.int64)
         self.peak = np.empty(capacity, dtype=np.int64)
         self.parent = np.empty(capacity, dtype=np.int64)
         self.start = np.empty(capacity, dtype=np.int64)
@@ -143,14 +144,15 @@ class Search:
         n = chain.n
         store = Store(n, self.room, (n + 1) * min(self.front_limit, 64))
         zero = np.zeros(1, dtype=np.int64)
-        store.append(0, Partials(zero, np.zeros(1), zero, zero, zero - 1, zero, zero))
+        store.append(0, Partials(zero, np.zeros(1), zero, zero, zero, zero - 1, zero, zero))
         for pos in range(1, n + 1):
             units = chain.ending_at(pos - 1, self.max_segment)
             store.append(pos, self._settle(self._arrivals(pos - 1, units, store)))
         self.stored = store.size
         final = slice(store.front_start[n], store.front_start[n + 1])
         total_peak = np.maximum(store.peak[final], store.prefix[final] + chain.head)
-        index = store.front_start[n] + int(np.lexsort((total_peak, store.reexec[final], store.time[final]))[0])
+        order = np.lexsort((total_peak, store.deferred[final], store.reexec[final], store.time[final]))
+        index = store.front_start[n] + int(order[0])
         chosen = []
         pos = n
         while pos > 0:
@@ -187,6 +189,7 @@ class Search:
             prefix[order],
             sorted_time[maybe],
             store.reexec[parent] + units.reexec[unit],
+            store.deferred[parent] + units.deferred[unit],
             np.maximum(store.peak[parent], store.prefix[parent] + units.peak[unit]),
             parent,
             units.start[unit],
