@@ -41,6 +41,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def device_name(device: torch.device) -> str:
+    """The device's model name (the GPU's, or the host processor's)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def last_level_cache_bytes(default: int = 32 * 2**20) -> int:
     """The largest CPU cache Linux reports for CPU 0 (``default`` where it reports none)."""
     sizes = []

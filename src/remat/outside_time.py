@@ -10,11 +10,15 @@ time less the blocks' isolated times.
 
 The same windows give each block's forward and backward seconds within the step (:class:`PlainSteps`), where
 every block ran once forward and once backward per step: the figures a keep-all step is made of, which
-:mod:`remat.step_anchor` puts in place of the blocks' isolated keep times.
+:mod:`remat.step_anchor` puts in place of the blocks' isolated keep times. A block called again while autograd's
+engine runs (a recomputation in backward) is not a forward call: its seconds fall in the block's backward window,
+so the windows time steps with a plan applied too (:mod:`remat.action_steps`). :func:`aside_from_step` is the
+context the profile's steps run in, apart from the training.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -24,11 +28,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from .block_run import parameters_detached
 from .blocks import BlockIO
+from .model_state import extra_run
+from .precision import casts_uncached
 from .regions import eager
+from .suspension import suspend_all
 from .training_step import Batch, timed_step
 
-__all__ = ["BlockWindows", "PlainSteps", "plain_steps"]
+__all__ = ["BlockWindows", "PlainSteps", "aside_from_step", "in_backward", "plain_steps"]
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward in this thread (a block called now is recomputed)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class BlockWindows:
@@ -80,6 +93,8 @@ class BlockWindows:
 
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            if in_backward():  # a recomputation: its seconds fall in the block's backward window
+                return
             now = self.clock()
             if self._depth == 0:
                 self._start = now
@@ -95,6 +110,8 @@ class BlockWindows:
 
     def _post(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+            if in_backward():
+                return
             self._depth -= 1
             main = self._main_input(i, args, kwargs)
             out = self.ios[i].output(output, main.shape) if main is not None and output is not None else None
@@ -141,6 +158,20 @@ class PlainSteps:
     outside_s: float | None
     block_fwd_s: list[float] | None
     block_bwd_s: list[float] | None
+
+
+def aside_from_step(model: nn.Module, device: str, suspend: bool = True) -> contextlib.ExitStack:
+    """Where the profile's plain steps run, apart from the training: no plan applied (unless ``suspend`` is
+    false: the steps of :mod:`remat.action_steps` apply their own), the RNG stream forked, no parameter hook
+    fires (stand-in parameters), buffers (BatchNorm statistics) and collected outputs left as they were."""
+    stack = contextlib.ExitStack()
+    if suspend:
+        stack.enter_context(suspend_all())
+    stack.enter_context(torch.random.fork_rng(devices=[] if device == "cpu" else None, device_type=device))
+    stack.enter_context(casts_uncached())
+    stack.enter_context(parameters_detached(model))
+    stack.enter_context(extra_run(model))
+    return stack
 
 
 def plain_steps(

@@ -39,7 +39,6 @@ It serves :func:`profile` and in-training profiling (the dynamic controllers wra
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -49,12 +48,13 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policies as _policies
+from .action_steps import time_actions_in_steps
 from .alloc_tracker import is_compiled
 from .block_calls import ProfiledCalls, waiting_grad_bytes
 from .block_measure import measure_block
-from .block_run import GradsRestored, parameters_detached
+from .block_run import GradsRestored
 from .block_signature import Footprint, block_signature, keep_footprint, renamed
-from .block_timing import Clock
+from .block_timing import Clock, device_name
 from .blocks import (
     BlockIO,
     BlocksArg,
@@ -70,12 +70,11 @@ from .hf_guards import profiled_step
 from .lossy_actions import lossy_actions
 from .memory import CompiledCodeIgnoringTracker, LiveTensorTracker, model_device
 from .model_state import extra_run
-from .outside_time import plain_steps
+from .outside_time import aside_from_step, plain_steps
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
 from .profiled_actions import compiled_block_actions, default_actions
 from .regions import eager, in_place_error
 from .step_anchor import anchor_to_plain_steps
-from .suspension import suspend_all
 from .training_step import Batch, default_loss, run_step, warn_if_evaluating
 
 __all__ = ["BlockProfiler", "default_actions", "default_loss", "measure_block", "profile", "run_step"]
@@ -282,7 +281,7 @@ class BlockProfiler:
             source="measured",
             info={
                 "torch": str(torch.__version__),
-                "device_name": _device_name(device),
+                "device_name": device_name(device),
                 "profile_s": self._profile_seconds(),
                 "blocks_measured": len(self.rows) - len(self.reused),
                 "blocks_reused": len(self.reused),
@@ -296,26 +295,6 @@ class BlockProfiler:
         if self._elapsed is not None:
             return self._elapsed
         return time.perf_counter() - self._start if self._start is not None else 0.0
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def _aside(model: nn.Module, device: str) -> contextlib.ExitStack:
-    """Where the profile's plain steps run: no plan applied, the RNG stream forked, no parameter hook fires
-    (stand-in parameters), buffers (BatchNorm statistics) and collected outputs left as they were."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(suspend_all())
-    stack.enter_context(torch.random.fork_rng(devices=[] if device == "cpu" else None, device_type=device))
-    stack.enter_context(casts_uncached())
-    stack.enter_context(parameters_detached(model))
-    stack.enter_context(extra_run(model))
-    return stack
 
 
 def profile(
@@ -333,6 +312,7 @@ def profile(
     lossy: Iterable[str] = (),
     clock: Clock = time.perf_counter,
     holds_output: bool = True,
+    actions_in_steps: bool = True,
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``loss_fn(output)`` defaults to ``output.loss`` or ``output.sum()``.
@@ -350,7 +330,9 @@ def profile(
     with autocast's weight-cast cache off (see :mod:`remat.precision`), and the table records the setting.
     One untimed plain step runs first (warm-up). After the profiled step, three plain steps are timed for
     ``outside_s``: each step less the time its blocks took in it (:mod:`remat.outside_time`), or on CUDA the
-    step less the blocks' isolated times.
+    step less the blocks' isolated times. Where the blocks were timed within those steps, ``actions_in_steps``
+    (default) times every action within whole steps too, three rounds of one step per action, and the table
+    prices each action by what it adds there (:mod:`remat.action_steps`, ``info["action_times_from"]``).
 
     ``clock`` is what every time is read from: wall-clock ``time.perf_counter`` by default; on a shared CPU
     with one intra-op thread, ``time.process_time`` gives the seconds the step would take on a machine of its
@@ -363,6 +345,7 @@ def profile(
     ``holds_output=False`` so the head's figures leave them out and the predicted peak is that loop's, not the
     logits higher. A table profiled so under-predicts a loop that holds the output by what the output holds;
     ``info["holds_output"]`` records the setting."""
+    started = time.perf_counter()
     warn_if_evaluating(model, "remat.profile")
     spec = autocast_spec(autocast, model_device(model).type)
     chains = resolve_chains(model, blocks)
@@ -381,7 +364,7 @@ def profile(
         # One untimed plain step first: the first step in a process runs slower (allocator growth, first-touch
         # page faults, lazy initialisation; 5% in the median on a CPU, up to 30%), and the one block timed
         # of a group of identical ones prices them all.
-        with _aside(model, model_device(model).type):
+        with aside_from_step(model, model_device(model).type):
             run_step(model, batch, loss_fn, autocast=spec, holds_output=holds_output)
         with profiler, casts_uncached():
             run_step(model, batch, loss_fn, autocast=spec, holds_output=holds_output)
@@ -389,8 +372,26 @@ def profile(
         costs.info["holds_output"] = holds_output
         costs.info["clock"] = getattr(clock, "__name__", repr(clock))
         # The step outside the chain's blocks, and the blocks' keep times within it: plain steps (no plan).
-        with _aside(model, costs.device):
+        with aside_from_step(model, costs.device):
             modules = [module for _, module in profiler.chain]
             plain = plain_steps(model, batch, loss_fn, modules, io, steps=3, autocast=spec, clock=clock)
-    anchor_to_plain_steps(costs, plain, [fqn for fqn, _ in profiler.chain])
+        anchor_to_plain_steps(costs, plain, [fqn for fqn, _ in profiler.chain])
+        if actions_in_steps:
+            with aside_from_step(model, costs.device, suspend=False):
+                time_actions_in_steps(
+                    model,
+                    batch,
+                    loss_fn,
+                    costs,
+                    profiler.chain,
+                    io,
+                    main_input=main_input,
+                    main_output=main_output,
+                    autocast=spec,
+                    clock=clock,
+                    holds_output=holds_output,
+                )
+        else:
+            costs.info["action_times_from"] = "isolated runs (actions_in_steps=False)"
+    costs.info["profile_s"] = time.perf_counter() - started
     return costs

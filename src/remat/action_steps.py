@@ -1,0 +1,152 @@
+"""Each single-block action's time read within whole steps, where a plan pays it.
+
+The profiler times a block alone under every action, each run paired with keep's in the same round
+(:mod:`remat.block_timing`, :mod:`remat.action_times`). Alone, an action's forward and backward do not run as
+they do between the other blocks of a step: on a CPU a checkpointed block timed alone measured 1-3 ms more
+than the same block checkpointed in a GPT-2 step of 10 ms blocks, and a selective policy 0.5 ms less, enough to
+rank a policy that is 2 ms slower per block in the step ahead of checkpointing (``benchmarks/peers.py``).
+
+:func:`time_actions_in_steps` runs whole steps with a plan applied (:func:`remat.runtime.apply`) that puts every
+block under one action (a block without costs for it keeps), one step per action and one keeping everything
+in each round, for ``rounds`` rounds, the order reversed every other round. The hooks of
+:class:`remat.outside_time.BlockWindows` read each block's forward and backward within each step (a
+recomputation falls in its block's backward window). Per block and action, the differences from the round's
+keep step, medians over rounds, move the action's forward and backward from the block's keep figures, and its
+overhead becomes what it adds in the step less its recomputation, which stays the isolated runs' figure
+(floored at minus the recomputation, as :mod:`remat.action_times` does). So the time cost of each action, the
+figure the planners weigh, is the one measured in the step.
+
+This needs the blocks timed within plain steps (``costs.info["times_from"] == "plain steps"``: one chain of
+blocks each called once, on the CPU) and no other plan on the model; the table says in
+``info["action_times_from"]`` which figures it holds (``"steps"``, or ``"isolated runs"`` and why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import applied
+from .blocks import BlockIO, InputName, OutputName
+from .costs import KEEP, BlockCost, CostTable
+from .hf_guards import refuse_hf_checkpointing
+from .lossy_actions import is_lossy
+from .outside_time import BlockWindows
+from .runtime import apply
+from .simulator import Plan
+from .training_step import Batch, timed_step
+
+__all__ = ["actions_to_time", "in_step_block", "time_actions_in_steps"]
+
+STEPS = "steps"
+ISOLATED = "isolated runs"
+
+
+def actions_to_time(costs: CostTable) -> list[str]:
+    """The exact single-block actions some block of ``costs`` has costs for, keep aside (lossy actions keep the
+    isolated runs' figures: they are planned on their gradient error first)."""
+    seen: dict[str, None] = {}
+    for block in costs.blocks:
+        for action in block.actions:
+            if action != KEEP and not is_lossy(action):
+                seen[action] = None
+    return list(seen)
+
+
+def in_step_block(block: BlockCost, action: str, fwd_shift_s: float, bwd_shift_s: float) -> BlockCost:
+    """``block`` with ``action``'s forward and backward set to keep's moved by the shifts measured in steps, and
+    its overhead set to what the action adds in the step less its recomputation (at least minus it)."""
+    recompute = block.recompute_s[action]
+    overhead = max(fwd_shift_s + bwd_shift_s - recompute, -recompute)
+    return dataclasses.replace(
+        block,
+        fwd_s_by_action=block.fwd_s_by_action | {action: block.fwd_s + fwd_shift_s},
+        bwd_s_by_action=block.bwd_s_by_action | {action: block.bwd_s + bwd_shift_s},
+        overhead_s=block.overhead_s | {action: overhead},
+    )
+
+
+def _why_not(model: nn.Module, costs: CostTable) -> str | None:
+    """Why the actions cannot be timed within steps here, or None."""
+    if costs.info.get("times_from") != "plain steps":
+        return "the blocks could not be timed within plain steps"
+    if applied.owner_of(model) is not None:
+        return "the model has a plan applied"
+    try:
+        applied.refuse_overlap(model)
+        refuse_hf_checkpointing(model)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def time_actions_in_steps(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    costs: CostTable,
+    chain: Sequence[tuple[str, nn.Module]],
+    ios: Sequence[BlockIO],
+    *,
+    rounds: int = 3,
+    main_input: InputName | Mapping[str, InputName] = None,
+    main_output: OutputName | Mapping[str, OutputName] = None,
+    autocast: Any = None,
+    clock: Callable[[], float] = time.perf_counter,
+    holds_output: bool = True,
+) -> None:
+    """Replace, in ``costs`` (whose rows are the blocks of ``chain``, in order), each exact action's forward,
+    backward and overhead by the figures read within whole steps (module notes), where that can be done;
+    ``costs.info["action_times_from"]`` says which figures the table holds. The caller forks the RNG and
+    restores gradients and buffers around it."""
+    actions = actions_to_time(costs)
+    why = _why_not(model, costs) if actions else "no action besides keep was profiled"
+    if why is not None:
+        costs.info["action_times_from"] = f"{ISOLATED} ({why})"
+        return
+    plans = {KEEP: Plan.from_actions(costs, [KEEP] * len(costs), "keep")}
+    for action in actions:
+        per_block = [action if action in b.actions else KEEP for b in costs.blocks]
+        plans[action] = Plan.from_actions(costs, per_block, action)
+    handle = apply(model, plans[KEEP], list(chain), main_input=main_input, main_output=main_output)
+    windows = BlockWindows([m for _, m in chain], ios, clock)
+    shifts: dict[str, list[list[tuple[float, float]]]] = {a: [] for a in actions}
+    try:
+        names = list(plans)
+        for r in range(rounds):
+            fwd: dict[str, list[float]] = {}
+            bwd: dict[str, list[float]] = {}
+            for name in names if r % 2 == 0 else names[::-1]:
+                handle.set_plan(plans[name])
+                windows.reset()
+                timed_step(model, batch, loss_fn, autocast=autocast, clock=clock, holds_output=holds_output)
+                if windows.each_block_once:
+                    fwd[name], bwd[name] = windows.fwd_s, windows.bwd_s
+            if KEEP not in fwd:
+                continue
+            for action in actions:
+                if action in fwd:
+                    shifts[action].append(
+                        [
+                            (f - kf, b - kb)
+                            for f, b, kf, kb in zip(fwd[action], bwd[action], fwd[KEEP], bwd[KEEP], strict=True)
+                        ]  # fmt: skip
+                    )
+    finally:
+        windows.remove()
+        handle.remove()
+    timed = [a for a in actions if shifts[a]]
+    for action in timed:
+        for i, block in enumerate(costs.blocks):
+            if action in block.actions:
+                fwd_shift = statistics.median(s[i][0] for s in shifts[action])
+                bwd_shift = statistics.median(s[i][1] for s in shifts[action])
+                costs.blocks[i] = in_step_block(block, action, fwd_shift, bwd_shift)
+    untimed = [a for a in actions if a not in timed]
+    costs.info["action_times_from"] = STEPS if not untimed else f"{STEPS}, {ISOLATED} for {untimed}"

@@ -1,0 +1,121 @@
+"""remat.action_steps: every action timed within whole steps, with a clock that counts the blocks' forward runs
+(so a recomputation shows where the step pays it), and the cases where the table keeps the isolated figures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.action_steps import in_step_block, time_actions_in_steps
+from remat.blocks import block_ios
+from remat.costs import BlockCost
+from remat.outside_time import plain_steps
+
+RUNS = [0]  # forward runs of any block so far: the clock of these tests
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        RUNS[0] += 1
+        return torch.tanh(self.linear(x))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def runs() -> float:
+    return float(RUNS[0])
+
+
+def chain_of(model: Model) -> list[tuple[str, nn.Module]]:
+    return [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+
+
+def test_windows_of_a_checkpointed_step_put_the_recomputation_in_the_backward() -> None:
+    model = Model()
+    chain = chain_of(model)
+    blocks, ios = [m for _, m in chain], block_ios(chain)
+    costs = remat.profile(model, torch.randn(4, 8), blocks=chain, actions_in_steps=False)
+    handle = remat.apply(model, remat.plan(costs, "full"), chain)
+    try:
+        steps = plain_steps(model, torch.randn(4, 8), None, blocks, ios, steps=1, clock=runs)
+    finally:
+        handle.remove()
+    assert steps.block_fwd_s == [1.0] * 3  # the forward call, once: the re-run in backward is not a call
+    assert steps.block_bwd_s == [1.0] * 3  # the re-run, inside the block's backward window
+    plain = plain_steps(model, torch.randn(4, 8), None, blocks, ios, steps=1, clock=runs)
+    assert plain.block_fwd_s == [1.0] * 3 and plain.block_bwd_s == [0.0] * 3
+
+
+def test_action_figures_are_replaced_by_what_the_step_adds() -> None:
+    model = Model()
+    chain = chain_of(model)
+    costs = remat.profile(model, torch.randn(4, 8), blocks=chain, actions_in_steps=False, clock=runs)
+    assert costs.info["times_from"] == "plain steps"
+    # Put wrong figures in place: the steps must set every block's checkpoint to what it adds there, one re-run.
+    costs.blocks = [dataclasses.replace(b, overhead_s=b.overhead_s | {"checkpoint": 5.0}) for b in costs.blocks]
+    time_actions_in_steps(model, torch.randn(4, 8), None, costs, chain, block_ios(chain), clock=runs)
+    assert costs.info["action_times_from"] == "steps"
+    for block in costs.blocks:
+        assert block.recompute_s["checkpoint"] == 1.0  # the isolated runs' figure, kept
+        assert block.overhead_s["checkpoint"] == 0.0
+        assert block.fwd_s_by_action["checkpoint"] == block.fwd_s == 1.0
+        assert block.bwd_s_by_action["checkpoint"] == block.bwd_s + 1.0
+    assert remat.applied.owner_of(model) is None and not hasattr(model, "_remat_handle")
+
+
+def test_profile_times_actions_in_steps_by_default_and_leaves_the_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = Model()
+    chain = chain_of(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = torch.randn(4, 8)
+    state = torch.get_rng_state()
+    costs = remat.profile(model, batch, blocks=chain)
+    assert costs.info["action_times_from"] == "steps"
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    remat.apply(model, remat.plan(costs, "full"), chain).remove()  # no plan left behind
+
+
+def test_a_model_with_a_plan_keeps_the_isolated_figures_and_its_plan() -> None:
+    model = Model()
+    chain = chain_of(model)
+    costs = remat.profile(model, torch.randn(4, 8), blocks=chain, actions_in_steps=False)
+    handle = remat.apply(model, remat.plan(costs, "full"), chain)
+    try:
+        again = remat.profile(model, torch.randn(4, 8), blocks=chain)
+        assert again.info["action_times_from"] == "isolated runs (the model has a plan applied)"
+        assert remat.applied.owner_of(model) is handle
+        assert set(handle.plan.actions.values()) == {"checkpoint"}
+    finally:
+        handle.remove()
+
+
+def test_in_step_block_moves_the_action_and_floors_its_overhead() -> None:
+    block = BlockCost("b", 2.0, 3.0, 1, 1, {"keep": 9, "checkpoint": 1}, {"keep": 0.0, "checkpoint": 2.0})
+    moved = in_step_block(block, "checkpoint", 0.5, 2.25)
+    assert (moved.fwd_s_by_action["checkpoint"], moved.bwd_s_by_action["checkpoint"]) == (2.5, 5.25)
+    assert moved.overhead_s["checkpoint"] == pytest.approx(0.75)
+    assert in_step_block(block, "checkpoint", -1.0, 0.0).overhead_s["checkpoint"] == -2.0  # never below -recompute
+    assert block.overhead_s == {}  # a copy
