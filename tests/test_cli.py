@@ -69,6 +69,7 @@ def test_profile_and_advise_run_on_a_small_model(tmp_path, capsys):
     info = json.loads(out.read_text())["info"]
     printed = capsys.readouterr().out
     assert f"profiled in {info['profile_s']:.1f} s ({info['blocks_measured']} blocks measured" in printed
+    assert f"; action times from {info['action_times_from']})" in printed
     assert "step keeping everything" in printed
     # per block, what checkpointing adds to a step, recomputation + overhead, as the table has it
     row = json.loads(out.read_text())["blocks"][0]

@@ -2,9 +2,10 @@
 
 The profiler times a block alone under every action, each run paired with keep's in the same round
 (:mod:`remat.block_timing`, :mod:`remat.action_times`). Alone, an action's forward and backward do not run as
-they do between the other blocks of a step: on a CPU a checkpointed block timed alone measured 1-3 ms more
-than the same block checkpointed in a GPT-2 step of 10 ms blocks, and a selective policy 0.5 ms less, enough to
-rank a policy that is 2 ms slower per block in the step ahead of checkpointing (``benchmarks/peers.py``).
+they do between the other blocks of a step: in the fp32 GPT-2 of ``benchmarks/peers.py`` (10 ms blocks, a
+2-core Xeon), a checkpointed block timed alone cost 1.2-3.1 ms more than within steps and
+``selective:all_but_pointwise_saveable`` 0-1.9 ms less, enough to rank that policy, 2 ms per block slower in
+whole steps, ahead of checkpointing.
 
 :func:`time_actions_in_steps` runs whole steps with a plan applied (:func:`remat.runtime.apply`) that puts every
 block under one action (a block without costs for it keeps), one step per action and one keeping everything

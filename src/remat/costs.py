@@ -308,9 +308,13 @@ class CostTable:
 
 
 def profile_summary(costs: CostTable) -> str:
-    """How long a measured table took: ``"12.3 s (2 blocks measured, 10 reused)"``, from its ``info``."""
+    """How long a measured table took and where its action times come from: ``"12.3 s (2 blocks measured, 10
+    reused; action times from steps)"``, from its ``info``."""
     info = costs.info
     text = f"{info.get('profile_s', 0.0):.1f} s"
+    details = []
     if "blocks_measured" in info:
-        text += f" ({info['blocks_measured']} blocks measured, {info.get('blocks_reused', 0)} reused)"
-    return text
+        details.append(f"{info['blocks_measured']} blocks measured, {info.get('blocks_reused', 0)} reused")
+    if "action_times_from" in info:
+        details.append(f"action times from {info['action_times_from']}")
+    return f"{text} ({'; '.join(details)})" if details else text
