@@ -41,10 +41,14 @@ from .lossy_actions import is_lossy
 from .outside_time import BlockWindows
 from .runtime import apply
 from .simulator import Plan
-from .training_step import Batch, timed_step
+from .training_step import Batch, interleaved_rounds, timed_step
 
 __all__ = ["actions_to_time", "in_step_block", "time_actions_in_steps"]
 
+# Rounds of steps: per block, an action's shift from keep varies by about 1 ms from round to round in a GPT-2
+# step of 10 ms blocks on a shared CPU, and now and then a whole round is off; the median of five kept the order
+# of checkpointing and a selective policy 1.5 ms apart per block, which three rounds did not always.
+ROUNDS = 5
 STEPS = "steps"
 ISOLATED = "isolated runs"
 
@@ -95,7 +99,7 @@ def time_actions_in_steps(
     chain: Sequence[tuple[str, nn.Module]],
     ios: Sequence[BlockIO],
     *,
-    rounds: int = 3,
+    rounds: int = ROUNDS,
     main_input: InputName | Mapping[str, InputName] = None,
     main_output: OutputName | Mapping[str, OutputName] = None,
     autocast: Any = None,
@@ -117,37 +121,30 @@ def time_actions_in_steps(
         plans[action] = Plan.from_actions(costs, per_block, action)
     handle = apply(model, plans[KEEP], list(chain), main_input=main_input, main_output=main_output)
     windows = BlockWindows([m for _, m in chain], ios, clock)
-    shifts: dict[str, list[list[tuple[float, float]]]] = {a: [] for a in actions}
+
+    def step_under(name: str) -> tuple[list[float], list[float]] | None:
+        """Each block's forward and backward seconds in one step under plan ``name`` (None where a block did not
+        run once each way)."""
+        handle.set_plan(plans[name])
+        windows.reset()
+        timed_step(model, batch, loss_fn, autocast=autocast, clock=clock, holds_output=holds_output)
+        return (windows.fwd_s, windows.bwd_s) if windows.each_block_once else None
+
     try:
-        names = list(plans)
-        for r in range(rounds):
-            fwd: dict[str, list[float]] = {}
-            bwd: dict[str, list[float]] = {}
-            for name in names if r % 2 == 0 else names[::-1]:
-                handle.set_plan(plans[name])
-                windows.reset()
-                timed_step(model, batch, loss_fn, autocast=autocast, clock=clock, holds_output=holds_output)
-                if windows.each_block_once:
-                    fwd[name], bwd[name] = windows.fwd_s, windows.bwd_s
-            if KEEP not in fwd:
-                continue
-            for action in actions:
-                if action in fwd:
-                    shifts[action].append(
-                        [
-                            (f - kf, b - kb)
-                            for f, b, kf, kb in zip(fwd[action], bwd[action], fwd[KEEP], bwd[KEEP], strict=True)
-                        ]  # fmt: skip
-                    )
+        steps = interleaved_rounds(list(plans), step_under, rounds)
     finally:
         windows.remove()
         handle.remove()
-    timed = [a for a in actions if shifts[a]]
-    for action in timed:
+    timed = []
+    for action in actions:
+        pairs = [(run, keep) for run, keep in zip(steps[action], steps[KEEP], strict=True) if run and keep]
+        if not pairs:
+            continue
+        timed.append(action)
         for i, block in enumerate(costs.blocks):
             if action in block.actions:
-                fwd_shift = statistics.median(s[i][0] for s in shifts[action])
-                bwd_shift = statistics.median(s[i][1] for s in shifts[action])
+                fwd_shift = statistics.median(run[0][i] - keep[0][i] for run, keep in pairs)
+                bwd_shift = statistics.median(run[1][i] - keep[1][i] for run, keep in pairs)
                 costs.blocks[i] = in_step_block(block, action, fwd_shift, bwd_shift)
     untimed = [a for a in actions if a not in timed]
     costs.info["action_times_from"] = STEPS if not untimed else f"{STEPS}, {ISOLATED} for {untimed}"

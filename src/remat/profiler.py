@@ -331,7 +331,7 @@ def profile(
     One untimed plain step runs first (warm-up). After the profiled step, three plain steps are timed for
     ``outside_s``: each step less the time its blocks took in it (:mod:`remat.outside_time`), or on CUDA the
     step less the blocks' isolated times. Where the blocks were timed within those steps, ``actions_in_steps``
-    (default) times every action within whole steps too, three rounds of one step per action, and the table
+    (default) times every action within whole steps too, five rounds of one step per action, and the table
     prices each action by what it adds there (:mod:`remat.action_steps`, ``info["action_times_from"]``).
 
     ``clock`` is what every time is read from: wall-clock ``time.perf_counter`` by default; on a shared CPU

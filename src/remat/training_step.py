@@ -28,6 +28,7 @@ from .precision import AutocastSpec, autocast_off, step_autocast
 
 Batch = torch.Tensor | tuple[Any, ...] | list[Any] | dict[str, Any]
 Name = TypeVar("Name", bound=Hashable)
+Result = TypeVar("Result")
 
 
 def run_step(
@@ -94,10 +95,10 @@ def default_loss(output: Any) -> torch.Tensor:
     return tensor.float().sum()
 
 
-def interleaved_rounds(names: Sequence[Name], run: Callable[[Name], float], rounds: int) -> dict[Name, list[float]]:
+def interleaved_rounds(names: Sequence[Name], run: Callable[[Name], Result], rounds: int) -> dict[Name, list[Result]]:
     """``run(name)`` for each of ``names`` once per round, for ``rounds`` rounds, the order reversed every other
     round so that a change in the machine's speed hits every name alike; each name's results in round order."""
-    results: dict[Name, list[float]] = {name: [] for name in names}
+    results: dict[Name, list[Result]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             results[name].append(run(name))
