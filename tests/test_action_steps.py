@@ -119,3 +119,30 @@ def test_in_step_block_moves_the_action_and_floors_its_overhead() -> None:
     assert moved.overhead_s["checkpoint"] == pytest.approx(0.75)
     assert in_step_block(block, "checkpoint", -1.0, 0.0).overhead_s["checkpoint"] == -2.0  # never below -recompute
     assert block.overhead_s == {}  # a copy
+
+
+class Weighted(Block):
+    """A block whose forward counts ``weight`` runs: blocks of one structure that cost differently."""
+
+    def __init__(self, weight: int) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        RUNS[0] += self.weight - 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_blocks_the_profile_found_alike_share_one_figure_per_action(reuse: bool) -> None:
+    model = Model()
+    model.blocks = nn.ModuleList(Weighted(w) for w in (1, 2, 3))
+    costs = remat.profile(model, torch.randn(4, 8), blocks=chain_of(model), clock=runs, reuse_identical=reuse)
+    assert costs.info["action_times_from"] == "steps"
+    added = [b.recompute_s["checkpoint"] + b.overhead_s["checkpoint"] for b in costs.blocks]
+    if reuse:  # one block measured alone, its row copied; in the steps the median over the three: 2 runs
+        assert costs.info["same_costs_as"] == {"blocks.1": "blocks.0", "blocks.2": "blocks.0"}
+        assert added == [2.0, 2.0, 2.0]
+    else:  # each block re-runs its own forward in backward
+        assert costs.info["same_costs_as"] == {}
+        assert added == [1.0, 2.0, 3.0]

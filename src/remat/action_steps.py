@@ -12,7 +12,9 @@ block under one action (a block without costs for it keeps), one step per action
 in each round, for ``rounds`` rounds, the order reversed every other round. The hooks of
 :class:`remat.outside_time.BlockWindows` read each block's forward and backward within each step (a
 recomputation falls in its block's backward window). Per block and action, the differences from the round's
-keep step, medians over rounds, move the action's forward and backward from the block's keep figures, and its
+keep step, medians over rounds and over the blocks the profile found to cost the same (it measured one and
+copied its row: ``info["same_costs_as"]``; read block by block, their figures differed by position by about as
+much as from round to round), move the action's forward and backward from the block's keep figures, and its
 overhead becomes what it adds in the step less its recomputation, which stays the isolated runs' figure
 (floored at minus the recomputation, as :mod:`remat.action_times` does). So the time cost of each action, the
 figure the planners weigh, is the one measured in the step.
@@ -43,12 +45,12 @@ from .runtime import apply
 from .simulator import Plan
 from .training_step import Batch, interleaved_rounds, timed_step
 
-__all__ = ["actions_to_time", "in_step_block", "time_actions_in_steps"]
+__all__ = ["actions_to_time", "in_step_block", "same_cost_groups", "time_actions_in_steps"]
 
-# Rounds of steps: per block, an action's shift from keep varies by about 1 ms from round to round in a GPT-2
-# step of 10 ms blocks on a shared CPU, and now and then a whole round is off; the median of five kept the order
-# of checkpointing and a selective policy 1.5 ms apart per block, which three rounds did not always.
-ROUNDS = 5
+# Rounds of steps. Per block, an action's shift from keep varies by about 1 ms from round to round in a GPT-2
+# step of 10 ms blocks on a shared CPU, and now and then a whole round is off: the median over three rounds and
+# over the blocks that cost the same keeps checkpointing and a selective policy 1.5 ms apart in their order.
+ROUNDS = 3
 STEPS = "steps"
 ISOLATED = "isolated runs"
 
@@ -75,6 +77,17 @@ def in_step_block(block: BlockCost, action: str, fwd_shift_s: float, bwd_shift_s
         bwd_s_by_action=block.bwd_s_by_action | {action: block.bwd_s + bwd_shift_s},
         overhead_s=block.overhead_s | {action: overhead},
     )
+
+
+def same_cost_groups(costs: CostTable) -> list[list[int]]:
+    """The rows of ``costs`` grouped by cost: each measured row with the rows the profile copied from it
+    (``info["same_costs_as"]``), every other row alone."""
+    index = {block.fqn: i for i, block in enumerate(costs.blocks)}
+    copies = costs.info.get("same_costs_as", {})
+    groups: dict[int, list[int]] = {}
+    for i, block in enumerate(costs.blocks):
+        groups.setdefault(index.get(copies.get(block.fqn, block.fqn), i), []).append(i)
+    return list(groups.values())
 
 
 def _why_not(model: nn.Module, costs: CostTable) -> str | None:
@@ -141,10 +154,12 @@ def time_actions_in_steps(
         if not pairs:
             continue
         timed.append(action)
-        for i, block in enumerate(costs.blocks):
-            if action in block.actions:
-                fwd_shift = statistics.median(run[0][i] - keep[0][i] for run, keep in pairs)
-                bwd_shift = statistics.median(run[1][i] - keep[1][i] for run, keep in pairs)
-                costs.blocks[i] = in_step_block(block, action, fwd_shift, bwd_shift)
+        for rows in same_cost_groups(costs):
+            rows = [i for i in rows if action in costs.blocks[i].actions]
+            if rows:
+                fwd_shift = statistics.median(run[0][i] - keep[0][i] for run, keep in pairs for i in rows)
+                bwd_shift = statistics.median(run[1][i] - keep[1][i] for run, keep in pairs for i in rows)
+                for i in rows:
+                    costs.blocks[i] = in_step_block(costs.blocks[i], action, fwd_shift, bwd_shift)
     untimed = [a for a in actions if a not in timed]
     costs.info["action_times_from"] = STEPS if not untimed else f"{STEPS}, {ISOLATED} for {untimed}"

@@ -81,7 +81,8 @@ Tables written before a field existed load with it absent: 0 or empty for the by
 for ``outside_s``, False for ``outputs_kept``.
 
 ``info`` holds plain facts about how the table was taken (torch version, device name; for a measured table
-``profile_s``, the profile's wall time, and ``blocks_measured`` / ``blocks_reused``).
+``profile_s``, the profile's wall time, ``blocks_measured`` / ``blocks_reused``, and ``same_costs_as``: each
+reused row's name -> the measured row it copies).
 ``autocast``: the autocast settings the step was measured under, as plain data (``{"device_type": "cpu",
 "dtype": "bfloat16", "enabled": True}``, see :class:`remat.precision.AutocastSpec`); ``None`` where the table
 does not say (tables written before it was recorded, hand-made tables).

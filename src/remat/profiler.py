@@ -119,7 +119,7 @@ class BlockProfiler:
         self.calls = ProfiledCalls([fqn for fqn, _ in self.chain], chain_of, len(self.chains))  # one row per call
         self.rows: dict[tuple[int, int], BlockCost] = {}  # (chain, call in the chain) -> row
         self.reuse_identical = reuse_identical
-        self.reused: set[tuple[int, int]] = set()
+        self.reused: dict[tuple[int, int], tuple[int, int]] = {}  # row -> the measured row it copies
         self.outputs = CollectedOutputs()  # does the model's output hold blocks' outputs (output_hidden_states)?
         # signature -> (row key of the call measured for it, its footprint under keep)
         self._groups: dict[Hashable, dict[Footprint, tuple[int, int]]] = {}  # signature -> footprint -> row
@@ -214,7 +214,7 @@ class BlockProfiler:
             measured = self._groups.setdefault(group, {})
             if footprint in measured:
                 self.rows[key] = renamed(self.rows[measured[footprint]], fqn)
-                self.reused.add(key)
+                self.reused[key] = measured[footprint]
                 return
             measured[footprint] = key
         self.rows[key] = measure_block(
@@ -285,6 +285,7 @@ class BlockProfiler:
                 "profile_s": self._profile_seconds(),
                 "blocks_measured": len(self.rows) - len(self.reused),
                 "blocks_reused": len(self.reused),
+                "same_costs_as": {self.rows[k].fqn: self.rows[src].fqn for k, src in self.reused.items()},
                 **({"called_more_than_once": self.calls.repeated()} if self.calls.repeated() else {}),
             },
             autocast=(self._autocast or AutocastSpec.current(device.type)).to_dict(),
@@ -331,7 +332,7 @@ def profile(
     One untimed plain step runs first (warm-up). After the profiled step, three plain steps are timed for
     ``outside_s``: each step less the time its blocks took in it (:mod:`remat.outside_time`), or on CUDA the
     step less the blocks' isolated times. Where the blocks were timed within those steps, ``actions_in_steps``
-    (default) times every action within whole steps too, five rounds of one step per action, and the table
+    (default) times every action within whole steps too, three rounds of one step per action, and the table
     prices each action by what it adds there (:mod:`remat.action_steps`, ``info["action_times_from"]``).
 
     ``clock`` is what every time is read from: wall-clock ``time.perf_counter`` by default; on a shared CPU
