@@ -28,30 +28,25 @@ class Block(nn.Module):
         return torch.tanh(self.linear(x))
 
 
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.head = nn.Linear(8, 1)
+def model_of(blocks: list[nn.Module]) -> nn.Sequential:
+    """A stem, the ``blocks``, a head: the chain is modules ``1`` to ``len(blocks)``."""
+    return nn.Sequential(nn.Linear(8, 8), *blocks, nn.Linear(8, 1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
+
+def plain_model() -> nn.Sequential:
+    return model_of([Block() for _ in range(3)])
 
 
 def runs() -> float:
     return float(RUNS[0])
 
 
-def chain_of(model: Model) -> list[tuple[str, nn.Module]]:
-    return [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+def chain_of(model: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    return [(str(i), model[i]) for i in range(1, len(model) - 1)]
 
 
 def test_windows_of_a_checkpointed_step_put_the_recomputation_in_the_backward() -> None:
-    model = Model()
+    model = plain_model()
     chain = chain_of(model)
     blocks, ios = [m for _, m in chain], block_ios(chain)
     costs = remat.profile(model, torch.randn(4, 8), blocks=chain, actions_in_steps=False)
@@ -67,7 +62,7 @@ def test_windows_of_a_checkpointed_step_put_the_recomputation_in_the_backward() 
 
 
 def test_action_figures_are_replaced_by_what_the_step_adds() -> None:
-    model = Model()
+    model = plain_model()
     chain = chain_of(model)
     costs = remat.profile(model, torch.randn(4, 8), blocks=chain, actions_in_steps=False, clock=runs)
     assert costs.info["times_from"] == "plain steps"
@@ -85,7 +80,7 @@ def test_action_figures_are_replaced_by_what_the_step_adds() -> None:
 
 def test_profile_times_actions_in_steps_by_default_and_leaves_the_model_as_it_was() -> None:
     torch.manual_seed(0)
-    model = Model()
+    model = plain_model()
     chain = chain_of(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = torch.randn(4, 8)
@@ -99,7 +94,7 @@ def test_profile_times_actions_in_steps_by_default_and_leaves_the_model_as_it_wa
 
 
 def test_a_model_with_a_plan_keeps_the_isolated_figures_and_its_plan() -> None:
-    model = Model()
+    model = plain_model()
     chain = chain_of(model)
     costs = remat.profile(model, torch.randn(4, 8), blocks=chain, actions_in_steps=False)
     handle = remat.apply(model, remat.plan(costs, "full"), chain)
@@ -135,13 +130,12 @@ class Weighted(Block):
 
 @pytest.mark.parametrize("reuse", [True, False])
 def test_blocks_the_profile_found_alike_share_one_figure_per_action(reuse: bool) -> None:
-    model = Model()
-    model.blocks = nn.ModuleList(Weighted(w) for w in (1, 2, 3))
+    model = model_of([Weighted(w) for w in (1, 2, 3)])
     costs = remat.profile(model, torch.randn(4, 8), blocks=chain_of(model), clock=runs, reuse_identical=reuse)
     assert costs.info["action_times_from"] == "steps"
     added = [b.recompute_s["checkpoint"] + b.overhead_s["checkpoint"] for b in costs.blocks]
     if reuse:  # one block measured alone, its row copied; in the steps the median over the three: 2 runs
-        assert costs.info["same_costs_as"] == {"blocks.1": "blocks.0", "blocks.2": "blocks.0"}
+        assert costs.info["same_costs_as"] == {"2": "1", "3": "1"}
         assert added == [2.0, 2.0, 2.0]
     else:  # each block re-runs its own forward in backward
         assert costs.info["same_costs_as"] == {}
