@@ -7,7 +7,9 @@ bytes kept after the forward, the forward and backward transients (:mod:`remat.b
 of every action, interleaved, give forward, backward, recompute and overhead seconds
 (:mod:`remat.block_timing`, :mod:`remat.action_times`). The step itself is tracked too, for the memory before
 the chain (stem) and after it (head), what the step keeps beside the blocks (T5's position biases, counted in
-the stem) and whether the model's output collects the blocks' outputs (:mod:`remat.chain_bounds`).
+the stem) and whether the model's output collects the blocks' outputs (:mod:`remat.chain_bounds`). After that
+step :func:`profile` reads the blocks' times where a plan pays them, within whole steps of the model
+(:mod:`remat.step_anchor` for keep, :mod:`remat.action_steps` for every other action).
 
 Under ``torch.autocast`` the isolated runs keep the step's autocast settings but turn autocast's weight-cast
 cache off (:func:`remat.precision.casts_uncached`), so each block's casts are counted where they are made; the
