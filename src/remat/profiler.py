@@ -72,7 +72,7 @@ from .hf_guards import profiled_step
 from .lossy_actions import lossy_actions
 from .memory import CompiledCodeIgnoringTracker, LiveTensorTracker, model_device
 from .model_state import extra_run
-from .outside_time import aside_from_step, plain_steps
+from .outside_time import aside_from_step, in_backward, plain_steps
 from .precision import AutocastArg, AutocastSpec, autocast_spec, casts_uncached
 from .profiled_actions import compiled_block_actions, default_actions
 from .regions import eager, in_place_error
@@ -196,8 +196,7 @@ class BlockProfiler:
 
     def _in_backward(self) -> bool:
         """Whether the step's backward runs (a block called now is recomputed, not called by the forward)."""
-        in_engine = torch._C._current_graph_task_id() != -1
-        return in_engine or (self._bounds is not None and self._bounds.backward_started)
+        return in_backward() or (self._bounds is not None and self._bounds.backward_started)
 
     def _measure_or_reuse(
         self,
