@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 import remat
-from remat.action_steps import in_step_block, time_actions_in_steps
+from remat.action_steps import deferral_rate, in_step_block, time_actions_in_steps
 from remat.blocks import block_ios
-from remat.costs import BlockCost
+from remat.costs import BlockCost, CostTable
 from remat.outside_time import plain_steps
+from remat.simulator import simulate
 
 RUNS = [0]  # forward runs of any block so far: the clock of these tests
 
@@ -140,3 +141,59 @@ def test_blocks_the_profile_found_alike_share_one_figure_per_action(reuse: bool)
     else:  # each block re-runs its own forward in backward
         assert costs.info["same_costs_as"] == {}
         assert added == [1.0, 2.0, 3.0]
+
+
+FORWARDS = [0]  # forward runs of the blocks below, which alone decide when a block's backward runs cold
+
+
+class StampCold(torch.autograd.Function):
+    """Identity that saves the count of forward runs at its forward (recomputed with the block) and, in backward,
+    charges the clock one run where another block ran forward since: the block's activations went cold."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(torch.tensor(float(FORWARDS[0])))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        (stamp,) = ctx.saved_tensors
+        if FORWARDS[0] != int(stamp):
+            RUNS[0] += 1
+        return grad
+
+
+class ColdBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        FORWARDS[0] += 1
+        return StampCold.apply(super().forward(x))
+
+
+def test_a_segment_is_priced_at_what_its_waiting_blocks_cost_in_steps() -> None:
+    """Checkpointed, each block's backward follows its own re-run; in one segment of three, the first two wait
+    while the later ones re-run: two charges, which the profile's rate must predict from the bytes they save."""
+    model = model_of([ColdBlock() for _ in range(3)])
+    costs = remat.profile(model, torch.randn(4, 8), blocks=chain_of(model), clock=runs)
+    assert costs.info["action_times_from"] == "steps" and costs.info["outputs_feed_next_block"] is True
+    waiting = sum(b.saved("keep") for b in costs.blocks[:2])
+    assert costs.deferred_s_per_byte == pytest.approx(2 / waiting)
+    segment = simulate(costs, ["segment:0"] * 3).step_s - simulate(costs, ["checkpoint"] * 3).step_s
+    assert segment == pytest.approx(2.0, abs=1e-6)
+    pairs = simulate(costs, ["segment:0"] * 2 + ["checkpoint"]).step_s - simulate(costs, ["checkpoint"] * 3).step_s
+    assert pairs == pytest.approx(costs.blocks[0].saved("keep") / waiting * 2, abs=1e-6)
+    # Blocks that pay nothing for waiting get no price.
+    plain = plain_model()
+    assert remat.profile(plain, torch.randn(4, 8), blocks=chain_of(plain), clock=runs).deferred_s_per_byte == 0.0
+    # Without the step timing the table does not know the price.
+    assert (
+        remat.profile(model, torch.randn(4, 8), blocks=chain_of(model), actions_in_steps=False).deferred_s_per_byte
+        == 0.0
+    )
+
+
+def test_deferral_rate_is_a_median_over_rounds_never_below_zero() -> None:
+    blocks = [BlockCost(f"b{i}", 1.0, 1.0, 1, 1, {"keep": 10, "checkpoint": 1}, {"keep": 0.0, "checkpoint": 1.0})
+              for i in range(3)]  # fmt: skip
+    costs = CostTable(blocks)
+    assert deferral_rate(costs, [5.0, 9.0, 4.0], [3.0, 3.0, 3.0]) == pytest.approx(2.0 / 20)
+    assert deferral_rate(costs, [2.0, 2.5, 9.0], [3.0, 3.0, 3.0]) == 0.0

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from remat.cli import main
+from remat.cli import DEFERRAL_LINE, main
 from remat.estimate import transformer_layer_activation_bytes
 
 
@@ -71,6 +71,9 @@ def test_profile_and_advise_run_on_a_small_model(tmp_path, capsys):
     assert f"profiled in {info['profile_s']:.1f} s ({info['blocks_measured']} blocks measured" in printed
     assert f"; action times from {info['action_times_from']})" in printed
     assert "step keeping everything" in printed
+    rate = json.loads(out.read_text())["deferred_s_per_byte"]  # segments' waiting blocks, priced where measured
+    assert (f"{DEFERRAL_LINE} {rate * 2**20 * 1e3:.3f} ms per MiB" in printed) == (rate > 0)
+    assert (DEFERRAL_LINE in printed) == (rate > 0)
     # per block, what checkpointing adds to a step, recomputation + overhead, as the table has it
     row = json.loads(out.read_text())["blocks"][0]
     added = f"{row['recompute_s']['checkpoint'] * 1e3:.2f} + {row['overhead_s']['checkpoint'] * 1e3:.2f}"

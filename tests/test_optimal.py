@@ -69,6 +69,8 @@ def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
         held_args_bytes=draw(st.integers(0, 6)),
         outside_s=draw(st.none() | st.integers(0, 40).map(lambda t: t * TICK)),
         outputs_kept=draw(st.booleans()),
+        # what a block a segment re-runs ahead of a later one's backward adds per keep byte (0: not measured)
+        deferred_s_per_byte=draw(st.sampled_from([0.0, TICK / 16, TICK / 2])),
     )
 
 
@@ -201,6 +203,27 @@ def test_a_segment_ties_the_checkpoints_of_its_blocks_whatever_the_measured_seco
     fitting = [s for s, _ in brute_force(costs) if s.peak_bytes <= budget]
     assert rank(simulate(costs, plan.actions)) == min(rank(s) for s in fitting)
     assert plan.count("checkpoint") == 4 and simulate(costs, plan.actions).deferred == 0
+
+
+def test_a_priced_deferral_above_the_inner_reruns_lets_a_memory_poor_group_beat_the_segment() -> None:
+    """A segment of two waits with its first block's 40 recomputed bytes at 1/8 tick a byte (5 ticks); a
+    memory-poor group re-runs that block once more under no_grad, in 1 tick. Where both fit (checkpoints do not),
+    the memory-poor group is the faster plan, and the search must not skip it because the segment fits."""
+    blocks = [
+        BlockCost(f"b{i}", 8 * TICK, 16 * TICK, 4, 4, {"keep": 40, "checkpoint": 4},
+                  {"keep": 0.0, "checkpoint": 8 * TICK}, nograd_fwd_s=1 * TICK)
+        for i in range(4)
+    ]  # fmt: skip
+    budget = 86  # as in the ties test: two checkpoints peak at 88, a group of two at 84 or below
+    for rate, kind in ((0.0, "segment"), (TICK / 8, "memory_poor")):
+        costs = CostTable(blocks, deferred_s_per_byte=rate)
+        plan = optimal(costs, budget)
+        fitting = [s for s, _ in brute_force(costs) if s.peak_bytes <= budget]
+        assert rank(simulate(costs, plan.actions)) == min(rank(s) for s in fitting)
+        assert list(plan.actions.values()) == [f"{kind}:0"] * 2 + ["keep"] * 2
+    priced = CostTable(blocks, deferred_s_per_byte=TICK / 8)
+    segment = simulate(priced, ["segment:0"] * 2 + ["keep"] * 2).time_cost_s
+    assert segment == 2 * 8 * TICK + 40 * TICK / 8
 
 
 def test_an_overhead_larger_than_the_recomputation_saved_loses_to_checkpointing() -> None:

@@ -239,6 +239,9 @@ def test_profile_on_named_blocks() -> None:
     model = uniform_chain(4, width=16)
     costs = remat.profile(model, torch.randn(5, 8), blocks=["blocks.1", "blocks.3"], repeats=1)
     assert costs.fqns == ["blocks.1", "blocks.3"]
+    # blocks.2 runs between them, so they cannot share a segment: the profile does not try to price one
+    assert costs.info["outputs_feed_next_block"] is False and costs.deferred_s_per_byte == 0.0
+    assert costs.info["action_times_from"] == "steps"
 
 
 def test_predictions_match_measurements_on_an_mlp_chain() -> None:

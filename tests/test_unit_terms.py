@@ -89,6 +89,11 @@ CASES = [
         ["memory_poor:0"] * 5,
     ),
     (
+        "segments and a memory-poor group, deferral priced",
+        replace(chain(7), deferred_s_per_byte=1.3e-6),
+        ["segment:a"] * 3 + ["memory_poor:b"] * 2 + ["segment:c"] * 2,
+    ),
+    (
         "mixed",
         chain(9, head_retained=3, held_args=6),
         [SELECTIVE, *["segment:0"] * 2, *["memory_poor:1"] * 3, "offload", "checkpoint", "keep"],
@@ -251,6 +256,14 @@ def test_the_table_exercises_what_it_names() -> None:
     (unit,) = units_from_actions(actions)
     assert unit_terms(costs, unit).overhead_s == pytest.approx(sum(frames))
     assert unit_terms(costs, unit).deferred == 5  # every block but the last waits for the later ones
+    # Priced, each block a segment re-runs ahead of a later one's backward adds the rate times its keep bytes.
+    costs, actions = by_name["segments and a memory-poor group, deferral priced"]
+    segment, memory_poor, short = units_from_actions(actions)
+    unpriced = replace(costs, deferred_s_per_byte=0.0)
+    for unit, waiting in ((segment, costs.blocks[0:2]), (short, costs.blocks[5:6]), (memory_poor, [])):
+        extra = unit_terms(costs, unit).overhead_s - unit_terms(unpriced, unit).overhead_s
+        assert extra == pytest.approx(1.3e-6 * sum(b.saved("keep") for b in waiting), abs=4 * TIME_GRID_S), unit
+        assert (extra > 0) == bool(waiting)
 
 
 def test_time_terms_lie_on_a_grid_where_every_sum_is_exact() -> None:

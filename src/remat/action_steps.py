@@ -20,6 +20,14 @@ overhead becomes what it adds in the step less its recomputation, which stays th
 figure the planners weigh, is the one measured in the step. It runs ``rounds`` steps per action timed, plus as many
 keeping everything: 21 steps with the policy menu, which took the profile of the peers' GPT-2 from 1.9 s to 5 s.
 
+Where every block can be checkpointed, each round also runs a step with the whole chain as one segment. What that
+step takes beyond the round's step checkpointing every block (the median over rounds, at least 0), over the bytes
+its blocks but the last save under keep, is ``CostTable.deferred_s_per_byte``: what the recomputed activations a
+segment holds while its later blocks re-run and run backward cost per byte (see :mod:`remat.unit_terms`). The
+whole chain gives the largest such difference to read within a few rounds; per block it reads about as much as a
+segment of two or three, or up to twice as much on a host that returns freed memory to the system each step
+(``benchmarks/segments.py``), so short segments are priced at or above what they take, never below.
+
 This needs the blocks timed within plain steps (``costs.info["times_from"] == "plain steps"``: one chain of
 blocks each called once, on the CPU) and no other plan on the model; the table says in
 ``info["action_times_from"]`` which figures it holds (``"steps"``, or ``"isolated runs"`` and why).
@@ -37,8 +45,9 @@ import torch
 from torch import nn
 
 from . import applied
+from .actions import SEGMENT_PREFIX
 from .blocks import BlockIO, InputName, OutputName
-from .costs import KEEP, BlockCost, CostTable
+from .costs import CHECKPOINT, KEEP, BlockCost, CostTable
 from .hf_guards import refuse_hf_checkpointing
 from .lossy_actions import is_lossy
 from .outside_time import BlockWindows
@@ -46,7 +55,14 @@ from .runtime import apply
 from .simulator import Plan
 from .training_step import Batch, interleaved_rounds, timed_step
 
-__all__ = ["actions_to_time", "in_step_block", "same_cost_groups", "time_actions_in_steps"]
+__all__ = [
+    "actions_to_time",
+    "deferral_rate",
+    "in_step_block",
+    "one_segment",
+    "same_cost_groups",
+    "time_actions_in_steps",
+]
 
 # Rounds of steps. Per block, an action's shift from keep varies by about 1 ms from round to round in a GPT-2
 # step of 10 ms blocks on a shared CPU, and now and then a whole round is off: the median over three rounds and
@@ -54,6 +70,7 @@ __all__ = ["actions_to_time", "in_step_block", "same_cost_groups", "time_actions
 ROUNDS = 3
 STEPS = "steps"
 ISOLATED = "isolated runs"
+ONE_SEGMENT = "one segment"
 
 
 def actions_to_time(costs: CostTable) -> list[str]:
@@ -89,6 +106,25 @@ def same_cost_groups(costs: CostTable) -> list[list[int]]:
     for i, block in enumerate(costs.blocks):
         groups.setdefault(index.get(copies.get(block.fqn, block.fqn), i), []).append(i)
     return list(groups.values())
+
+
+def one_segment(costs: CostTable) -> list[str] | None:
+    """The actions putting the chain in one segment, or None where the table cannot say what a deferred block
+    costs from it: fewer than two blocks, several chains, a block without checkpoint costs, or blocks a segment
+    cannot hold (the plain steps did not see each block's output feed the next block)."""
+    if len(costs) < 2 or costs.chain_lengths or any(CHECKPOINT not in b.actions for b in costs.blocks):
+        return None
+    if not costs.info.get("outputs_feed_next_block"):
+        return None
+    return [f"{SEGMENT_PREFIX}0"] * len(costs)
+
+
+def deferral_rate(costs: CostTable, segment_s: Sequence[float], checkpoint_s: Sequence[float]) -> float:
+    """Seconds per byte that a segment's waiting recomputed activations cost: the median over rounds of the
+    one-segment step less the all-checkpoint step (at least 0), over the keep bytes of every block but the last."""
+    waiting = sum(b.saved(KEEP) for b in costs.blocks[:-1])
+    extra = statistics.median(a - b for a, b in zip(segment_s, checkpoint_s, strict=True))
+    return max(extra, 0.0) / waiting if waiting > 0 else 0.0
 
 
 def _why_not(model: nn.Module, costs: CostTable) -> str | None:
@@ -133,25 +169,32 @@ def time_actions_in_steps(
     for action in actions:
         per_block = [action if action in b.actions else KEEP for b in costs.blocks]
         plans[action] = Plan.from_actions(costs, per_block, action)
+    segment = one_segment(costs) if CHECKPOINT in actions else None
+    if segment is not None:
+        plans[ONE_SEGMENT] = Plan.from_actions(costs, segment, ONE_SEGMENT)
     handle = apply(model, plans[KEEP], list(chain), main_input=main_input, main_output=main_output)
     windows = BlockWindows([m for _, m in chain], ios, clock)
 
-    def step_under(name: str) -> tuple[list[float], list[float]] | None:
-        """Each block's forward and backward seconds in one step under plan ``name`` (None where a block did not
-        run once each way)."""
+    def step_under(name: str) -> tuple[float, tuple[list[float], list[float]] | None]:
+        """One step under plan ``name``: its seconds, and each block's forward and backward seconds (None where a
+        block did not run once each way)."""
         handle.set_plan(plans[name])
         windows.reset()
-        timed_step(model, batch, loss_fn, autocast=autocast, clock=clock, holds_output=holds_output)
-        return (windows.fwd_s, windows.bwd_s) if windows.each_block_once else None
+        seconds = timed_step(model, batch, loss_fn, autocast=autocast, clock=clock, holds_output=holds_output)
+        return seconds, (windows.fwd_s, windows.bwd_s) if windows.each_block_once else None
 
     try:
         steps = interleaved_rounds(list(plans), step_under, rounds)
     finally:
         windows.remove()
         handle.remove()
+    if segment is not None:
+        step_s = {name: [seconds for seconds, _ in steps[name]] for name in (ONE_SEGMENT, CHECKPOINT)}
+        costs.deferred_s_per_byte = deferral_rate(costs, step_s[ONE_SEGMENT], step_s[CHECKPOINT])
+    windows_by = {name: [w for _, w in results] for name, results in steps.items()}
     timed = []
     for action in actions:
-        pairs = [(run, keep) for run, keep in zip(steps[action], steps[KEEP], strict=True) if run and keep]
+        pairs = [(run, keep) for run, keep in zip(windows_by[action], windows_by[KEEP], strict=True) if run and keep]
         if not pairs:
             continue
         timed.append(action)

@@ -116,6 +116,7 @@ def _costs(args: argparse.Namespace, batch_size: int | None = None):  # noqa: AN
 
 
 REFUSED = "cannot run"  # the cell of an action a block cannot run (the reason is printed below the table)
+DEFERRAL_LINE = "a block a segment re-runs ahead of a later block's backward adds"
 
 
 def _print_time_costs(costs: Any, actions: list[str]) -> None:
@@ -157,6 +158,8 @@ def print_costs(costs: Any) -> None:
             f"step keeping everything {(kept + costs.outside_s) * 1e3:.2f} ms: blocks {kept * 1e3:.2f} ms, "
             f"outside them {costs.outside_s * 1e3:.2f} ms"
         )
+    if costs.deferred_s_per_byte > 0:
+        print(f"{DEFERRAL_LINE} {costs.deferred_s_per_byte * 2**20 * 1e3:.3f} ms per MiB it saves")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -54,6 +54,10 @@ that recomputation. ``outside_s`` is the seconds of a step spent outside the cha
 head, the loss and their backward): a plain step's time less every block's ``fwd_s + bwd_s``; None when it
 was not measured. Since the blocks are timed alone, it also holds what they cost more or less inside a step
 than alone, and it is negative where that exceeds the stem and head (small blocks timed alone run slower).
+``deferred_s_per_byte`` prices what a segment's re-runs cost beyond checkpoints of the same blocks: a block that a
+segment re-runs ahead of a later block's backward (each of its blocks but its last) adds this times its bytes
+saved under keep, the recomputed activations that wait, cold, for its backward (:mod:`remat.unit_terms`). The
+profile measures it in whole steps where it can (:mod:`remat.action_steps`); 0 where not measured.
 ``outputs_kept`` says the model keeps every block's output to the end of the step (Hugging Face's
 ``output_hidden_states`` collects them), so a group's inner outputs are not freed, and a unit's backward runs
 beside the outputs of its last block and the later blocks of its chain (:meth:`CostTable.held_outputs_per_row`).
@@ -77,8 +81,8 @@ before storing them: the gradient of its last call waits, from that call's backw
 the others. ``call_grad_bytes`` are, per row, those waiting while the row runs backward (empty for a table
 without such blocks); they count in the peak of a unit starting at the row, as ``backward_bytes`` do.
 
-Tables written before a field existed load with it absent: 0 or empty for the byte and overhead terms, None
-for ``outside_s``, False for ``outputs_kept``.
+Tables written before a field existed load with it absent: 0 or empty for the byte and overhead terms and
+``deferred_s_per_byte``, None for ``outside_s``, False for ``outputs_kept``.
 
 ``info`` holds plain facts about how the table was taken (torch version, device name; for a measured table
 ``profile_s``, the profile's wall time, ``blocks_measured`` / ``blocks_reused``, and ``same_costs_as``: each
@@ -169,6 +173,7 @@ class CostTable:
     info: dict[str, Any] = field(default_factory=dict)
     autocast: dict[str, Any] | None = None
     outside_s: float | None = None
+    deferred_s_per_byte: float = 0.0
     chain_lengths: list[int] = field(default_factory=list)
     between_bytes: list[int] = field(default_factory=list)
     backward_bytes: list[int] = field(default_factory=list)
@@ -289,6 +294,7 @@ class CostTable:
             head_retained_bytes=data.get("head_retained_bytes", 0),
             held_args_bytes=data.get("held_args_bytes", 0),
             outside_s=data.get("outside_s"),
+            deferred_s_per_byte=data.get("deferred_s_per_byte", 0.0),
             device=data.get("device", "cpu"),
             source=data.get("source", "measured"),
             info=data.get("info", {}),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from .block_run import parameters_detached
 from .blocks import BlockIO
 from .model_state import extra_run
 from .precision import casts_uncached
-from .regions import eager
+from .regions import eager, same_tensor
 from .suspension import suspend_all
 from .training_step import Batch, timed_step
 
@@ -52,6 +53,7 @@ class BlockWindows:
         self.ios = list(ios)
         self.inside = 0.0
         self.complete = True  # False once a block's main input or output could not be hooked
+        self.hands_on = True  # False once a block's main input was not the previous block's main output, this step
         n = len(self.ios)
         self.fwd_s = [0.0] * n  # per block, this step: seconds in its forward calls
         self.bwd_s = [0.0] * n  # per block, this step: seconds in its backward
@@ -61,6 +63,7 @@ class BlockWindows:
         self._start = 0.0
         self._entered: dict[int, float] = {}  # block index -> when its forward call began
         self._ready: dict[int, float] = {}  # block index -> when its output's gradient was ready
+        self._outputs: dict[int, weakref.ref[torch.Tensor]] = {}  # block index -> its main output, this step
         self._hooks: list[Any] = []
         for i, block in enumerate(blocks):
             # eager(): a compiled block calls its hooks inside its compiled call; they must not be traced
@@ -69,6 +72,8 @@ class BlockWindows:
 
     def reset(self) -> None:
         self.inside = 0.0
+        self.hands_on = True
+        self._outputs.clear()
         n = len(self.ios)
         self.fwd_s, self.bwd_s = [0.0] * n, [0.0] * n
         self.fwd_calls, self.bwd_windows = [0] * n, [0] * n
@@ -101,6 +106,9 @@ class BlockWindows:
             self._depth += 1
             self._entered[i] = now
             main = self._main_input(i, args, kwargs)
+            if i > 0:
+                previous = self._outputs.get(i - 1)
+                self.hands_on &= main is not None and previous is not None and same_tensor(main, previous())
             if main is None or not main.requires_grad:
                 self.complete = False
                 return
@@ -119,6 +127,7 @@ class BlockWindows:
                 self.complete = False
             else:
                 out.register_hook(self._output_grad(i))
+                self._outputs[i] = weakref.ref(out)
             now = self.clock()
             entered = self._entered.pop(i, None)
             if entered is not None:
@@ -158,6 +167,7 @@ class PlainSteps:
     outside_s: float | None
     block_fwd_s: list[float] | None
     block_bwd_s: list[float] | None
+    hands_on: bool = False  # in every step, each block's main input was the previous block's main output
 
 
 def aside_from_step(model: nn.Module, device: str, suspend: bool = True) -> contextlib.ExitStack:
@@ -193,7 +203,7 @@ def plain_steps(
     on_cuda = any(p.device.type == "cuda" for p in model.parameters())
     windows = BlockWindows(blocks, ios, clock)
     whole, outside, fwd, bwd = [], [], [], []
-    once = True
+    once = hands_on = True
     try:
         for _ in range(steps):
             windows.reset()
@@ -201,17 +211,19 @@ def plain_steps(
             whole.append(seconds)
             outside.append(seconds - windows.inside)
             once = once and windows.each_block_once
+            hands_on = hands_on and windows.hands_on
             fwd.append(windows.fwd_s)
             bwd.append(windows.bwd_s)
     finally:
         windows.remove()
     step = statistics.median(whole)
     if not windows.complete or on_cuda:
-        return PlainSteps(step, None, None, None)
+        return PlainSteps(step, None, None, None, hands_on)
     per_block = once and bool(blocks)
     return PlainSteps(
         step,
         statistics.median(outside),
         [statistics.median(f[i] for f in fwd) for i in range(len(blocks))] if per_block else None,
         [statistics.median(b[i] for b in bwd) for i in range(len(blocks))] if per_block else None,
+        hands_on,
     )

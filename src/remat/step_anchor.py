@@ -40,7 +40,9 @@ def anchored_block(block: BlockCost, fwd_s: float, bwd_s: float) -> BlockCost:
 def anchor_to_plain_steps(costs: CostTable, plain: PlainSteps, fqns: Sequence[str]) -> None:
     """Sets ``costs.outside_s`` from ``plain`` (whose blocks are ``fqns``, in order) and, where ``plain`` timed
     every block within the step, each block's keep times to those. ``costs.info["times_from"]`` says which
-    (``"plain steps"`` or ``"isolated runs"``), ``info["plain_step_s"]`` is the plain steps' median. Where the
+    (``"plain steps"`` or ``"isolated runs"``), ``info["plain_step_s"]`` is the plain steps' median and
+    ``info["outputs_feed_next_block"]`` whether each block's main input was the previous block's main output
+    (what a segment of them needs, :mod:`remat.runtime`). Where the
     blocks could not be timed within the step, ``outside_s`` is the step less the blocks' isolated times, not
     floored at 0: blocks timed alone can run slower than within a step."""
     fwd, bwd = plain.block_fwd_s, plain.block_bwd_s
@@ -49,6 +51,7 @@ def anchor_to_plain_steps(costs: CostTable, plain: PlainSteps, fqns: Sequence[st
         costs.blocks = [anchored_block(b, f, g) for b, f, g in zip(costs.blocks, fwd, bwd, strict=True)]
     costs.info["times_from"] = "plain steps" if within else "isolated runs"
     costs.info["plain_step_s"] = plain.step_s
+    costs.info["outputs_feed_next_block"] = plain.hands_on
     if plain.outside_s is not None:
         costs.outside_s = plain.outside_s
     else:

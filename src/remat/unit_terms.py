@@ -4,8 +4,10 @@ and a vectorised form over every unit of a chain (the planners'), side by side, 
 Per block ``m`` a unit reads: ``saved[a][m]`` (bytes saved under action ``a``; ``keep[m]`` and ``checkpointed[m]``
 under ``keep`` and ``checkpoint``), ``output[m]``, ``fwd_temp[m]``, ``temp[m] = max(fwd_temp[m], bwd_temp[m])``,
 ``bwd_extra[a][m]``, ``recompute[a][m]`` (``rerun[m]`` under ``checkpoint``), ``inner[m]`` (the block's forward
-under ``torch.no_grad``, ``nograd_fwd_s``; ``rerun[m]`` where not measured) and ``overhead[a][m]`` (what the
-action adds to the step beyond its recomputation, see :mod:`remat.costs`; ``frame[m]`` under ``checkpoint``).
+under ``torch.no_grad``, ``nograd_fwd_s``; ``rerun[m]`` where not measured), ``overhead[a][m]`` (what the
+action adds to the step beyond its recomputation, see :mod:`remat.costs`; ``frame[m]`` under ``checkpoint``) and
+``defer[m]`` (what the block adds when a segment re-runs it ahead of a later block's backward:
+``CostTable.deferred_s_per_byte * keep[m]``).
 Every peak is bytes above what the units before retain; its backward terms include ``head_retained`` (what the
 head leaves alive while the chain's backward runs, or frees of the stem when negative), its forward terms do not
 (the head has not run). A unit's time cost, the seconds it adds to a step that keeps
@@ -39,7 +41,7 @@ group's own input belongs to the unit before)::
     segment recompute     = rerun[s] + ... + rerun[e]
     memory_poor recompute = sum over m of (inner[s] + ... + inner[m-1] + rerun[m])
                             (block m's backward re-runs s..m-1 under no_grad, then m recording its graph)
-    group overhead        = frame[s] + ... + frame[e]
+    group overhead        = frame[s] + ... + frame[e], plus defer[s] + ... + defer[e-1] in a segment
     re-runs of block m    = 1 in a segment, e - m + 1 in a memory-poor group
     deferred              = e - s in a segment, 0 in a memory-poor group
 
@@ -55,9 +57,12 @@ term above (single or group) has ``held[e]`` added inside its ``max``.
 ``deferred`` counts the blocks that a unit re-runs ahead of a later block's backward: a segment re-runs all its
 blocks before the first backward, so the recomputed activations of every block but its last wait while the later
 ones re-run and run backward; a checkpoint or a memory-poor group runs each block's backward right after its
-re-run. The time terms charge a segment what its blocks cost as checkpoints, but whole steps measure it slower
-(``benchmarks/segments.py``: 1-4% per step on CPU for groups of two to four blocks, a cost a block timed alone
-does not show), so the optimal planner breaks ties in time towards fewer deferred blocks.
+re-run. Whole steps measure a segment slower than checkpoints of its blocks, a cost a block timed alone does not
+show: on a 2-core Xeon (``benchmarks/segments.py``) 1-2.6 ms per deferred block of the peers' GPT-2 (10.5 MiB saved
+per block, 140 ms steps) and 0.6-1.5 ms per block of its Llama (6.5 MiB), about what reading a block's recomputed
+activations back from memory instead of cache takes. ``defer`` prices it per byte those blocks save, at the rate the
+profile measured (:mod:`remat.action_steps`); where the rate is 0 (not measured) a segment costs exactly what the
+checkpoints of its blocks cost, and the optimal planner breaks ties in time towards fewer deferred blocks.
 
 Invariant 1: every time term is read on a grid of 2**-30 s (:func:`on_time_grid`, under a nanosecond), so each
 sum of terms, in any order and in either form, is exact: a segment and the checkpoints of the same blocks cost
@@ -124,7 +129,7 @@ def unit_terms(costs: CostTable, unit: Unit) -> UnitTerms:
     held = costs.held_outputs(unit.end)
     if unit.kind == SINGLE:
         return single_terms(costs.blocks[unit.start], unit.action, costs.head_retained_bytes, held)
-    blocks = [BlockNumbers.of(b) for b in costs.blocks[unit.start : unit.end + 1]]
+    blocks = [BlockNumbers.of(b, costs.deferred_s_per_byte) for b in costs.blocks[unit.start : unit.end + 1]]
     return group_terms(blocks, unit.kind, costs.head_retained_bytes, costs.outputs_kept, held)
 
 
@@ -150,9 +155,10 @@ class BlockNumbers:
     rerun: float
     frame: float = 0.0  # the block's overhead under checkpoint
     inner: float = 0.0  # the block's forward under no_grad (a memory-poor group's re-runs before the last)
+    defer: float = 0.0  # what the block adds when a segment re-runs it ahead of a later block's backward
 
     @classmethod
-    def of(cls, block: BlockCost) -> BlockNumbers:
+    def of(cls, block: BlockCost, deferred_s_per_byte: float = 0.0) -> BlockNumbers:
         if CHECKPOINT not in block.recompute_s:
             raise KeyError(
                 f"block {block.fqn!r} has no 'checkpoint' costs, which a segment or memory-poor group needs; "
@@ -167,6 +173,7 @@ class BlockNumbers:
             rerun=on_time_grid(block.recompute_s[CHECKPOINT]),
             frame=on_time_grid(block.overhead_s.get(CHECKPOINT, 0.0)),
             inner=on_time_grid(block.recompute_s[CHECKPOINT] if block.nograd_fwd_s is None else block.nograd_fwd_s),
+            defer=on_time_grid(deferred_s_per_byte * block.saved(KEEP)),
         )
 
 
@@ -185,13 +192,14 @@ def group_terms(
         backward_peak = max(keeps_to[m] + b.temp for m, b in enumerate(blocks))
         recompute, reexecutions = sum(b.rerun for b in blocks), (1,) * len(blocks)
         deferred = len(blocks) - 1
+        waits = sum(b.defer for b in blocks[:-1])
     else:
         backward_peak = max(b.keep + inside[m] + b.temp for m, b in enumerate(blocks))
         inner_before = [0.0, *accumulate(b.inner for b in blocks[:-1])]  # inner[s] + ... + inner[m-1]
         recompute = list(accumulate(before + b.rerun for before, b in zip(inner_before, blocks, strict=True)))[-1]
         reexecutions = tuple(len(blocks) - m for m in range(len(blocks)))
-        deferred = 0
-    overhead = list(accumulate(b.frame for b in blocks))[-1]
+        deferred, waits = 0, 0.0
+    overhead = list(accumulate(b.frame for b in blocks))[-1] + waits
     peak = max(forward_peak, backward_peak + kept[-1] + held + head_retained)
     retained = blocks[-1].checkpointed + kept[-1]
     return UnitTerms(retained, peak, recompute, reexecutions, overhead, deferred)
@@ -253,15 +261,16 @@ class ChainNumbers:
     rerun: np.ndarray
     frame: np.ndarray
     inner: np.ndarray
+    defer: np.ndarray
     held: np.ndarray  # outputs held through the backward of a unit ending at the block (outputs_kept)
 
     @classmethod
     def of(cls, costs: CostTable) -> ChainNumbers:
-        rows = [BlockNumbers.of(b) for b in costs.blocks]
+        rows = [BlockNumbers.of(b, costs.deferred_s_per_byte) for b in costs.blocks]
         ints = {name: np.array([getattr(r, name) for r in rows], dtype=np.int64)
                 for name in ("keep", "checkpointed", "output", "fwd_temp", "temp")}  # fmt: skip
         floats = {name: np.array([getattr(r, name) for r in rows], dtype=np.float64)
-                  for name in ("rerun", "frame", "inner")}  # fmt: skip
+                  for name in ("rerun", "frame", "inner", "defer")}  # fmt: skip
         return cls(**ints, **floats, held=np.array(costs.held_outputs_per_row(), dtype=np.int64))
 
 
@@ -315,7 +324,9 @@ def group_table(
         table.recompute_s[SEGMENT] = reruns_to
         table.reexecutions[SEGMENT] = length
         table.deferred[SEGMENT] = length - 1
-        table.overhead_s[SEGMENT] = frames_to
+        defers_to = np.cumsum(numbers.defer[block], axis=1)  # defer[s] + ... + defer[s + j]
+        waits = np.concatenate([np.zeros((rows, 1)), defers_to[:, :-1]], axis=1)  # all but the last block's
+        table.overhead_s[SEGMENT] = frames_to + waits
         table.time_cost_s[SEGMENT] = reruns_to + table.overhead_s[SEGMENT]
     if MEMORY_POOR in kinds:
         backward = np.maximum.accumulate(numbers.keep[block] + inside + numbers.temp[block], axis=1)

@@ -15,9 +15,10 @@ terms come from :mod:`remat.planners.chain_units`, which reads the vectorised fo
 
 Ties in time cost go to fewer block re-executions in backward, then to fewer blocks re-run ahead of a later
 block's backward (a segment's blocks but its last: whole steps measure a segment slower than checkpoints of
-the same blocks, which the time terms cannot see, see :mod:`remat.unit_terms`), then to the lower peak. Time
-terms lie on a grid that makes their sums exact (invariant 1 of :mod:`remat.unit_terms`), so a tie is a real
-one: a segment and checkpoints of its blocks cost the same, and the checkpoints win where both fit.
+the same blocks, which the time terms price only where the profile measured it, ``CostTable.deferred_s_per_byte``,
+see :mod:`remat.unit_terms`), then to the lower peak. Time terms lie on a grid that makes their sums exact
+(invariant 1 of :mod:`remat.unit_terms`), so a tie is a real one: unpriced, a segment and checkpoints of its
+blocks cost the same, and the checkpoints win where both fit.
 
 Exactness and long chains: the search is exact under the simulator unless a front had to be thinned or
 group lengths were capped (``Plan.options["exact"]`` says which). Thinning rounds the memory axis: partial

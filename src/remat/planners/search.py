@@ -197,9 +197,10 @@ class Search:
         )
 
     def _skip_memory_poor_beaten_by_segments(self, units: Units, first: np.ndarray, past: np.ndarray) -> None:
-        """From a partial plan where segment ``s..e`` fits, memory-poor group ``s..e`` gives the same bytes
-        with no less time and more re-executions, so only plans the segment does not fit need the memory-poor
-        one (``units``: the singles, then the segments, then the memory-poor groups)."""
+        """From a partial plan where segment ``s..e`` fits, memory-poor group ``s..e`` gives the same bytes with
+        more re-executions and, unless the segment's deferred blocks are priced above the memory-poor group's
+        inner re-runs, no less time; where so, only plans the segment does not fit need the memory-poor one
+        (``units``: the singles, then the segments, then the memory-poor groups)."""
         kinds = self.chain.group_kinds
         if len(kinds) < 2:
             return
@@ -207,7 +208,8 @@ class Search:
         n_groups = (len(units.start) - n_single) // 2
         segment = slice(n_single, n_single + n_groups)
         memory_poor = slice(n_single + n_groups, None)
-        first[memory_poor] = np.maximum(first[memory_poor], past[segment])
+        beaten = units.time[segment] <= units.time[memory_poor]
+        first[memory_poor] = np.where(beaten, np.maximum(first[memory_poor], past[segment]), first[memory_poor])
 
     def _settle(self, p: Partials) -> Partials:
         """The front of one position: thinned first when too large (``p`` is sorted by bytes with time
