@@ -20,13 +20,15 @@ overhead becomes what it adds in the step less its recomputation, which stays th
 figure the planners weigh, is the one measured in the step. It runs ``rounds`` steps per action timed, plus as many
 keeping everything: 21 steps with the policy menu, which took the profile of the peers' GPT-2 from 1.9 s to 5 s.
 
-Where every block can be checkpointed, each round also runs a step with the whole chain as one segment. What that
-step takes beyond the round's step checkpointing every block (the median over rounds, at least 0), over the bytes
-its blocks but the last save under keep, is ``CostTable.deferred_s_per_byte``: what the recomputed activations a
-segment holds while its later blocks re-run and run backward cost per byte (see :mod:`remat.unit_terms`). The
-whole chain gives the largest such difference to read within a few rounds; per block it reads about as much as a
-segment of two or three, or up to twice as much on a host that returns freed memory to the system each step
-(``benchmarks/segments.py``), so short segments are priced at or above what they take, never below.
+Where every block can be checkpointed and each block's output feeds the next (so that a segment of them runs),
+each round also runs a step with the whole chain as one segment right after the step checkpointing every block,
+and ``segment_rounds - rounds`` more rounds run that pair alone. What the segment step takes beyond its pair's (the
+median over rounds, at least 0), over the bytes its blocks but the last save under keep, is
+``CostTable.deferred_s_per_byte``: what the recomputed activations a segment holds while its later blocks re-run
+and run backward cost per byte (see :mod:`remat.unit_terms`). The whole chain gives the largest such difference;
+three rounds read it anywhere from 0 to twice its value on a shared CPU, nine within about 30%. Read so, it
+predicts segments of two and four blocks within 1% of the step (``benchmarks/segments.py``). The pair's steps
+took the profile of the peers' GPT-2 from 5 s to 7.1 s and of its Llama from 3.5 s to 5.2 s.
 
 This needs the blocks timed within plain steps (``costs.info["times_from"] == "plain steps"``: one chain of
 blocks each called once, on the CPU) and no other plan on the model; the table says in
@@ -68,6 +70,9 @@ __all__ = [
 # step of 10 ms blocks on a shared CPU, and now and then a whole round is off: the median over three rounds and
 # over the blocks that cost the same keeps checkpointing and a selective policy 1.5 ms apart in their order.
 ROUNDS = 3
+# Rounds of the pair that prices a segment's waiting blocks (the whole chain as one segment, and checkpointing every
+# block): their difference is a few percent of a step, about as much as two steps differ.
+SEGMENT_ROUNDS = 9
 STEPS = "steps"
 ISOLATED = "isolated runs"
 ONE_SEGMENT = "one segment"
@@ -150,6 +155,7 @@ def time_actions_in_steps(
     ios: Sequence[BlockIO],
     *,
     rounds: int = ROUNDS,
+    segment_rounds: int = SEGMENT_ROUNDS,
     main_input: InputName | Mapping[str, InputName] = None,
     main_output: OutputName | Mapping[str, OutputName] = None,
     autocast: Any = None,
@@ -184,12 +190,15 @@ def time_actions_in_steps(
         return seconds, (windows.fwd_s, windows.bwd_s) if windows.each_block_once else None
 
     try:
-        steps = interleaved_rounds(list(plans), step_under, rounds)
+        order = [KEEP, CHECKPOINT, ONE_SEGMENT] if segment is not None else [KEEP]  # the pair compared, side by side
+        steps = interleaved_rounds(list(dict.fromkeys([*order, *plans])), step_under, rounds)
+        pair = [CHECKPOINT, ONE_SEGMENT]
+        more = interleaved_rounds(pair, step_under, segment_rounds - rounds) if segment is not None else {}
     finally:
         windows.remove()
         handle.remove()
     if segment is not None:
-        step_s = {name: [seconds for seconds, _ in steps[name]] for name in (ONE_SEGMENT, CHECKPOINT)}
+        step_s = {name: [seconds for seconds, _ in steps[name] + more.get(name, [])] for name in pair}
         costs.deferred_s_per_byte = deferral_rate(costs, step_s[ONE_SEGMENT], step_s[CHECKPOINT])
     windows_by = {name: [w for _, w in results] for name, results in steps.items()}
     timed = []
