@@ -42,9 +42,9 @@ def anchor_to_plain_steps(costs: CostTable, plain: PlainSteps, fqns: Sequence[st
     every block within the step, each block's keep times to those. ``costs.info["times_from"]`` says which
     (``"plain steps"`` or ``"isolated runs"``), ``info["plain_step_s"]`` is the plain steps' median and
     ``info["outputs_feed_next_block"]`` whether each block's main input was the previous block's main output
-    (what a segment of them needs, :mod:`remat.runtime`). Where the
-    blocks could not be timed within the step, ``outside_s`` is the step less the blocks' isolated times, not
-    floored at 0: blocks timed alone can run slower than within a step."""
+    (what a segment of them needs, :mod:`remat.runtime`). Where the blocks could not be timed within the step,
+    ``outside_s`` is the step less the blocks' isolated times, not floored at 0: blocks timed alone can run slower
+    than within a step."""
     fwd, bwd = plain.block_fwd_s, plain.block_bwd_s
     within = plain.outside_s is not None and fwd is not None and bwd is not None and list(fqns) == costs.fqns
     if within:
