@@ -22,13 +22,17 @@ keeping everything: 21 steps with the policy menu, which took the profile of the
 
 Where every block can be checkpointed and each block's output feeds the next (so that a segment of them runs),
 each round also runs a step with the whole chain as one segment right after the step checkpointing every block,
-and ``segment_rounds - rounds`` more rounds run that pair alone. What the segment step takes beyond its pair's (the
-median over rounds, at least 0), over the bytes its blocks but the last save under keep, is
-``CostTable.deferred_s_per_byte``: what the recomputed activations a segment holds while its later blocks re-run
-and run backward cost per byte (see :mod:`remat.unit_terms`). The whole chain gives the largest such difference;
-three rounds read it anywhere from 0 to twice its value on a shared CPU, nine within about 30%. Read so, it
-predicts segments of two and four blocks within 1% of the step (``benchmarks/segments.py``). The pair's steps
-took the profile of the peers' GPT-2 from 5 s to 7.1 s and of its Llama from 3.5 s to 5.2 s.
+and ``segment_rounds - rounds`` more rounds run that pair alone. What the blocks take in the segment step beyond
+their time in its pair (the hooks' windows, so the stem, head and loss add no noise; the median over rounds, at
+least 0), over the bytes its blocks but the last save under keep, is ``CostTable.deferred_s_per_byte``: what the
+recomputed activations a segment holds while its later blocks re-run and run backward cost per byte (see
+:mod:`remat.unit_terms`). The whole chain gives the largest such difference. Six profiles of each of the peers'
+models on a shared 2-core CPU read it at 0.11-0.20 ms per MiB (GPT-2) and 0.11-0.24 (Llama) with six rounds,
+0.11-0.14 and 0.12-0.19 with nine, 0.04-0.17 and 0.02-0.33 from whole steps with three. Read so, it predicts
+what segments of two and four blocks add to a step within 1.5% of the step (``benchmarks/segments.py``). The
+pair's nine steps take the profile of the peers' GPT-2 from 4.8-5.0 s to 5.3-5.5 s and of its Llama from 3.4-3.7 s
+to 3.9-4.1 s; where the head outweighs the blocks (``remat profile --model gpt2-tiny``: 27 ms of blocks in a
+384 ms step) they cost the most, 10.0 s to 12.2-12.4 s.
 
 This needs the blocks timed within plain steps (``costs.info["times_from"] == "plain steps"``: one chain of
 blocks each called once, on the CPU) and no other plan on the model; the table says in
@@ -71,8 +75,8 @@ __all__ = [
 # over the blocks that cost the same keeps checkpointing and a selective policy 1.5 ms apart in their order.
 ROUNDS = 3
 # Rounds of the pair that prices a segment's waiting blocks (the whole chain as one segment, and checkpointing every
-# block): their difference is a few percent of a step, about as much as two steps differ.
-SEGMENT_ROUNDS = 9
+# block): their difference is a few percent of the blocks' time in a step, about as much as two steps differ.
+SEGMENT_ROUNDS = 6
 STEPS = "steps"
 ISOLATED = "isolated runs"
 ONE_SEGMENT = "one segment"
@@ -182,12 +186,12 @@ def time_actions_in_steps(
     windows = BlockWindows([m for _, m in chain], ios, clock)
 
     def step_under(name: str) -> tuple[float, tuple[list[float], list[float]] | None]:
-        """One step under plan ``name``: its seconds, and each block's forward and backward seconds (None where a
-        block did not run once each way)."""
+        """One step under plan ``name``: the seconds its blocks took in it, and each block's forward and backward
+        seconds (None where a block did not run once each way)."""
         handle.set_plan(plans[name])
         windows.reset()
-        seconds = timed_step(model, batch, loss_fn, autocast=autocast, clock=clock, holds_output=holds_output)
-        return seconds, (windows.fwd_s, windows.bwd_s) if windows.each_block_once else None
+        timed_step(model, batch, loss_fn, autocast=autocast, clock=clock, holds_output=holds_output)
+        return windows.inside, (windows.fwd_s, windows.bwd_s) if windows.each_block_once else None
 
     try:
         order = [KEEP, CHECKPOINT, ONE_SEGMENT] if segment is not None else [KEEP]  # the pair compared, side by side
@@ -198,8 +202,8 @@ def time_actions_in_steps(
         windows.remove()
         handle.remove()
     if segment is not None:
-        step_s = {name: [seconds for seconds, _ in steps[name] + more.get(name, [])] for name in pair}
-        costs.deferred_s_per_byte = deferral_rate(costs, step_s[ONE_SEGMENT], step_s[CHECKPOINT])
+        blocks_s = {name: [seconds for seconds, _ in steps[name] + more.get(name, [])] for name in pair}
+        costs.deferred_s_per_byte = deferral_rate(costs, blocks_s[ONE_SEGMENT], blocks_s[CHECKPOINT])
     windows_by = {name: [w for _, w in results] for name, results in steps.items()}
     timed = []
     for action in actions:
