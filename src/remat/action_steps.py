@@ -130,7 +130,8 @@ def one_segment(costs: CostTable) -> list[str] | None:
 
 def deferral_rate(costs: CostTable, segment_s: Sequence[float], checkpoint_s: Sequence[float]) -> float:
     """Seconds per byte that a segment's waiting recomputed activations cost: the median over rounds of the
-    one-segment step less the all-checkpoint step (at least 0), over the keep bytes of every block but the last."""
+    blocks' seconds in the one-segment step less theirs in the all-checkpoint step (at least 0), over the keep
+    bytes of every block but the last."""
     waiting = sum(b.saved(KEEP) for b in costs.blocks[:-1])
     extra = statistics.median(a - b for a, b in zip(segment_s, checkpoint_s, strict=True))
     return max(extra, 0.0) / waiting if waiting > 0 else 0.0

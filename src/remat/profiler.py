@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policies as _policies
-from .action_steps import time_actions_in_steps
+from .action_steps import ISOLATED, time_actions_in_steps
 from .alloc_tracker import is_compiled
 from .block_calls import ProfiledCalls, waiting_grad_bytes
 from .block_measure import measure_block
@@ -394,6 +394,6 @@ def profile(
                     holds_output=holds_output,
                 )
         else:
-            costs.info["action_times_from"] = "isolated runs (actions_in_steps=False)"
+            costs.info["action_times_from"] = f"{ISOLATED} (actions_in_steps=False)"
     costs.info["profile_s"] = time.perf_counter() - started
     return costs

@@ -290,6 +290,13 @@ class GroupTable:
     time_cost_s: dict[str, np.ndarray]  # recompute_s + overhead_s
 
 
+def _sums_before(values: np.ndarray) -> np.ndarray:
+    """Per row, the running sums of ``values`` up to but excluding each column (``values[s] + ... +
+    values[m-1]``, 0 in the first), summed left to right."""
+    to = np.cumsum(values, axis=1)
+    return np.concatenate([np.zeros((len(values), 1)), to[:, :-1]], axis=1)
+
+
 def group_table(
     numbers: ChainNumbers,
     head_retained: int,
@@ -324,16 +331,13 @@ def group_table(
         table.recompute_s[SEGMENT] = reruns_to
         table.reexecutions[SEGMENT] = length
         table.deferred[SEGMENT] = length - 1
-        defers_to = np.cumsum(numbers.defer[block], axis=1)  # defer[s] + ... + defer[s + j]
-        waits = np.concatenate([np.zeros((rows, 1)), defers_to[:, :-1]], axis=1)  # all but the last block's
-        table.overhead_s[SEGMENT] = frames_to + waits
+        table.overhead_s[SEGMENT] = frames_to + _sums_before(numbers.defer[block])  # all but the last block's
         table.time_cost_s[SEGMENT] = reruns_to + table.overhead_s[SEGMENT]
     if MEMORY_POOR in kinds:
         backward = np.maximum.accumulate(numbers.keep[block] + inside + numbers.temp[block], axis=1)
         backward = backward + kept + numbers.held[block]
         table.peak[MEMORY_POOR] = np.maximum(forward_peak, backward + head_retained)
-        inner_to = np.cumsum(numbers.inner[block], axis=1)
-        inner_before = np.concatenate([np.zeros((rows, 1)), inner_to[:, :-1]], axis=1)
+        inner_before = _sums_before(numbers.inner[block])
         table.recompute_s[MEMORY_POOR] = np.cumsum(inner_before + numbers.rerun[block], axis=1)
         table.reexecutions[MEMORY_POOR] = length * (length + 1) // 2
         table.deferred[MEMORY_POOR] = np.zeros(longest, dtype=np.int64)
