@@ -52,8 +52,8 @@ from remat.bench.procmem import CHILD_ENV  # noqa: E402
 
 CHILD = Path(__file__).resolve().parent / "peers_child.py"
 # Options that must match for --resume to continue a file.
-SAME_FOR_RESUME = ("device", "size", "budgets", "rounds", "duel_rounds", "choice_rounds", "warmup", "threads",
-                   "backend", "seed", "policies", "compiled")
+SAME_FOR_RESUME = ("device", "size", "budgets", "rounds", "duel_rounds", "duel_max_rounds", "choice_rounds", "warmup",
+                   "threads", "backend", "seed", "policies", "compiled")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds over all contenders")
     parser.add_argument("--duel-rounds", type=int, default=20,
                         help="then rounds of remat optimal, the eager peers and remat optimal again, per budget")
+    parser.add_argument("--duel-max-rounds", type=int, default=60,
+                        help="head-to-head rounds go on, 8 at a time, up to this many while the 95%% interval of "
+                             "remat's ratio to a fitting peer still holds 1.02")
     parser.add_argument("--choice-rounds", type=int, default=5,
                         help="fit_compiled's own head-to-head rounds per budget (0: no 'remat fit_compiled' rows)")
     parser.add_argument("--policies", default="menu",
@@ -95,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.size = "gpu" if args.device == "cuda" else "default"
     if args.quick:
         args.models, args.dtypes, args.budgets, args.rounds, args.duel_rounds = "gpt2", "fp32", "0.5", 3, 3
+        args.duel_max_rounds = 3
         args.choice_rounds = min(args.choice_rounds, 2)
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
     args.dtype_list = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -113,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--rounds must be at least 1")
     if args.duel_rounds < 0 or args.choice_rounds < 0:
         parser.error("--duel-rounds and --choice-rounds must be 0 or more")
+    args.duel_max_rounds = max(args.duel_max_rounds, args.duel_rounds)
     if args.retries < 0 or not args.steady_within > 0:
         parser.error("--retries must be 0 or more and --steady-within above 0")
     return args
@@ -129,7 +134,8 @@ def machine(device: str = "cpu") -> dict[str, Any]:
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": args.device, "size": args.size, "budgets": args.budget_list, "rounds": args.rounds,
-            "duel_rounds": args.duel_rounds, "choice_rounds": args.choice_rounds, "warmup": args.warmup,
+            "duel_rounds": args.duel_rounds, "duel_max_rounds": args.duel_max_rounds,
+            "choice_rounds": args.choice_rounds, "warmup": args.warmup,
             "threads": args.threads, "backend": args.backend, "seed": args.seed, "policies": args.policies,
             "compiled": not args.no_compiled}
 
@@ -270,7 +276,7 @@ def write_markdown(path: Path, header: dict[str, Any], body: str, wall_s: float)
         "",
         f"Command: `{header['command']}`  ",
         where + f"compile backend `{o['backend']}`, {o['rounds']} timing rounds (then {o.get('duel_rounds', 0)} "
-        f"head to head), models of size `{o['size']}` "
+        f"head to head{_more_rounds(o)}), models of size `{o['size']}` "
         f"({pm.SIZES[o['size']]}).  ",
         f"Wall time of this invocation: {wall_s / 60:.1f} min.",
         "",
@@ -278,6 +284,11 @@ def write_markdown(path: Path, header: dict[str, Any], body: str, wall_s: float)
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(intro) + body + "\n")
+
+
+def _more_rounds(o: dict[str, Any]) -> str:
+    most, first = o.get("duel_max_rounds", 0), o.get("duel_rounds", 0)
+    return f", up to {most} while remat's ratio to a fitting peer was unresolved from 1.02" if most > first else ""
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ back to the system); on CUDA the model, its copies and the batch live on the GPU
    and the gradients every contender must reproduce, stay the same.
 5. Head to head: at each budget, ``remat optimal`` against each eager peer of that budget, and against itself
    (an A/A pair), for ``duel_rounds`` more rounds of those few contenders only: the target compares steps
-   within 2%, finer than rounds over every contender resolve on a shared machine; then ``remat fit_compiled``
-   the same way against ``torch.compile``'s budgets (at the fraction, and fitted by remat).
+   within 2%, finer than rounds over every contender resolve on a shared machine; more rounds, up to
+   ``duel_max_rounds``, while the ratio to a fitting peer is not yet resolved from 1.02 (:mod:`peers_duel`); then
+   ``remat fit_compiled`` the same way against ``torch.compile``'s budgets (at the fraction, and fitted by remat).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Any
 import peers_ckptplan
 import peers_contenders as pc
 import peers_device as pd
+import peers_duel
 import peers_models as pm
 import peers_table as pt
 import torch
@@ -287,23 +289,6 @@ class Bench:
         wall, cpu = self.step(c, seed)
         return {"seconds": wall, "cpu_seconds": cpu} if self.device == "cpu" else {"seconds": wall}
 
-    def duel_rounds(self, cs: pc.ContenderSet) -> None:
-        """At each budget and in each group, remat's contender (``remat optimal``; on compiled code
-        ``remat fit_compiled``), each peer of that budget and remat's again (the A/A pair, key ``<key>#aa``), round
-        by round, the order reversed every other round; records of kind ``duel``."""
-        for budget in sorted({row.budget for row in cs.rows if row.budget is not None}):
-            at = {row.name: row.key for row in cs.rows if row.budget == budget}
-            for mine_name, peer_names in pt.DUELS:
-                mine = at.get(mine_name)
-                peers = [at[name] for name in peer_names if name in at]
-                if mine is None or not peers:
-                    continue
-                slots = [(mine, mine), *((key, key) for key in peers), (f"{mine}#aa", mine)]
-                for r in range(self.job.get("duel_rounds", 0)):
-                    for label, key in slots if r % 2 == 0 else slots[::-1]:
-                        fields = self.timed(cs.contenders[key], self.job["seed"] + 5000 + r)
-                        self.emit("duel", budget=budget, key=label, round=r, **fields)
-
 
 def fit_whole_model(job: dict[str, Any], bench: Bench, model: nn.Module) -> CompileBudgetFit:
     """``fit_compile_budget``'s trials on ``model`` with the unit's batch, precision and backend: every budget of
@@ -374,7 +359,7 @@ def run(job: dict[str, Any]) -> None:
                                "note": c.note, "grad_reference": c.grad_reference}
                            for k, c in cs.contenders.items()})
     bench.time_rounds(list(cs.contenders), cs.contenders)
-    bench.duel_rounds(cs)
+    peers_duel.duel_rounds(bench, cs)
     bench.emit("unit_done")
 
 

@@ -33,6 +33,8 @@ from typing import Any
 
 from peers_targets import targets_table
 
+from remat.bench.stats import median_interval
+
 REFERENCE = {"eager": "none", "compiled": "compiled"}
 KEEP_ALL = {"eager": "none", "compiled": "compiled-blocks"}  # each group's keep-all remat plan (predicted)
 EAGER_PEERS = ("torch checkpoint, first k blocks", "torch selective (matmuls saved), first k", "ckptplan (PyPI) plan")
@@ -44,7 +46,8 @@ PEERS = {"eager": EAGER_PEERS, "compiled": COMPILED_PEERS}
 # records written before fit_compiled had a row judge the plan on compiled blocks)
 MINE = {"eager": ("remat optimal",), "compiled": ("remat fit_compiled", "remat optimal on compiled blocks")}
 # the head-to-head rounds of peers_child.duel_rounds: remat's contender against the peers of its group
-DUELS = tuple((MINE[group][0], peers) for group, peers in PEERS.items())
+DUELS = tuple((group, MINE[group][0], peers) for group, peers in PEERS.items())
+HAND_PEER = EAGER_PEERS[0]  # torch.utils.checkpoint around the first k blocks: a plan remat's codes spell
 
 
 @dataclass
@@ -291,6 +294,20 @@ class Standing:
     aa: float | None = None  # remat's contender against itself in the same head-to-head rounds
     rounds: int = 0  # paired rounds behind remat_over_peer
     head_to_head: bool = False  # from the head-to-head rounds (else from the rounds over every contender)
+    interval: tuple[float, float] | None = None  # 95% distribution-free interval of remat_over_peer
+    same_plan: bool = False  # remat's contender runs what the peer runs (the same blocks checkpointed, budget)
+
+
+def same_configuration(mine: Line, peer: Line) -> bool:
+    """Whether remat's contender runs the peer's configuration: ``torch.utils.checkpoint`` around the first ``k``
+    of ``n`` blocks against a remat plan of ``k`` checkpoints then ``n - k`` kept blocks, or the same
+    ``activation_memory_budget`` of the whole compiled model."""
+    if peer.name == HAND_PEER and peer.detail.startswith("k="):
+        k, n = (int(v) for v in peer.detail[2:].split("/"))
+        return mine.detail == "C" * k + "K" * (n - k)
+    if peer.name in COMPILED_PEERS and peer.detail.startswith("budget="):
+        return mine.detail.removeprefix("whole model: ") == peer.detail
+    return False
 
 
 def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
@@ -304,7 +321,7 @@ def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
             peer = min(fitting, key=lambda x: x.step_median) if fitting else None
             mine = next((name for name in MINE[group] if any(x.name == name for x in at)), MINE[group][0])
             remat = next((x for x in at if x.name == mine), None)
-            paired, aa, ratios, duel = None, None, [], False
+            paired, aa, ratios, duel, interval = None, None, [], False, None
             if peer is not None and remat is not None:
                 ratios = _paired(unit.duel.get((budget, remat.key), {}), unit.duel.get((budget, peer.key), {}))
                 duel = bool(ratios)
@@ -314,23 +331,28 @@ def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
                 else:
                     ratios = paired_ratios(unit, remat.key, peer.key)
                 paired = statistics.median(ratios) if ratios else None
+                spread = median_interval(ratios)
+                interval = (spread.low, spread.high) if spread.low is not None else None
             out.append(Standing(unit.model, unit.dtype, budget, group, mine,
                                 f"{peer.name} ({peer.detail})" if peer else "none fits",
                                 peer.step_median if peer else None, remat.fits if remat else None,
-                                remat.step_median if remat else None, paired, aa, len(ratios), duel))
+                                remat.step_median if remat else None, paired, aa, len(ratios), duel, interval,
+                                peer is not None and remat is not None and same_configuration(remat, peer)))
     return out
 
 
 def standings_table(rows: list[Standing]) -> str:
     out = ["| model | dtype | budget | group | remat's contender | fastest fitting peer | its step/ref | remat fits | "
-           "remat step/ref | remat / peer (paired) | rounds | A/A (remat's contender twice) |",
-           "|" + "---|" * 12]
+           "remat step/ref | remat / peer (paired) | its 95% interval | rounds | A/A (remat's contender twice) |",
+           "|" + "---|" * 13]
     for s in rows:
         fits = {True: "yes", False: "no", None: "—"}[s.remat_fits]
         rounds = f"{s.rounds} head to head" if s.head_to_head else f"{s.rounds}" if s.rounds else "—"
-        out.append(f"| {s.model} | {s.dtype} | {s.budget:.0%} | {s.group} | {s.mine} | {s.peer} | "
+        spread = f"{s.interval[0]:.3f}–{s.interval[1]:.3f}" if s.interval else "—"
+        same = " (same plan)" if s.same_plan else ""
+        out.append(f"| {s.model} | {s.dtype} | {s.budget:.0%} | {s.group} | {s.mine} | {s.peer}{same} | "
                    f"{_num(s.peer_step)} | {fits} | {_num(s.remat_step)} | {_num(s.remat_over_peer, '{:.3f}')} | "
-                   f"{rounds} | {_num(s.aa, '{:.3f}')} |")
+                   f"{spread} | {rounds} | {_num(s.aa, '{:.3f}')} |")
     return "\n".join(out)
 
 

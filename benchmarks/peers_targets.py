@@ -5,7 +5,9 @@ The targets, each judged from the figures of the table (:mod:`peers_table`):
 * ``prediction``: every contender running a remat plan has its predicted step within 10% of its measured one;
   read twice, in absolute seconds and with both over the group's keep-all plan (``peers_table``).
 * ``eager``: at every budget, ``remat optimal`` fits and its step is at most 1.02x the fastest eager peer that
-  fits (paired round by round, in the head-to-head rounds where the run has them).
+  fits (paired round by round, in the head-to-head rounds where the run has them). Where the median is over,
+  the verdict says whether the ratio's 95% interval still holds 1.02 (the rounds did not resolve it) and
+  whether remat runs the peer's own plan (then the gap is remat's runtime against the peer's, and noise).
 * ``compiled``: remat's compiled contender, ``remat fit_compiled`` (``remat optimal on compiled blocks`` in records
   without it), is at most 1.02x the fastest fitting ``torch.compile`` with ``activation_memory_budget`` at the
   same byte budget: torch's budget at the fraction, or the fraction fitted to the bytes by measurement.
@@ -62,10 +64,28 @@ def speed_check(rows: list[Standing], group: str) -> str:
         elif not s.remat_fits:
             parts.append(f"{at}: remat does not fit")
         elif s.remat_over_peer is not None and s.remat_over_peer <= SPEED_TARGET:
-            parts.append(f"{at}: met ({s.remat_over_peer:.3f}x{_aa(s)})")
+            parts.append(f"{at}: met ({s.remat_over_peer:.3f}x{_interval(s)}{_aa(s)})")
         else:
-            parts.append(f"{at}: NOT met ({_num(s.remat_over_peer)}x {s.peer}{_aa(s)})")
+            parts.append(f"{at}: NOT met ({_num(s.remat_over_peer)}x{_interval(s)} {s.peer}{_aa(s)}){_why(s)}")
     return "; ".join(parts) if parts else "not measured"
+
+
+def unresolved(low: float | None, high: float | None) -> bool:
+    """Whether a ratio's interval ``[low, high]`` still holds the speed target (no interval: unresolved)."""
+    return low is None or high is None or low <= SPEED_TARGET < high
+
+
+def _why(s: Standing) -> str:
+    notes = []
+    if s.interval is not None and unresolved(*s.interval):
+        notes.append(f"its 95% interval holds {SPEED_TARGET:.2f} after {s.rounds} rounds")
+    if s.same_plan:
+        notes.append("the same plan as the peer: remat's runtime against the peer's")
+    return f": {'; '.join(notes)}" if notes else ""
+
+
+def _interval(s: Standing) -> str:
+    return f" [{s.interval[0]:.3f}–{s.interval[1]:.3f}]" if s.interval is not None else ""
 
 
 def _aa(s: Standing) -> str:

@@ -13,7 +13,7 @@ import pytest
 from scipy import stats as sps
 
 from remat.bench import energy as E
-from remat.bench.stats import compare, drop_warmup, paired_test, summarize, summarize_by
+from remat.bench.stats import compare, drop_warmup, median_interval, paired_test, summarize, summarize_by
 
 # ------------------------------------------------------------------------------------------ statistics
 
@@ -211,3 +211,30 @@ def test_nvml_energy_and_visible_device_mapping(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     reading = E.EnergyMeter("nvml", gpu_index=0).start().stop()
     assert reading.joules is None and "nvidia-ml-py" in reading.reason
+
+
+@pytest.mark.parametrize("confidence", [0.9, 0.95, 0.99])
+def test_median_interval_takes_the_widest_order_statistics_the_binomial_tail_allows(confidence):
+    for n in range(1, 61):
+        values = [float(v) for v in range(n, 0, -1)]  # x_(i) = i once sorted: the interval reads off the ranks
+        got = median_interval(values, confidence)
+        assert got.median == (n + 1) / 2 and got.n == n
+        tail = (1 - confidence) / 2
+        ranks = [k for k in range(1, n // 2 + 1) if sps.binom.cdf(k - 1, n, 0.5) <= tail]
+        if not ranks:
+            assert got.low is None and got.high is None and "too few" in got.reason
+            continue
+        k = max(ranks)
+        assert (got.low, got.high) == (k, n + 1 - k)
+        # its coverage: the median lies outside only when at most k - 1 values fall on one side
+        assert 1 - 2 * sps.binom.cdf(k - 1, n, 0.5) >= confidence
+
+
+def test_median_interval_known_ranks_and_bad_input():
+    assert (median_interval(range(1, 17)).low, median_interval(range(1, 17)).high) == (4, 13)  # tables: n=16
+    assert median_interval(range(1, 6)).reason == "5 values are too few for a 95% interval"
+    assert median_interval([]).median is None
+    with pytest.raises(ValueError, match="non-finite"):
+        median_interval([1.0, float("nan")])
+    with pytest.raises(ValueError, match="confidence"):
+        median_interval([1.0, 2.0], confidence=1.0)

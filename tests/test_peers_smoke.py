@@ -48,7 +48,7 @@ def tiny_run(out: Path, *extra: str) -> list[str]:
 
 def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsys):
     out = tmp_path / "peers.jsonl"
-    code = peers.main(tiny_run(out, "--duel-rounds", "2", "--backend", "aot_eager"))
+    code = peers.main(tiny_run(out, "--duel-rounds", "2", "--duel-max-rounds", "2", "--backend", "aot_eager"))
     assert code == 0
     table = capsys.readouterr().out
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -109,7 +109,7 @@ def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsy
 
 def test_no_compiled_runs_the_eager_contenders_alone(peers, tmp_path, capsys):
     out = tmp_path / "peers.jsonl"
-    args = tiny_run(out, "--duel-rounds", "1", "--no-compiled")
+    args = tiny_run(out, "--duel-rounds", "1", "--duel-max-rounds", "9", "--no-compiled")
     assert peers.main(args) == 0
     table = capsys.readouterr().out
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -121,5 +121,8 @@ def test_no_compiled_runs_the_eager_contenders_alone(peers, tmp_path, capsys):
     assert {"remat optimal", "torch checkpoint, first k blocks", "remat DTR"} <= names
     assert not any("compile" in name for name in names), names
     assert "| compiled |" not in table
+    # one round gives no interval: where a peer fits, a block of 8 more runs (the cap, 9); else the one round
+    rounds = {r["round"] for r in records if r.get("record") == "duel" and "#aa" in r["key"]}
+    assert len(rounds) in (1, 9) and rounds == set(range(len(rounds))), rounds
     with pytest.raises(SystemExit, match="written with"):  # a file of eager contenders alone is not resumed with all
         peers.main([a for a in args if a != "--no-compiled"] + ["--resume"])

@@ -203,3 +203,61 @@ def test_a_group_that_did_not_run_has_no_standing(table):
     body = table.render(records())  # eager contenders only, as with --no-compiled
     standings = body.split("\n\n")[2]
     assert "| eager |" in standings and "| compiled |" not in standings
+
+
+def with_duel(base: list[dict], optimal: list[float], hand: list[float], plans: tuple[str, str]) -> list[dict]:
+    """``base`` with head-to-head rounds (optimal's and the hand-written peer's seconds, optimal again as the A/A
+    pair) and the details of the two plans (remat's codes, the peer's ``k=i/n``)."""
+    out = []
+    for r in base:
+        if r.get("record") == "rows":
+            details = {"opt": plans[0], "hand": plans[1]}
+            r = {
+                **r,
+                "contenders": {k: {**c, "detail": details.get(k, c["detail"])} for k, c in r["contenders"].items()},
+            }
+        out.append(r)
+    duel = [
+        {"record": "duel", "model": "gpt2", "dtype": "bf16", "budget": 0.5, "key": key, "round": i, "seconds": s}
+        for key, seconds in (("opt", optimal), ("hand", hand), ("opt#aa", optimal))
+        for i, s in enumerate(seconds)
+    ]
+    return [*out[:-1], *duel, out[-1]]
+
+
+def test_a_ratio_over_the_target_says_its_interval_and_whether_remat_runs_the_peers_plan(table):
+    noisy = [0.100 * f for f in (1.03, 0.99, 1.06, 1.01, 1.04, 1.00, 1.05, 1.02, 1.03, 0.98, 1.07, 1.03)]
+    body = table.render(with_duel(records(), noisy, [0.100] * 12, ("CCKKKK", "k=2/6")))
+    standing = next(line for line in body.split("\n\n")[2].splitlines() if line.startswith("| gpt2 | bf16 | 50% |"))
+    # 12 ratios: the 95% interval is their 3rd and 10th smallest
+    assert "(k=2/6) (same plan)" in standing and "| 1.030 | 1.000–1.050 | 12 head to head |" in standing
+    eager = [c.strip() for c in body.splitlines()[-1].strip("|").split("|")][3]
+    assert eager == (
+        "50%: NOT met (1.030x [1.000–1.050] torch checkpoint, first k blocks (k=2/6), A/A 1.000): its 95% interval "
+        "holds 1.02 after 12 rounds; the same plan as the peer: remat's runtime against the peer's"
+    )
+
+    clear = table.render(with_duel(records(), [0.105] * 12, [0.100] * 12, ("CCCKKK", "k=2/6")))
+    eager = [c.strip() for c in clear.splitlines()[-1].strip("|").split("|")][3]
+    assert eager == "50%: NOT met (1.050x [1.050–1.050] torch checkpoint, first k blocks (k=2/6), A/A 1.000)"
+
+    under = table.render(with_duel(records(), [0.099] * 12, [0.100] * 12, ("CCKKKK", "k=2/6")))
+    assert [c.strip() for c in under.splitlines()[-1].strip("|").split("|")][
+        3
+    ] == "50%: met (0.990x [0.990–0.990], A/A 1.000)"
+
+
+def test_remat_runs_the_peers_configuration_only_where_the_plans_match(table):
+    def line(name: str, detail: str):
+        return table.Line("gpt2", "fp32", 0.5, name, "eager", "k", detail=detail)
+
+    hand = line("torch checkpoint, first k blocks", "k=2/6")
+    assert table.same_configuration(line("remat optimal", "CCKKKK"), hand)
+    assert not table.same_configuration(line("remat optimal", "KKCCKK"), hand)
+    assert not table.same_configuration(
+        line("remat optimal", "CCKKKK"), line("torch selective (matmuls saved), first k", "k=2/6")
+    )
+    fitted = line("torch.compile, budget fitted by remat", "budget=0.5")
+    assert table.same_configuration(line("remat fit_compiled", "whole model: budget=0.5"), fitted)
+    assert not table.same_configuration(line("remat fit_compiled", "whole model: budget=0.7"), fitted)
+    assert not table.same_configuration(line("remat fit_compiled", "blocks: PPPPKK"), fitted)

@@ -1,6 +1,7 @@
-"""Statistics for comparing strategies: the mean with a t-distribution confidence interval, and the paired
+"""Statistics for comparing strategies: the mean with a t-distribution confidence interval, the paired
 t-test (``scipy.stats.ttest_rel``) of a strategy against a baseline on measurements paired by a key such as
-``(seed, step)``.
+``(seed, step)``, and the distribution-free interval of a median (order statistics: for step-time ratios,
+whose tails a busy machine makes heavy).
 
 Callers drop warm-up steps first (:func:`drop_warmup` helps). Degenerate inputs never raise or give NaN:
 fewer than two values or zero variance give ``None`` (or a p-value of 1.0 for identical measurements) with
@@ -10,6 +11,7 @@ the reason in ``reason``.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -63,6 +65,19 @@ class Comparison:
         return {**asdict(self), "significant": self.significant}
 
 
+@dataclass(frozen=True)
+class MedianInterval:
+    """Median of ``n`` values and an interval that holds the population median with probability at least
+    ``confidence``, whatever the distribution: two order statistics chosen by the binomial(n, 1/2) tails."""
+
+    median: float | None
+    low: float | None
+    high: float | None
+    n: int
+    confidence: float
+    reason: str = ""
+
+
 def _scipy_stats() -> Any:
     try:
         from scipy import stats
@@ -105,6 +120,28 @@ def summarize(values: Iterable[float], confidence: float = 0.95) -> Summary:
     mean, std, low, high = _mean_interval(data, confidence)
     reason = "zero variance: the interval is a point" if std == 0 else ""
     return Summary(mean, low, high, n, std, confidence, reason)
+
+
+def median_interval(values: Iterable[float], confidence: float = 0.95) -> MedianInterval:
+    """The median of ``values`` and its distribution-free ``confidence`` interval ``[x_(k), x_(n+1-k)]`` (sorted,
+    1-based), with ``k`` the largest rank whose binomial(n, 1/2) tail ``P(B < k)`` is at most ``(1 - confidence)/2``.
+    Too few values for any such ``k`` (fewer than 6 at 95%) give no interval, with the reason."""
+    _check_confidence(confidence)
+    data = sorted(_finite(values, "values"))
+    n = len(data)
+    if n == 0:
+        return MedianInterval(None, None, None, 0, confidence, "no measurements")
+    median = statistics.median(data)
+    tail, rank, below = (1.0 - confidence) / 2, 0, 0.0
+    while rank < n // 2:  # below = P(B <= rank) = P(B < rank + 1)
+        below += math.comb(n, rank) / 2.0**n
+        if below > tail:
+            break
+        rank += 1
+    if rank == 0:
+        too_few = f"{n} values are too few for a {confidence:.0%} interval"
+        return MedianInterval(median, None, None, n, confidence, too_few)
+    return MedianInterval(median, data[rank - 1], data[n - rank], n, confidence)
 
 
 def _pair(
