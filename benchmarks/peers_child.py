@@ -17,10 +17,10 @@ back to the system); on CUDA the model, its copies and the batch live on the GPU
    eager contenders, the allocator's events (``allocations=True``, which see compiled code) for compiled
    ones. Parameter gradients exist before the measured step (zeroed in place), so both meters see the same
    transient memory: activations and gradients in flight. The hand-written contenders are
-   measured at every ``k`` first; each budget gets the smallest ``k`` that fits by both meters. The two
-   contenders chosen by timing steps (``torch.compile``'s budget fitted by remat, ``remat fit_compiled``) come
-   last, after glibc is switched to the timing settings of step 4 (:meth:`Bench.timing_allocator_for_choices`):
-   they are measured by ``remat.measure`` alone.
+   measured at every ``k`` first; each budget gets the smallest ``k`` that fits by both meters. The
+   contenders chosen by timing steps (``torch.compile``'s budget fitted by remat, ``remat fit_compiled``, ``remat
+   fit``) come last, after glibc is switched to the timing settings of step 4
+   (:meth:`Bench.timing_allocator_for_choices`): they are measured by ``remat.measure`` alone.
 3. Gradients: the measured step runs from the same seed for everyone; its gradients are compared with those
    of the contender's reference (bitwise, and the largest absolute difference).
 4. Timings: on the CPU glibc is first switched to the timing settings of DESIGN.md with ``mallopt`` (what
@@ -62,6 +62,7 @@ import remat
 from remat.bench.childproc import child_env, emit, parse
 from remat.bench.procmem import ProcessPeakMeter, process_meter_problem
 from remat.integrations.compile import CompileBudgetFit, CompiledFit, compile_blocks, fit_compile_budget, fit_compiled
+from remat.measured_fit import PlanFit, fit
 from remat.simulator import no_checkpoint_peak
 
 # glibc mallopt parameters
@@ -303,6 +304,15 @@ def unit_autocast(bench: Bench) -> torch.dtype | bool:
     return torch.bfloat16 if bench.setting.dtype == "bf16" else False
 
 
+def fit_eager_at(job: dict[str, Any], bench: Bench, model: nn.Module, budget: float) -> PlanFit:
+    """``remat.measured_fit.fit`` on ``model`` at the fraction ``budget`` of the eager profile's predicted peak, with
+    the unit's batch and precision (the steps run in its autocast context, as the profile's did), ``choice_rounds``
+    rounds head to head."""
+    with pd.precision_context(bench.setting.dtype, bench.device):
+        return fit(model, bench.batch, budget, costs=bench.costs, rounds=max(1, job.get("choice_rounds", 5)),
+                   clock=step_clock(bench.device), holds_output=False, set_to_none=False)
+
+
 def fit_compiled_at(job: dict[str, Any], bench: Bench, model: nn.Module, max_bytes: int | float,
                     whole: CompileBudgetFit | None) -> CompiledFit:
     """``fit_compiled`` on ``model`` at ``max_bytes`` with the unit's batch, precision and backend, the whole-model
@@ -354,6 +364,11 @@ def run(job: dict[str, Any]) -> None:
         bench.measure(cs.contenders[key])
     if with_compiled:
         compiled_contenders(job, bench, cs, budgets)
+    bench.timing_allocator_for_choices()  # where the compiled contenders did not switch already
+    for budget in budgets:
+        cs.remat_fit(budget, functools.partial(fit_eager_at, job, bench))
+    for key in list(cs.contenders):
+        bench.measure(cs.contenders[key])
     bench.emit("rows", rows=[r.__dict__ for r in cs.rows], refused=[r.__dict__ for r in cs.refused],
                contenders={k: {"name": c.name, "group": c.group, "exact": c.exact, "detail": c.detail,
                                "note": c.note, "grad_reference": c.grad_reference}

@@ -15,7 +15,8 @@ Peers, written as a user writes them:
 * ``torch.compile`` of the whole model, without and with ``torch._functorch.config.activation_memory_budget``.
 
 remat, through its public API: ``remat.profile`` once, then ``remat.plan`` + ``remat.apply`` for the static
-strategies and ``optimal``, ``remat.PGAC`` and ``remat.DTR`` at the budget; and ``optimal`` on compiled blocks
+strategies and ``optimal``, ``remat.measured_fit.fit`` (``optimal`` with and without per-operator policies, the
+faster on the step), ``remat.PGAC`` and ``remat.DTR`` at the budget; and ``optimal`` on compiled blocks
 (``remat.integrations.compile.compile_blocks`` with :data:`PARTITION_BUDGETS`), planned from ``remat.profile``
 of the compiled-block model (what the compiled graphs save and how long they take, under keep, checkpoint and
 each partition budget, on blocks without random draws), ``torch.compile`` of the whole model under the
@@ -44,6 +45,7 @@ import remat
 from remat.bench.static_plans import uniform_plan
 from remat.compiled_partitions import budgeted_backend
 from remat.integrations.compile import CompileBudgetFit, CompiledFit, compile_blocks
+from remat.measured_fit import PlanFit
 from remat.simulator import no_checkpoint_peak
 
 EAGER = "eager"
@@ -52,6 +54,7 @@ COMPILED = "compiled"
 PARTITION_BUDGETS = (0.1, 0.25, 0.5)
 FITTED = "torch.compile, budget fitted by remat"
 FIT_COMPILED = "remat fit_compiled"
+FIT = "remat fit"
 WHOLE_BUDGET_NOTE = "the partitioner's recomputation changes the kernels (rounding); dropout masks are kept"
 
 aten = torch.ops.aten
@@ -283,6 +286,21 @@ class ContenderSet:
             return
         self._static("remat optimal", plan, budget)
 
+    def remat_fit(self, budget: float, fit_at: Callable[[nn.Module, float], PlanFit]) -> None:
+        """``remat.measured_fit.fit`` at the fraction ``budget`` on a copy of its own, planned from the eager
+        profile: ``optimal`` with and without per-operator policies, run head to head where they differ;
+        ``fit_at(model, budget)`` runs it."""
+        model = self.copy()
+        try:
+            fit = fit_at(model, budget)
+        except remat.BudgetError as err:
+            self.refused.append(Refused(budget, FIT, EAGER, str(err)))
+            return
+        plan = fit.plan
+        self.add(Contender(f"fit-{budget:g}", FIT, EAGER, model, model, grad_reference="none",
+                           detail=_short_actions(plan) + _other_candidate(fit), plan=lambda: plan,
+                           info=lambda: {"choice": fit.describe()}), budget)
+
     def remat_pgac(self, budget: float) -> None:
         model = self.copy()
         try:
@@ -380,6 +398,17 @@ class ContenderSet:
                            grad_reference="compiled-blocks" if on_blocks else "compiled", tracker=False,
                            allocations=True, exact=exact, detail=detail, note=note, plan=lambda: predicted,
                            costs=self.compiled_costs, info=lambda: {"choice": fit.describe()}), budget)
+
+
+def _other_candidate(fit: PlanFit) -> str:
+    """Where ``fit`` ran two plans: the one it did not keep, and its measured step over the kept one's."""
+    other = next((t for t in fit.trials if t is not fit.chosen), None)
+    if other is None:
+        return ""
+    if other.refused:
+        return f" (not {_short_actions(other.plan)}: {other.refused})"
+    ratio = (other.step_ratio or 1.0) / (fit.chosen.step_ratio or 1.0)
+    return f" (not {_short_actions(other.plan)}: {ratio:.3f}x)"
 
 
 PARTITION_NOTE = ("partition:<budget> variants are compiled apart from keep's graph: their kernels may round "

@@ -45,8 +45,10 @@ PEERS = {"eager": EAGER_PEERS, "compiled": COMPILED_PEERS}
 # remat's contender in each group, the one its target judges (on compiled code the first present at a budget:
 # records written before fit_compiled had a row judge the plan on compiled blocks)
 MINE = {"eager": ("remat optimal",), "compiled": ("remat fit_compiled", "remat optimal on compiled blocks")}
-# the head-to-head rounds of peers_child.duel_rounds: remat's contender against the peers of its group
-DUELS = tuple((group, MINE[group][0], peers) for group, peers in PEERS.items())
+# judged as well where present: remat's measured choice between its eager plans (remat.measured_fit.fit)
+ALSO = {"eager": ("remat fit",), "compiled": ()}
+# the head-to-head rounds of peers_duel: remat's contenders against the peers of their group
+DUELS = tuple((group, (MINE[group][0], *ALSO[group]), peers) for group, peers in PEERS.items())
 HAND_PEER = EAGER_PEERS[0]  # torch.utils.checkpoint around the first k blocks: a plan remat's codes spell
 
 
@@ -304,7 +306,7 @@ def same_configuration(mine: Line, peer: Line) -> bool:
     ``activation_memory_budget`` of the whole compiled model."""
     if peer.name == HAND_PEER and peer.detail.startswith("k="):
         k, n = (int(v) for v in peer.detail[2:].split("/"))
-        return mine.detail == "C" * k + "K" * (n - k)
+        return mine.detail.split(" (")[0] == "C" * k + "K" * (n - k)  # remat fit's detail adds the plan it left
     if peer.name in COMPILED_PEERS and peer.detail.startswith("budget="):
         return mine.detail.removeprefix("whole model: ") == peer.detail
     return False
@@ -319,31 +321,42 @@ def standings(unit: Unit, lines: list[Line]) -> list[Standing]:
         for group, peers in ((g, p) for g, p in PEERS.items() if g in ran):
             fitting = [x for x in at if x.name in peers and x.fits and x.step_median is not None]
             peer = min(fitting, key=lambda x: x.step_median) if fitting else None
-            mine = next((name for name in MINE[group] if any(x.name == name for x in at)), MINE[group][0])
-            remat = next((x for x in at if x.name == mine), None)
-            paired, aa, ratios, duel, interval = None, None, [], False, None
-            if peer is not None and remat is not None:
-                ratios = _paired(unit.duel.get((budget, remat.key), {}), unit.duel.get((budget, peer.key), {}))
-                duel = bool(ratios)
-                if duel:
-                    same = _paired(unit.duel.get((budget, f"{remat.key}#aa"), {}), unit.duel[(budget, remat.key)])
-                    aa = statistics.median(same) if same else None
-                else:
-                    ratios = paired_ratios(unit, remat.key, peer.key)
-                paired = statistics.median(ratios) if ratios else None
-                spread = median_interval(ratios)
-                interval = (spread.low, spread.high) if spread.low is not None else None
-            out.append(Standing(unit.model, unit.dtype, budget, group, mine,
-                                f"{peer.name} ({peer.detail})" if peer else "none fits",
-                                peer.step_median if peer else None, remat.fits if remat else None,
-                                remat.step_median if remat else None, paired, aa, len(ratios), duel, interval,
-                                peer is not None and remat is not None and same_configuration(remat, peer)))
+            first = next((name for name in MINE[group] if any(x.name == name for x in at)), MINE[group][0])
+            first_line = next((x for x in at if x.name == first), None)
+            also = [name for name in ALSO[group] if any(x.name == name for x in at)]
+            for mine in (first, *also):
+                remat = next((x for x in at if x.name == mine), None)
+                out.append(_standing(unit, budget, group, mine, remat, peer, first_line))
     return out
+
+
+def _standing(unit: Unit, budget: float, group: str, mine: str, remat: Line | None, peer: Line | None,
+              first: Line | None) -> Standing:
+    """``remat`` (the contender ``mine``) against ``peer``, paired round by round: in the head-to-head rounds where
+    they ran (the A/A pair is the group's first contender's, ``first``), else in the rounds over every contender."""
+    paired, aa, ratios, duel, interval = None, None, [], False, None
+    if peer is not None and remat is not None:
+        ratios = _paired(unit.duel.get((budget, remat.key), {}), unit.duel.get((budget, peer.key), {}))
+        duel = bool(ratios)
+        if duel and first is not None:
+            same = _paired(unit.duel.get((budget, f"{first.key}#aa"), {}), unit.duel.get((budget, first.key), {}))
+            aa = statistics.median(same) if same else None
+        elif not duel:
+            ratios = paired_ratios(unit, remat.key, peer.key)
+        paired = statistics.median(ratios) if ratios else None
+        spread = median_interval(ratios)
+        interval = (spread.low, spread.high) if spread.low is not None else None
+    against = f"{peer.name} ({peer.detail})" if peer else "none fits"
+    return Standing(unit.model, unit.dtype, budget, group, mine, against, peer.step_median if peer else None,
+                    remat.fits if remat else None,
+                    remat.step_median if remat else None, paired, aa, len(ratios), duel, interval,
+                    peer is not None and remat is not None and same_configuration(remat, peer))
 
 
 def standings_table(rows: list[Standing]) -> str:
     out = ["| model | dtype | budget | group | remat's contender | fastest fitting peer | its step/ref | remat fits | "
-           "remat step/ref | remat / peer (paired) | its 95% interval | rounds | A/A (remat's contender twice) |",
+           "remat step/ref | remat / peer (paired) | its 95% interval | rounds | "
+           "A/A (the group's first remat contender twice) |",
            "|" + "---|" * 13]
     for s in rows:
         fits = {True: "yes", False: "no", None: "—"}[s.remat_fits]

@@ -108,3 +108,20 @@ def test_no_head_to_head_rounds_when_none_are_asked_for(duel):
     )
     duel.duel_rounds(bench, ContenderSet(rows, {r.key: Contender(r.key) for r in rows}))
     assert bench.records == []
+
+
+def test_remats_measured_choice_runs_beside_optimal_with_one_aa_pair(duel):
+    rows = [
+        Row(None, "none", "no checkpointing"),
+        Row(0.5, "opt", "remat optimal"),
+        Row(0.5, "fit", "remat fit"),
+        Row(0.5, "hand", "torch checkpoint, first k blocks"),
+    ]
+    bench = StandIn(
+        {"opt": [0.1], "fit": [0.1], "hand": [0.2]},
+        {"none": 1000, "opt": 450, "fit": 450, "hand": 400},
+        {"duel_rounds": 6, "duel_max_rounds": 40, "seed": 0},
+    )
+    duel.duel_rounds(bench, ContenderSet(rows, {r.key: Contender(r.key) for r in rows}))
+    assert [r["key"] for r in bench.records[:4]] == ["opt", "fit", "hand", "opt#aa"]
+    assert len(bench.records) == 4 * 6  # both clear of the target (0.5x): no more rounds

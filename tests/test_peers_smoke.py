@@ -22,6 +22,7 @@ CONTENDERS = (
     "remat memory_poor",
     "remat every_k (k fitted)",
     "remat optimal",
+    "remat fit",
     "remat PGAC",
     "remat DTR",
     "torch.compile",

@@ -261,3 +261,31 @@ def test_remat_runs_the_peers_configuration_only_where_the_plans_match(table):
     assert table.same_configuration(line("remat fit_compiled", "whole model: budget=0.5"), fitted)
     assert not table.same_configuration(line("remat fit_compiled", "whole model: budget=0.7"), fitted)
     assert not table.same_configuration(line("remat fit_compiled", "blocks: PPPPKK"), fitted)
+
+
+def test_remats_measured_choice_is_judged_beside_optimal(table):
+    base = with_duel(records(), [0.099] * 12, [0.100] * 12, ("CCKKKK", "k=2/6"))
+    fit_row = {"budget": 0.5, "key": "fit", "name": "remat fit", "group": "eager"}
+    out = []
+    for r in base:
+        if r.get("record") == "rows":
+            r = {
+                **r,
+                "rows": [*r["rows"], fit_row],
+                "contenders": {
+                    **r["contenders"],
+                    "fit": {**contender("remat fit"), "detail": "CCKKKK (not CCCAKK: 1.040x)"},
+                },
+            }
+        out.append(r)
+    fit_records = [memory("fit", 480, 490, 495), *timings("fit", [0.140, 0.145, 0.160], 0.174)]
+    fit_records += [
+        {"record": "duel", "model": "gpt2", "dtype": "bf16", "budget": 0.5, "key": "fit", "round": i, "seconds": 0.1025}
+        for i in range(12)
+    ]
+    body = table.render([*out[:1], *fit_records, *out[1:]])
+    standings = [line for line in body.split("\n\n")[2].splitlines() if line.startswith("| gpt2 | bf16 | 50% |")]
+    assert [line.split(" | ")[4] for line in standings] == ["remat optimal", "remat fit"]
+    assert "(k=2/6) (same plan)" in standings[1] and "| 1.025 |" in standings[1] and "| 1.000 |" in standings[1]
+    eager = [c.strip() for c in body.splitlines()[-1].strip("|").split("|")][3]
+    assert eager.startswith("50% remat optimal: met (0.990x") and "; 50% remat fit: NOT met (1.025x" in eager

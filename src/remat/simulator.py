@@ -193,6 +193,13 @@ class Plan:
     def units(self) -> list[Unit]:
         return units_from_actions(list(self.actions.values()))
 
+    def action_counts(self) -> str:
+        """The actions counted in the order they first appear, e.g. ``4 checkpoint, 2 keep``."""
+        counts: dict[str, int] = {}
+        for action in self.actions.values():
+            counts[action] = counts.get(action, 0) + 1
+        return ", ".join(f"{n} {action}" for action, n in counts.items())
+
     def units_for(self, fqns: Sequence[str]) -> list[Unit]:
         """The plan's units, after checking that it gives an action for every block of ``fqns``, in order."""
         if list(self.actions) != list(fqns):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -279,8 +278,8 @@ class _Routes:
             budget = limit - missed
         assert plan is not None and peak is not None
         refused = "" if peak <= limit else f"measured over {format_bytes(limit)} {1 + REPLANS} times"
-        trial = RouteTrial(BLOCKS, f"plan {_summary(plan)}", peak_bytes=peak, predicted_bytes=plan.predicted_peak_bytes,
-                           refused=refused)  # fmt: skip
+        trial = RouteTrial(BLOCKS, f"plan {plan.action_counts()}", peak_bytes=peak,
+                           predicted_bytes=plan.predicted_peak_bytes, refused=refused)  # fmt: skip
         return trial, plan
 
     def whole_model(self) -> None:
@@ -349,11 +348,6 @@ def _whole_routes(measured: CompileBudgetFit, limit: int) -> list[RouteTrial]:
             refused="no activation_memory_budget fits",
         )
     ]  # fmt: skip
-
-
-def _summary(plan: Plan) -> str:
-    """``plan``'s actions counted in the order they first appear, e.g. ``4 partition:0.25, 2 keep``."""
-    return ", ".join(f"{n} {action}" for action, n in Counter(plan.actions.values()).items())
 
 
 def _neither_fits(limit: int, reference: int, trials: Sequence[RouteTrial]) -> BudgetError:
