@@ -198,7 +198,7 @@ SELECTIVE_CODES = {"selective:dots_saveable": "S", "selective:dots_every_other_s
                    "selective:all_but_pointwise_saveable": "A", "selective:attention_saveable": "T"}
 
 
-def _short_actions(plan: remat.Plan) -> str:
+def short_actions(plan: remat.Plan) -> str:
     """``keep,checkpoint,segment:0,...`` as ``KCG..``: K keep, C checkpoint, S selective saving matmuls, E saving
     every other matmul, A all but pointwise ops, T attention outputs (another policy: s), G segment, M
     memory-poor group, N nested, O offload, P partition of a compiled block."""
@@ -270,8 +270,8 @@ class ContenderSet:
         if self._remat_eager is None:
             self._remat_eager = remat.apply(self.copy(), remat.plan(self.costs, "none"))
         handle = self._remat_eager
-        self.add(Contender(f"remat-{_short_actions(plan)}", name, EAGER, handle.model, handle.model,
-                           grad_reference="none", detail=_short_actions(plan),
+        self.add(Contender(f"remat-{short_actions(plan)}", name, EAGER, handle.model, handle.model,
+                           grad_reference="none", detail=short_actions(plan),
                            select=lambda: handle.set_plan(plan), plan=lambda: plan), budget)
 
     def remat_static(self, budget: float) -> None:
@@ -298,7 +298,7 @@ class ContenderSet:
             return
         plan = fit.plan
         self.add(Contender(f"fit-{budget:g}", FIT, EAGER, model, model, grad_reference="none",
-                           detail=_short_actions(plan) + _other_candidate(fit), plan=lambda: plan,
+                           detail=short_actions(plan) + _other_candidate(fit), plan=lambda: plan,
                            info=lambda: {"choice": fit.describe()}), budget)
 
     def remat_pgac(self, budget: float) -> None:
@@ -309,7 +309,7 @@ class ContenderSet:
             self.refused.append(Refused(budget, "remat PGAC", EAGER, str(err)))
             return
         self.add(Contender(f"pgac-{budget:g}", "remat PGAC", EAGER, model, model, grad_reference="none",
-                           after_backward=pgac.step, info=lambda: {"plan": _short_actions(pgac.plan)},
+                           after_backward=pgac.step, info=lambda: {"plan": short_actions(pgac.plan)},
                            own_s=lambda: sum(pgac.own_seconds),
                            plan=lambda: pgac.plan), budget)
 
@@ -366,10 +366,10 @@ class ContenderSet:
         handle = self._remat_compiled
         predicted = plan if self.compiled_costs is not None else None
         partitioned = _partitioned(plan)
-        self.add(Contender(f"compiled-blocks-{_short_actions(plan)}", "remat optimal on compiled blocks", COMPILED,
+        self.add(Contender(f"compiled-blocks-{short_actions(plan)}", "remat optimal on compiled blocks", COMPILED,
                            handle.model, handle.model, grad_reference="compiled-blocks", tracker=False,
                            allocations=True, exact=not partitioned, note=PARTITION_NOTE if partitioned else "",
-                           detail=_short_actions(plan),
+                           detail=short_actions(plan),
                            select=lambda: handle.set_plan(plan), plan=lambda: predicted, costs=self.compiled_costs),
                  budget)
 
@@ -388,7 +388,7 @@ class ContenderSet:
             return
         if fit.plan is not None:  # the blocks route: its plan applied to the copy's compiled blocks
             on_blocks, exact = True, not _partitioned(fit.plan)
-            detail, note = f"blocks: {_short_actions(fit.plan)}", "" if exact else PARTITION_NOTE
+            detail, note = f"blocks: {short_actions(fit.plan)}", "" if exact else PARTITION_NOTE
         else:
             on_blocks, exact = False, False
             detail = f"whole model: {fit.chosen.detail.replace('activation_memory_budget ', 'budget=')}"
@@ -406,9 +406,9 @@ def _other_candidate(fit: PlanFit) -> str:
     if other is None:
         return ""
     if other.refused:
-        return f" (not {_short_actions(other.plan)}: {other.refused})"
+        return f" (not {short_actions(other.plan)}: {other.refused})"
     ratio = (other.step_ratio or 1.0) / (fit.chosen.step_ratio or 1.0)
-    return f" (not {_short_actions(other.plan)}: {ratio:.3f}x)"
+    return f" (not {short_actions(other.plan)}: {ratio:.3f}x)"
 
 
 PARTITION_NOTE = ("partition:<budget> variants are compiled apart from keep's graph: their kernels may round "
