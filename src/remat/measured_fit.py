@@ -45,7 +45,7 @@ from .profiler import profile
 from .runtime import RematHandle, apply
 from .simulator import Plan, resolve_budget
 from .sizes import format_bytes
-from .training_step import Batch, interleaved_rounds, timed_step
+from .training_step import Batch, interleaved_rounds, ratios_text, timed_step
 
 MENU, CHECKPOINTS = "optimal", "optimal without per-operator policies"
 
@@ -85,7 +85,7 @@ class PlanFit:
         lines = [f"plan within {format_bytes(self.max_bytes)}: {self.chosen.name}"]
         for t in self.trials:
             peak = f"peak {format_bytes(t.peak_bytes)}" if t.peak_bytes is not None else "not measured"
-            step = f", step {t.step_ratio:.3f}x [{min(t.ratios):.3f}-{max(t.ratios):.3f}]" if t.ratios else ""
+            step = f", step {ratios_text(t.ratios)}" if t.ratios else ""
             verdict = f", {t.refused}" if t.refused else ""
             mark = "  <- chosen" if t is self.chosen else ""
             lines.append(f"  {t.name} ({t.plan.action_counts()}): {peak}{step}{verdict}{mark}")

@@ -9,12 +9,13 @@ training loop. The output is held through the backward (``out = model(x); loss_f
 (``model(**batch).loss.backward()``, Hugging Face's Trainer): what the output holds beyond the loss (the
 logits) is then freed before the backward. :func:`timed_step` times one such step, and
 :func:`interleaved_rounds` times several contenders' steps against each other. A step whose loss does not require
-grad is refused with the reason (:func:`untrainable_step_error`); :func:`warn_if_evaluating` warns that a model
-in eval mode is not measured as training runs it.
+grad is refused with the reason (:func:`untrainable_step_error`); :func:`ratios_text` reads per-round ratios;
+:func:`warn_if_evaluating` warns that a model in eval mode is not measured as training runs it.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -103,6 +104,11 @@ def interleaved_rounds(names: Sequence[Name], run: Callable[[Name], Result], rou
         for name in names if r % 2 == 0 else names[::-1]:
             results[name].append(run(name))
     return results
+
+
+def ratios_text(ratios: Sequence[float]) -> str:
+    """Per-round step ratios as a report reads them: the median and the range, ``1.012x [0.998-1.031]``."""
+    return f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]"
 
 
 def untrainable_step_error(model: nn.Module) -> RuntimeError:

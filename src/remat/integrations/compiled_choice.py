@@ -54,7 +54,7 @@ from ..profiler import profile
 from ..runtime import RematHandle, apply
 from ..simulator import Plan
 from ..sizes import format_bytes, normalize_budget, parse_budget
-from ..training_step import Batch, interleaved_rounds, timed_step
+from ..training_step import Batch, interleaved_rounds, ratios_text, timed_step
 from .compile_budget import (
     DEFAULT_BUDGETS,
     NO_BUDGET,
@@ -134,9 +134,7 @@ class CompiledFit:
             peak = f"peak {format_bytes(t.peak_bytes)} ({t.peak_bytes / reference:.2f}x)" if reference else ""
             if t.predicted_bytes is not None:
                 peak += f", predicted {format_bytes(t.predicted_bytes)}"
-            step = ""
-            if t.ratios:
-                step = f", step {t.step_ratio:.3f}x [{min(t.ratios):.3f}-{max(t.ratios):.3f}]"
+            step = f", step {ratios_text(t.ratios)}" if t.ratios else ""
             verdict = "" if t.route == _REFERENCE else f", {t.refused}" if t.refused else ", fits"
             mark = "  <- chosen" if t is self.chosen else ""
             lines.append(f"  {t.route} ({t.detail}): {peak}{step}{verdict}{mark}")
