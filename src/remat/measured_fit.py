@@ -1,11 +1,12 @@
 """An eager plan within a byte budget chosen by its measured step time, where the profile cannot tell.
 
 ``remat.plan(costs, "optimal", budget)`` is the fastest plan *under the profile's figures*. Where two actions
-of a block cost nearly the same, a profile taken on a busy machine can rank them the wrong way round: on the
-peers benchmark's Llama (fp32, 2-core CPU, ``docs/results/peers-cpu-xeon.md``) checkpointing a block and the
-per-operator policy ``all_but_pointwise_saveable`` differ by 1.5-2 ms a block in whole steps; the profile's three
-rounds read that gap anywhere from 0.3 to 1.2 ms, and one profile in about sixteen put the policy first, so
-``optimal`` ran ``CCCAKK`` at 1.04x the step of ``CCCCKK``, which also fits.
+of a block cost nearly the same, a profile taken on a busy machine can rank them the wrong way round
+(``docs/results/measured-fit.md``): on the peers benchmark's Llama (fp32, 2-core CPU) checkpointing a block and
+the per-operator policy ``all_but_pointwise_saveable`` differ by 1.5-2 ms a block in whole steps, the profile's
+three rounds read that gap anywhere from 0.3 to 1.2 ms, and a profile that put the policy first had ``optimal``
+run ``CCCAKK`` at 1.04x the step of ``CCCCKK``, which also fits; on its GPT-2 at 50%, four of six fresh profiles
+put the policy on one block, 1.006-1.018x slower.
 
 :func:`fit` plans ``optimal`` twice, over every action the profile measured and over those without per-operator
 policies (checkpoints, segments, memory-poor groups, offload), and where the two plans differ runs them on the
@@ -40,6 +41,7 @@ from .lossy_actions import is_lossy
 from .memory import measure, model_device
 from .planners import plan as make_plan
 from .planners.errors import BudgetError
+from .policies import PROFILED_BY_DEFAULT
 from .precision import AutocastArg, autocast_spec
 from .profiler import profile
 from .runtime import RematHandle, apply
@@ -53,7 +55,7 @@ MENU, CHECKPOINTS = "optimal", "optimal without per-operator policies"
 @dataclass(frozen=True)
 class PlanTrial:
     """One candidate plan as measured: its name, the plan, its measured peak activation bytes, its step's
-    per-round ratios to the first candidate's, and ``refused``: why it is not kept (empty where it fits)."""
+    per-round ratios to the first fitting candidate's, and ``refused``: why it is not kept (empty where it fits)."""
 
     name: str
     plan: Plan
@@ -63,7 +65,7 @@ class PlanTrial:
 
     @property
     def step_ratio(self) -> float | None:
-        """Median of the per-round step ratios to the first candidate's step."""
+        """Median of the per-round step ratios to the first fitting candidate's step."""
         return statistics.median(self.ratios) if self.ratios else None
 
 
@@ -100,7 +102,7 @@ def fit(
     costs: CostTable | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     blocks: BlocksArg = None,
-    policies: str | tuple[str, ...] = "menu",
+    policies: str | tuple[str, ...] = PROFILED_BY_DEFAULT,
     autocast: AutocastArg = None,
     rounds: int = 5,
     clock: Callable[[], float] = time.perf_counter,
@@ -111,10 +113,10 @@ def fit(
     (module docstring): bytes, a string like ``"2GiB"``, or a fraction of the predicted no-checkpoint peak.
 
     ``costs``: the model's profile on this batch and settings, else taken here (``remat.profile`` with
-    ``policies``, default the policy menu). ``rounds``: timed steps per candidate, head to head. ``loss_fn``,
-    ``blocks``, ``autocast``, ``clock``, ``holds_output`` are :func:`remat.profile`'s; ``set_to_none`` is how
-    the loop clears gradients. Raises :class:`remat.BudgetError` (naming the least peak) where no plan is
-    predicted to fit, or where every candidate measures over the budget."""
+    ``policies``). ``rounds``: timed steps per candidate, head to head. ``loss_fn``, ``blocks``, ``autocast``,
+    ``clock``, ``holds_output`` are :func:`remat.profile`'s; ``set_to_none`` is how the loop clears gradients.
+    Raises :class:`remat.BudgetError` (naming the least peak) where no plan is predicted to fit, or where every
+    candidate measures over the budget."""
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: at least one timed step per plan is needed")
     chain = resolve_blocks(model, blocks)
