@@ -1,9 +1,9 @@
 """remat on a CUDA device: checkpointed GPT-2 gradients bit for bit equal to no checkpointing (dropout replayed
 from the CUDA generator), a plan's peak read from the CUDA allocator within its budget and near the prediction
 (fp32 and under bf16 autocast), ``remat.measure`` on the allocator, offload copying saved tensors into pinned
-host memory, and the offload policies (``selective:offload_dots``) keeping less on the device than
-``selective:dots_saveable``, and the menu policies exact on an SDPA GPT-2 whose fused attention kernel draws
-(attention dropout) or does not.
+host memory, a plan kept by ``remat.measured_fit.fit`` within its budget by the allocator, the offload policies
+(``selective:offload_dots``) keeping less on the device than ``selective:dots_saveable``, and the menu policies
+exact on an SDPA GPT-2 whose fused attention kernel draws (attention dropout) or does not.
 
 Every test here is marked ``gpu`` and skipped where no CUDA device is available (``pytest -m gpu`` selects
 them)."""
@@ -244,6 +244,22 @@ def test_bf16_autocast_plan_peak_from_the_cuda_allocator_is_within_budget_and_pr
     if strategy == "optimal":
         assert plan.fits and peak <= 1.02 * plan.budget_bytes, summary
     assert (1 - PEAK_UNDER) * plan.predicted_peak_bytes <= peak <= (1 + PEAK_OVER) * plan.predicted_peak_bytes, summary
+
+
+def test_measured_fit_on_cuda_keeps_a_plan_within_budget_by_the_allocator(make_gpt2: Callable[..., nn.Module]) -> None:
+    """``remat.measured_fit.fit`` on CUDA: the plan it keeps peaks within its budget by the tracker it measured
+    with, and within it (+2%) by the allocator."""
+    from remat.measured_fit import fit
+
+    model, batch = _gpt2_on_cuda(make_gpt2, batch=8, seq=128)
+    result = fit(model, batch, 0.5, rounds=2)
+    try:
+        assert all(t.peak_bytes is not None for t in result.trials), result.describe()
+        assert result.chosen.peak_bytes <= result.max_bytes, result.describe()
+        peak = _allocator_peak_of_step(model, batch)
+        assert peak <= 1.02 * result.max_bytes, f"{remat.format_bytes(peak)}; {result.describe()}"
+    finally:
+        result.handle.remove()
 
 
 def test_measure_on_cuda_reads_the_allocator() -> None:
