@@ -29,11 +29,12 @@ back to the system); on CUDA the model, its copies and the batch live on the GPU
    every step is one record (CPU time on the CPU; on CUDA wall-clock, the device synchronised around it).
    Forward and backward (and PGAC's update) are timed; no optimizer runs, so the weights,
    and the gradients every contender must reproduce, stay the same.
-5. Head to head: at each budget, ``remat optimal`` against each eager peer of that budget, and against itself
-   (an A/A pair), for ``duel_rounds`` more rounds of those few contenders only: the target compares steps
-   within 2%, finer than rounds over every contender resolve on a shared machine; more rounds, up to
-   ``duel_max_rounds``, while the ratio to a fitting peer is not yet resolved from 1.02 (:mod:`peers_duel`); then
-   ``remat fit_compiled`` the same way against ``torch.compile``'s budgets (at the fraction, and fitted by remat).
+5. Head to head: at each budget, ``remat optimal`` and ``remat fit`` against each eager peer of that budget, and
+   ``remat optimal`` against itself (an A/A pair), for ``duel_rounds`` more rounds of those few contenders only:
+   the target compares steps within 2%, finer than rounds over every contender resolve on a shared machine; more
+   rounds, up to ``duel_max_rounds``, while a ratio to a fitting peer is not yet resolved from 1.02
+   (:mod:`peers_duel`); then ``remat fit_compiled`` the same way against ``torch.compile``'s budgets (at the
+   fraction, and fitted by remat).
 """
 
 from __future__ import annotations
