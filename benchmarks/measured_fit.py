@@ -61,15 +61,9 @@ def run_setting(setting: ModelSetting, profiles: int, budgets: list[float], roun
             with precision_context(setting.dtype, "cpu"):
                 result = fit(model, batch, budget, costs=costs, rounds=rounds, clock=time.process_time,
                              holds_output=False, set_to_none=False)
-            trials = result.trials
-            kept = short_actions(result.plan)
-            if len(trials) == 1:
-                line = f"one plan {kept}"
-            else:
-                other = next(t for t in trials if t is not result.chosen)
-                over = (f"measured over: {other.refused}" if other.refused else
-                        f"its step {(other.step_ratio or 1.0) / (result.chosen.step_ratio or 1.0):.3f}x the kept one's")
-                line = f"kept {kept} ({result.chosen.name}), left {short_actions(other.plan)}: {over}"
+            kept, other = short_actions(result.plan), result.passed_over
+            left = f"left {short_actions(other.plan)}: {result.passed_over_text()}" if other is not None else ""
+            line = f"one plan {kept}" if other is None else f"kept {kept} ({result.chosen.name}), {left}"
             print(f"{setting.model:<6} {setting.dtype:<5} profile {i} budget {budget:.0%}: {line}", flush=True)
             result.handle.remove()
 

@@ -402,13 +402,8 @@ class ContenderSet:
 
 def _other_candidate(fit: PlanFit) -> str:
     """Where ``fit`` ran two plans: the one it did not keep, and its measured step over the kept one's."""
-    other = next((t for t in fit.trials if t is not fit.chosen), None)
-    if other is None:
-        return ""
-    if other.refused:
-        return f" (not {short_actions(other.plan)}: {other.refused})"
-    ratio = (other.step_ratio or 1.0) / (fit.chosen.step_ratio or 1.0)
-    return f" (not {short_actions(other.plan)}: {ratio:.3f}x)"
+    other = fit.passed_over
+    return f" (not {short_actions(other.plan)}: {fit.passed_over_text()})" if other is not None else ""
 
 
 PARTITION_NOTE = ("partition:<budget> variants are compiled apart from keep's graph: their kernels may round "

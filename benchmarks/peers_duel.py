@@ -36,7 +36,7 @@ class Timer(Protocol):
 
 def duel_rounds(bench: Timer, cs: pc.ContenderSet) -> None:
     first = bench.job.get("duel_rounds", 0)
-    most = max(first, bench.job.get("duel_max_rounds", first))
+    most = bench.job.get("duel_max_rounds", first)  # under ``first``: the first rounds alone run
     if first == 0:
         return
     for budget in sorted({row.budget for row in cs.rows if row.budget is not None}):

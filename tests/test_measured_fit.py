@@ -71,6 +71,8 @@ def test_where_the_profile_prices_a_policy_below_checkpointing_the_measured_step
     menu, checkpoints = result.trials
     assert menu.ratios == (1.0, 1.0, 1.0) and checkpoints.step_ratio < 1.0  # ten ticks a policy run
     assert result.chosen is checkpoints and POLICY not in result.plan.actions.values()
+    assert result.passed_over is menu
+    assert result.passed_over_text() == f"its step {1 / checkpoints.step_ratio:.3f}x the kept one's"
     assert all(t.peak_bytes is not None and t.peak_bytes <= budget and not t.refused for t in result.trials)
     assert all(torch.equal(a, b) for a, b in zip(grads(model), before, strict=True))
     assert torch.equal(torch.get_rng_state(), rng)
@@ -95,6 +97,7 @@ def test_where_both_plans_are_the_same_its_peak_is_measured_and_no_rounds_run():
     assert [t.name for t in result.trials] == [MENU]
     assert result.plan.actions == remat.plan(costs, "optimal", 0.5).actions
     assert result.trials[0].peak_bytes <= result.max_bytes and not result.trials[0].ratios
+    assert result.passed_over is None and result.passed_over_text() == ""
     result.handle.remove()
 
 

@@ -11,7 +11,7 @@ put the policy on one block, 1.006-1.018x slower.
 :func:`fit` plans ``optimal`` twice, over every action the profile measured and over those without per-operator
 policies (checkpoints, segments, memory-poor groups, offload), and where the two plans differ runs them on the
 caller's step: each one's peak by ``remat.measure`` (the live-tensor tracker), then, where both fit, their
-steps in interleaved rounds (:func:`remat.training_step.interleaved_rounds`). It keeps the faster plan whose
+steps in interleaved rounds (:func:`remat.training_step.ratios_to_first`). It keeps the faster plan whose
 measured peak fits and leaves it applied. Where both plans are the same, two steps measure its peak.
 
 Invariants, enforced here:
@@ -47,7 +47,7 @@ from .profiler import profile
 from .runtime import RematHandle, apply
 from .simulator import Plan, resolve_budget
 from .sizes import format_bytes
-from .training_step import Batch, interleaved_rounds, ratios_text, timed_step
+from .training_step import Batch, ratios_text, ratios_to_first, timed_step
 
 MENU, CHECKPOINTS = "optimal", "optimal without per-operator policies"
 
@@ -82,6 +82,21 @@ class PlanFit:
     @property
     def plan(self) -> Plan:
         return self.chosen.plan
+
+    @property
+    def passed_over(self) -> PlanTrial | None:
+        """The candidate not kept, where two ran (None where both ``optimal`` plans were the same)."""
+        return next((t for t in self.trials if t is not self.chosen), None)
+
+    def passed_over_text(self) -> str:
+        """What the candidate not kept measured: over the budget, or its step over the kept plan's ("" where one
+        plan ran)."""
+        other = self.passed_over
+        if other is None:
+            return ""
+        if other.refused:
+            return f"measured over: {other.refused}"
+        return f"its step {(other.step_ratio or 1.0) / (self.chosen.step_ratio or 1.0):.3f}x the kept one's"
 
     def describe(self) -> str:
         lines = [f"plan within {format_bytes(self.max_bytes)}: {self.chosen.name}"]
@@ -191,9 +206,5 @@ def _head_to_head(trials: list[PlanTrial], step: Callable[[PlanTrial], float], r
     kept = [i for i, t in enumerate(trials) if not t.refused]
     if len(kept) < 2:
         return trials
-    seconds = interleaved_rounds(kept, lambda i: step(trials[i]), rounds)
-    first = seconds[kept[0]]
-    out = list(trials)
-    for i in kept:
-        out[i] = replace(trials[i], ratios=tuple(s / f for s, f in zip(seconds[i], first, strict=True)))
-    return out
+    ratios = ratios_to_first(kept, lambda i: step(trials[i]), rounds)
+    return [replace(t, ratios=ratios[i]) if i in ratios else t for i, t in enumerate(trials)]

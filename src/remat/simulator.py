@@ -34,6 +34,7 @@ head and loss, when the table knows it), and each unit adds its time cost (recom
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -195,10 +196,7 @@ class Plan:
 
     def action_counts(self) -> str:
         """The actions counted in the order they first appear, e.g. ``4 checkpoint, 2 keep``."""
-        counts: dict[str, int] = {}
-        for action in self.actions.values():
-            counts[action] = counts.get(action, 0) + 1
-        return ", ".join(f"{n} {action}" for action, n in counts.items())
+        return ", ".join(f"{n} {action}" for action, n in Counter(self.actions.values()).items())
 
     def units_for(self, fqns: Sequence[str]) -> list[Unit]:
         """The plan's units, after checking that it gives an action for every block of ``fqns``, in order."""

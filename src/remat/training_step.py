@@ -8,9 +8,10 @@ training loop. The output is held through the backward (``out = model(x); loss_f
 ``holds_output=False``, which drops it once the loss is computed, as a loop keeping only the loss does
 (``model(**batch).loss.backward()``, Hugging Face's Trainer): what the output holds beyond the loss (the
 logits) is then freed before the backward. :func:`timed_step` times one such step, and
-:func:`interleaved_rounds` times several contenders' steps against each other. A step whose loss does not require
-grad is refused with the reason (:func:`untrainable_step_error`); :func:`ratios_text` reads per-round ratios;
-:func:`warn_if_evaluating` warns that a model in eval mode is not measured as training runs it.
+:func:`interleaved_rounds` times several contenders' steps against each other (:func:`ratios_to_first`: as
+ratios; :func:`ratios_text` reads them). A step whose loss does not require grad is refused with the reason
+(:func:`untrainable_step_error`); :func:`warn_if_evaluating` warns that a model in eval mode is not measured as
+training runs it.
 """
 
 from __future__ import annotations
@@ -104,6 +105,13 @@ def interleaved_rounds(names: Sequence[Name], run: Callable[[Name], Result], rou
         for name in names if r % 2 == 0 else names[::-1]:
             results[name].append(run(name))
     return results
+
+
+def ratios_to_first(names: Sequence[Name], run: Callable[[Name], float], rounds: int) -> dict[Name, tuple[float, ...]]:
+    """:func:`interleaved_rounds` of ``run`` (seconds), each name's as ratios to the first name's of the same round."""
+    seconds = interleaved_rounds(names, run, rounds)
+    first = seconds[names[0]]
+    return {name: tuple(s / f for s, f in zip(times, first, strict=True)) for name, times in seconds.items()}
 
 
 def ratios_text(ratios: Sequence[float]) -> str:

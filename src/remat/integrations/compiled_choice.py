@@ -54,7 +54,7 @@ from ..profiler import profile
 from ..runtime import RematHandle, apply
 from ..simulator import Plan
 from ..sizes import format_bytes, normalize_budget, parse_budget
-from ..training_step import Batch, interleaved_rounds, ratios_text, timed_step
+from ..training_step import Batch, ratios_text, ratios_to_first, timed_step
 from .compile_budget import (
     DEFAULT_BUDGETS,
     NO_BUDGET,
@@ -306,12 +306,10 @@ class _Routes:
             self.whole_model()
             return self.step(wrappers[name])
 
-        names = [*wrappers, *([BLOCKS] if blocks else [])]
+        names = [*wrappers, *([BLOCKS] if blocks else [])]  # the reference first: fit_compiled builds it first
         for name in names:
             run(name)
-        seconds = interleaved_rounds(names, run, rounds)
-        reference = seconds[_REFERENCE]
-        return {name: tuple(t / r for t, r in zip(times, reference, strict=True)) for name, times in seconds.items()}
+        return ratios_to_first(names, run, rounds)
 
     def finish(self, route: str, whole: nn.Module | None) -> nn.Module:
         """Leave the model in ``route``'s state only (Invariant 2); return what to train."""
