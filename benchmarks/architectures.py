@@ -2,8 +2,8 @@
 profile -> plan("optimal", budget) -> apply and the Hugging Face integration, compared with plain steps
 (see :mod:`remat.bench.arch_check`; ``tests/test_architectures.py`` asserts the same matrix).
 
-    .venv/bin/python benchmarks/architectures.py                       # every architecture, budget 0.5
-    .venv/bin/python benchmarks/architectures.py --only llama,t5 --budget 0.6 --json arch.json
+    .venv/bin/python -m benchmarks.architectures                       # every architecture, budget 0.5
+    .venv/bin/python -m benchmarks.architectures --only llama,t5 --budget 0.6 --json arch.json
 
 Columns: ``chains`` the stacks ``remat.find_chains`` found (several are planned together under the one budget),
 ``blocks`` the blocks planned,
@@ -25,8 +25,7 @@ from dataclasses import asdict
 
 import torch
 
-from remat.bench.arch_check import check, format_table
-from remat.bench.arch_zoo import architectures
+from remat.bench import architectures, check, format_table
 
 
 def main() -> None:

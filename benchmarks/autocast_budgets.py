@@ -11,7 +11,7 @@ One table: model, precision, strategy, budget, predicted, measured, measured/pre
 is within its budget (+2%). The last lines count the rows whose prediction is within 5% and the plans over
 budget.
 
-    python benchmarks/autocast_budgets.py [--models gpt2,llama] [--precisions fp32,bf16-autocast,...]
+    python -m benchmarks.autocast_budgets [--models gpt2,llama] [--precisions fp32,bf16-autocast,...]
         [--device cpu] [--json PATH]
 """
 
@@ -27,8 +27,8 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import remat
-from remat.simulator import no_checkpoint_peak
-from remat.sizes import format_bytes
+from remat.core import format_bytes
+from remat.planning import no_checkpoint_peak
 
 PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16-params")
 STRATEGIES: list[tuple[str, dict[str, Any], float | None]] = [

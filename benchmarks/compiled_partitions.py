@@ -1,14 +1,14 @@
 """remat on compiled blocks, with and without per-block partitions, against torch.compile's activation memory
 budget, at the same byte budgets.
 
-One model and precision of the peers benchmark (:mod:`peers_models`; GPT-2 has dropout 0.1, Llama none; under
+One model and precision of the peers benchmark (:mod:`benchmarks.peers.models`; GPT-2 has dropout 0.1, Llama none; under
 inductor remat's partitions save the forward's seeds and stay exact with dropout, see
-:mod:`remat.compiled_partitions`). Contenders, each on its own copy of the model:
+:mod:`remat.checkpointing.compiled_partitions`). Contenders, each on its own copy of the model:
 
 * ``torch.compile`` of the whole model, twice (the reference and its A/A pair);
 * ``block.compile()`` on each block, without remat: what compiling blocks instead of the whole model costs;
 * ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` at each budget, compiled with
-  remat's pass that saves the forward's random seeds (``peers_contenders.budget_backend``; torch's partitioner
+  remat's pass that saves the forward's random seeds (``contenders.budget_backend``; torch's partitioner
   alone may draw dropout anew in the backward, pytorch/pytorch#190758: its gradients are printed too);
 * ``torch.compile`` with the ``activation_memory_budget`` that remat's ``fit_compile_budget`` finds fastest
   among those whose measured peak fits each byte budget (whole model, one graph);
@@ -28,7 +28,7 @@ blocks) are compared with keep-all on the same compiled blocks, those of torch.c
 ``fit_compiled``'s where it chose the whole model) with torch.compile's own (every step from the same seed;
 compiled code draws dropout its own way, so each is compared with its own reference).
 
-    python benchmarks/compiled_partitions.py [--model llama] [--dtype fp32] [--rounds 10]
+    python -m benchmarks.compiled_partitions [--model llama] [--dtype fp32] [--rounds 10]
         [--budgets 0.25 0.5 0.75] [--partitions 0.1 0.25 0.5] [--fit-budgets 0 0.05 0.1 0.2 0.3 0.5 0.7]
         [--choice-rounds 5]
 """
@@ -42,20 +42,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers_child import use_timing_allocator  # noqa: E402
-from peers_contenders import PARTITION_BUDGETS, budget_backend  # noqa: E402
-from peers_device import precision_context  # noqa: E402
-from peers_models import ModelSetting, block_list, build_model, forward_backward, make_batch  # noqa: E402
-
-import remat  # noqa: E402
-from remat.integrations.compile import compile_blocks, fit_compile_budget, fit_compiled  # noqa: E402
-from remat.integrations.compile_budget import DEFAULT_BUDGETS  # noqa: E402
+import remat
+from benchmarks.peers.child import use_timing_allocator
+from benchmarks.peers.contenders import PARTITION_BUDGETS, budget_backend
+from benchmarks.peers.device import precision_context
+from benchmarks.peers.models import ModelSetting, block_list, build_model, forward_backward, make_batch
+from remat.fitting import DEFAULT_BUDGETS, compile_blocks, fit_compile_budget, fit_compiled
 
 WITHOUT_PARTITIONS = ["keep", "checkpoint", "segment", "memory_poor"]
 
@@ -259,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             c.ratios.append(c.seconds[r] / contenders[0].seconds[r])
 
     print(f"# remat on compiled blocks with partitions, against torch.compile's budget ({args.model} {args.dtype})\n")
-    print(f"Command: `python benchmarks/compiled_partitions.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ")
+    print(f"Command: `python -m benchmarks.compiled_partitions {' '.join(sys.argv[1:] if argv is None else argv)}`  ")
     print(
         f"torch {torch.__version__}, backend `{args.backend}`, 1 intra-op thread, {args.rounds} rounds; "
         f"partition budgets {args.partitions}; profile of the compiled blocks {profile_s:.1f} s wall; "

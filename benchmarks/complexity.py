@@ -13,7 +13,7 @@ The blocks are wide (hidden 4x the width) and the chain's input narrow, so the c
 fixed costs before and after it. A second table does the prediction check on a GPT-2 chain (Hugging Face
 ``GPT2LMHeadModel`` built from a small config, dropout on).
 
-    .venv/bin/python benchmarks/complexity.py [--lengths 4 16 64] [--width 256] [--batch 64] [--json out.json]
+    .venv/bin/python -m benchmarks.complexity [--lengths 4 16 64] [--width 256] [--batch 64] [--json out.json]
 """
 
 from __future__ import annotations

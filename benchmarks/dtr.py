@@ -2,8 +2,8 @@
 evictions and rematerializations, for each eviction heuristic and budgets of 25/50/75/100 % of the
 no-checkpoint activation memory.
 
-    .venv/bin/python benchmarks/dtr.py                      # MLP, GPT-2-style, ViT-style; dtr, lru, size
-    .venv/bin/python benchmarks/dtr.py --models gpt2 --heuristics dtr,lru --steps 5 --json dtr.json
+    .venv/bin/python -m benchmarks.dtr                      # MLP, GPT-2-style, ViT-style; dtr, lru, size
+    .venv/bin/python -m benchmarks.dtr --models gpt2 --heuristics dtr,lru --steps 5 --json dtr.json
 
 "measured" is ``remat.measure().activation_bytes`` of one step under DTR (measure outermost), "DTR peak"
 is the peak of the memory DTR itself tracks. The other figures are medians over ``--steps`` steps after
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.memory import measure
+from remat.meters import measure
 
 Step = Callable[[], None]
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)

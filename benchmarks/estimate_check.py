@@ -1,6 +1,6 @@
 """The transformer activation formula next to a measured Hugging Face GPT-2 layer.
 
-Run: ``python benchmarks/estimate_check.py``. One GPT-2 layer (bfloat16, dropout 0.1, GELU in its single
+Run: ``python -m benchmarks.estimate_check``. One GPT-2 layer (bfloat16, dropout 0.1, GELU in its single
 tanh kernel) runs forward with gradients; the bytes autograd keeps for backward are counted with
 ``saved_tensors_hooks`` (each storage once, weights excluded, the layer input included, as the formula
 counts it) and printed next to ``transformer_layer_activation_bytes``.
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import transformers
 
-from remat.estimate import transformer_layer_activation_bytes
-from remat.sizes import format_bytes
+from remat.core import format_bytes
+from remat.profiling import transformer_layer_activation_bytes
 
 
 def saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:

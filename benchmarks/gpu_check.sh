@@ -43,7 +43,7 @@ for mode in "$@"; do
     case $mode in
     smoke)
         step gpu_tests 200 "$py" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider -rA &
-        step peers_tiny 200 "$py" benchmarks/peers.py --device cuda --size tiny --models gpt2 --dtypes bf16 \
+        step peers_tiny 200 "$py" -m benchmarks.peers --device cuda --size tiny --models gpt2 --dtypes bf16 \
             --budgets 0.5 --rounds 2 --duel-rounds 2 --duel-max-rounds 2 --choice-rounds 1 --retries 0 --unit-timeout 180 \
             --out "$out/files/peers_tiny.jsonl" --markdown "$out/files/peers_tiny.md" &
         step bench_tiny 200 "${bench[@]}" --device cuda --preset tiny --steps 6 --warmup 2 --seeds 1 \
@@ -55,7 +55,7 @@ for mode in "$@"; do
         ;;
     peers)
         limit=${PEERS_LIMIT:-360}
-        step peers ${limit} "$py" benchmarks/peers.py --device cuda --size gpu --models "${PEERS_MODELS:-gpt2}" \
+        step peers ${limit} "$py" -m benchmarks.peers --device cuda --size gpu --models "${PEERS_MODELS:-gpt2}" \
             --dtypes "${PEERS_DTYPES:-bf16}" --rounds 3 --duel-rounds 10 --duel-max-rounds 26 --choice-rounds 2 --retries 0 --unit-timeout $((limit - 20)) \
             --out "$out/files/peers.jsonl" --markdown "$out/files/peers-cuda.md" ${PEERS_EXTRA:-}
         ;;

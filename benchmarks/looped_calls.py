@@ -5,7 +5,7 @@ For each budget (a fraction of the no-checkpoint activation memory, and the all-
 optimal plan's actions per call, the budget, the predicted and measured peak activation memory (CPU, live-tensor
 tracker), their ratio, and whether the gradients are bitwise equal to a step without checkpointing.
 
-    python benchmarks/looped_calls.py [--batch 256] [--albert-batch 32]
+    python -m benchmarks.looped_calls [--batch 256] [--albert-batch 32]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.sizes import format_bytes
+from remat.core import format_bytes
 
 
 class Residual(nn.Module):

@@ -1,8 +1,8 @@
 """Lossy storage against exact plans on a small GPT-2 trained on Shakespeare: memory, step time, final
 validation loss.
 
-    .venv/bin/python benchmarks/lossy.py                   # 4 layers x 64, 300 training steps per plan
-    .venv/bin/python benchmarks/lossy.py --steps 100 --formats int8
+    .venv/bin/python -m benchmarks.lossy                   # 4 layers x 64, 300 training steps per plan
+    .venv/bin/python -m benchmarks.lossy --steps 100 --formats int8
 
 The model is profiled once with ``lossy=formats``. Budgets: 25% and 50% of the no-checkpoint activation memory
 (predicted), 90% of the least peak any exact plan reaches, and half-way between the least lossy and the least
@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 import remat
-from remat.bench.data import load_dataset
-from remat.lossy_actions import is_lossy
-from remat.planners.lossy import plan_error
+from remat.bench import load_dataset
+from remat.core import Action
+from remat.planning import plan_error
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, Any, Any]:
@@ -226,7 +226,7 @@ def main() -> None:
                 print(f"{label + ' ' + remat.format_bytes(budget):>16}  {name:<14} {note}")
                 continue
             peak, seconds = run_plan(model, actions, costs, step, args.time_steps)
-            lossy = any(is_lossy(a) for a in actions)
+            lossy = any(Action.parse(a).is_lossy for a in actions)
             key = tuple(actions)
             if key not in losses:
                 losses[key] = (

@@ -1,16 +1,16 @@
 """How often ``optimal`` under a fresh profile picks a per-operator policy where checkpointing measures faster,
-and what ``remat.measured_fit.fit`` keeps instead, on the peers benchmark's models.
+and what ``remat.fitting.measured_fit.fit`` keeps instead, on the peers benchmark's models.
 
-Per model and precision (:mod:`peers_models`: HF GPT-2 with dropout 0.1 and Llama, built from config), it takes
-``--profiles`` profiles as ``benchmarks/peers.py`` takes them (the policy menu, the loss alone held, CPU seconds
-with one intra-op thread) and, per profile and budget, runs ``fit`` on a fresh copy of the model: where the
-plans with and without per-operator policies differ it prints both, their measured peaks and the measured step
-of the one left over the one kept. ``--disturb F`` first prices every policy at ``F`` times checkpointing's
-cost on each block, as a disturbed profile may read it, so that ``optimal`` puts policies in its plan: the rows
-show what measuring them on the step does with such a plan.
+Per model and precision (:mod:`benchmarks.peers.models`: HF GPT-2 with dropout 0.1 and Llama, built from config), it
+takes ``--profiles`` profiles as ``benchmarks/peers`` takes them (the policy menu, the loss alone held, CPU seconds with
+one intra-op thread) and, per profile and budget, runs ``fit`` on a fresh copy of the model: where the plans with and
+without per-operator policies differ it prints both, their measured peaks and the measured step of the one left over the
+one kept. ``--disturb F`` first prices every policy at ``F`` times checkpointing's cost on each block, as a disturbed
+profile may read it, so that ``optimal`` puts policies in its plan: the rows show what measuring them on the step does
+with such a plan.
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=268435456 \\
-        python benchmarks/measured_fit.py [--models llama gpt2] [--dtypes fp32] [--profiles 4] [--disturb 0.9]
+        python -m benchmarks.measured_fit [--models llama gpt2] [--dtypes fp32] [--profiles 4] [--disturb 0.9]
 """
 
 from __future__ import annotations
@@ -18,20 +18,16 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers_contenders import short_actions  # noqa: E402
-from peers_device import precision_context  # noqa: E402
-from peers_models import ModelSetting, build_model, make_batch  # noqa: E402
-
-import remat  # noqa: E402
-from remat.costs import SELECTIVE_PREFIX  # noqa: E402
-from remat.measured_fit import fit  # noqa: E402
+import remat
+from benchmarks.peers.contenders import short_actions
+from benchmarks.peers.device import precision_context
+from benchmarks.peers.models import ModelSetting, build_model, make_batch
+from remat.core import SELECTIVE, Action
+from remat.fitting import fit
 
 
 def disturbed(costs: remat.CostTable, factor: float) -> remat.CostTable:
@@ -41,7 +37,7 @@ def disturbed(costs: remat.CostTable, factor: float) -> remat.CostTable:
         target = factor * b.time_cost("checkpoint")
         recompute, overhead = dict(b.recompute_s), dict(b.overhead_s)
         for action in b.actions:
-            if action.startswith(SELECTIVE_PREFIX):
+            if Action.parse(action).kind == SELECTIVE:
                 overhead[action] = target - recompute[action]
         blocks.append(dataclasses.replace(b, overhead_s=overhead))
     return dataclasses.replace(costs, blocks=blocks)

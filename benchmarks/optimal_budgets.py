@@ -6,7 +6,7 @@ measured recompute seconds, and whether it fits. Checks printed at the end: the 
 is within the budget (+5%), its step time is no worse than any static strategy that also fits (at 50%: than
 ``full``), and every strategy's predicted step is within 10% of its measured one.
 
-    python benchmarks/optimal_budgets.py [--layers 8] [--hidden 256] [--vocab 2048] [--batch 8] [--seq 128]
+    python -m benchmarks.optimal_budgets [--layers 8] [--hidden 256] [--vocab 2048] [--batch 8] [--seq 128]
         [--threads N] [--repeats 3] [--json PATH]
 """
 
@@ -21,9 +21,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import remat
-from remat.profiler import run_step
-from remat.simulator import no_checkpoint_peak
-from remat.sizes import format_bytes
+from remat.chains import run_step
+from remat.core import format_bytes
+from remat.planning import no_checkpoint_peak
 
 STATIC = [("none", {}), ("full", {}), ("every_k", {"k": 2}), ("every_k", {"k": 3}), ("sqrt", {}),
           ("memory_poor", {}), ("random", {"fraction": 0.5, "seed": 0})]

@@ -7,7 +7,7 @@ and both preserve the RNG state; the only difference is who opens the checkpoint
 hooks, or an explicit call per block. Steps are interleaved (manual, remat, no checkpointing, ...) after a
 warm-up, and medians are compared, so drifts in machine load hit all variants alike.
 
-    .venv/bin/python benchmarks/overhead.py [--layers 8] [--width 128] [--seq 128] [--batch 4] [--repeats 40]
+    .venv/bin/python -m benchmarks.overhead [--layers 8] [--width 128] [--seq 128] [--batch 4] [--repeats 40]
         [--profile]   # also break down where remat's hooks spend their time (cProfile)
 
 Target: remat / manual step-time ratio at most 1.02.

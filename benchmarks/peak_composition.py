@@ -6,25 +6,21 @@ operator makes, the operator, the phase (forward or backward), shape and dtype; 
 largest first, under the plan's predicted and measured peaks: where a prediction misses, this says which tensors
 make up the difference.
 
-    python benchmarks/peak_composition.py                         # GPT-2 (peers' default size), bf16, full
-    python benchmarks/peak_composition.py --dtype fp32 --strategy optimal --budget 0.5
+    python -m benchmarks.peak_composition                         # GPT-2 (peers' default size), bf16, full
+    python -m benchmarks.peak_composition --dtype fp32 --strategy optimal --budget 0.5
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peers_models as pm  # noqa: E402
-
-import remat  # noqa: E402
-from remat.memory import LiveTensorTracker  # noqa: E402
+import remat
+from benchmarks.peers import models as pm
+from remat.meters import LiveTensorTracker
 
 Label = tuple[str, str, tuple[int, ...], str]  # operator, phase, shape, dtype
 

@@ -10,7 +10,7 @@ of the machine. Steps rotate A/B/C after a warm-up, so drifts in machine load hi
 and process CPU time are compared. PGAC's own work is also timed directly (its forward observer and gradient
 hooks, and the update after the optimizer step).
 
-    .venv/bin/python benchmarks/pgac_overhead.py [--layers 6] [--embd 256] [--seq 128] [--batch 4]
+    .venv/bin/python -m benchmarks.pgac_overhead [--layers 6] [--embd 256] [--seq 128] [--batch 4]
         [--steps 40] [--budget 0.5] [--learned-steps 0] [--threads 1] [--json PATH]
 
 Target: PGAC / static step-time ratio at most 1.01, and PGAC's measured activation peak not above the
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import remat
-from remat.dynamic.schedules import LearnedGamma
+from remat.dynamic.pgac import LearnedGamma
 
 
 def make_model(layers: int, embd: int, seq: int, seed: int = 0) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """How long the optimal planner takes on long heterogeneous chains (target: under a second for 1,000 blocks).
 
-Run: ``python benchmarks/plan_speed.py``. Each chain has blocks of five different sizes with their own
+Run: ``python -m benchmarks.plan_speed``. Each chain has blocks of five different sizes with their own
 keep / checkpoint / selective costs; budgets are fractions of the no-checkpoint activation memory. Prints the
 best wall time of three runs, the predicted recompute time next to full checkpointing's, and whether the
 search was exact or thinned its fronts.
@@ -11,11 +11,8 @@ from __future__ import annotations
 import random
 import time
 
-from remat.costs import BlockCost, CostTable
-from remat.planners import static
-from remat.planners.optimal import min_peak_bytes, optimal
-from remat.simulator import no_checkpoint_peak
-from remat.sizes import format_bytes
+from remat.core import BlockCost, CostTable, format_bytes
+from remat.planning import STRATEGIES, minimum_peak_bytes, no_checkpoint_peak, optimal
 
 SELECTIVE = "selective:dots_saveable"
 
@@ -56,9 +53,9 @@ def main() -> None:
     for n in (100, 300, 1000):
         costs = heterogeneous_chain(n)
         reference = no_checkpoint_peak(costs)
-        full_ms = static.full(costs).predicted_recompute_s * 1e3
+        full_ms = STRATEGIES["full"](costs).predicted_recompute_s * 1e3
         for fraction in (0.1, 0.3, 0.6):
-            budget = max(min_peak_bytes(costs), int(fraction * reference))
+            budget = max(minimum_peak_bytes(costs), int(fraction * reference))
             wall, cpu, plan = best_of(3, lambda costs=costs, budget=budget: optimal(costs, budget))
             print(
                 f"{n:>6} {fraction:>7.0%} {wall:>7.3f} {cpu:>7.3f} {plan.predicted_recompute_s * 1e3:>13.1f} "

@@ -1,12 +1,12 @@
 """The per-block policy menu on a GPT-2 block: what each action keeps and what it costs, and what the menu buys
 the optimal planner.
 
-Part 1, one block (the first of the model, on its real inputs): per action (keep, checkpoint,
-``selective:<policy>`` for every policy of ``remat.policies.MENU``, and the knapsack policies of
-``remat.knapsack`` at ``--knapsack`` shares of the block's keep bytes) the bytes it keeps after forward (from
-``remat.profile``), its recomputation in backward (ms) and its forward overhead over a plain forward (ms).
-Timings are medians of ``--repeats`` rounds, the actions interleaved in each round (order reversed every other
-round); the overhead is taken per round against that round's plain forward.
+Part 1, one block (the first of the model, on its real inputs): per action (keep, checkpoint, ``selective:<policy>`` for
+every policy of ``remat.policies.MENU``, and the knapsack policies of ``remat.checkpointing.knapsack`` at ``--knapsack``
+shares of the block's keep bytes) the bytes it keeps after forward (from ``remat.profile``), its recomputation in
+backward (ms) and its forward overhead over a plain forward (ms). Timings are medians of ``--repeats`` rounds, the
+actions interleaved in each round (order reversed every other round); the overhead is taken per round against that
+round's plain forward.
 
 Part 2, the whole model profiled with ``policies="menu"``: the optimal plan at 25%, 50% and 75% of the
 no-checkpoint activation memory, without the menu (keep, checkpoint, ``selective:dots_saveable``, segments and
@@ -14,7 +14,7 @@ memory-poor groups: what a profile with the default policies offers), with it, a
 policies: the predicted peak and recompute, the measured peak and recompute of applied steps (median of three),
 and how many blocks take each action.
 
-    python benchmarks/policy_menu.py [--layers 8] [--hidden 256] [--batch 8] [--seq 128] [--dropout 0.1]
+    python -m benchmarks.policy_menu [--layers 8] [--hidden 256] [--batch 8] [--seq 128] [--dropout 0.1]
         [--attention sdpa] [--knapsack 0.25,0.5,0.75] [--repeats 15] [--threads 0] [--json PATH]
 
 Timing on CPU: run with ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184
@@ -35,21 +35,26 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import remat
-from remat.bench.machine import default_threads, environment
-from remat.block_run import clear_grads, run_action
-from remat.block_timing import TimedCalls
-from remat.blocks import main_input_slot, main_tensor, replace_slot, slot_value, without_caches
-from remat.costs import CHECKPOINT, KEEP, SELECTIVE_PREFIX
-from remat.model_state import detached_from_step
-from remat.profiler import run_step
-from remat.simulator import no_checkpoint_peak
+from remat.bench import default_threads, environment
+from remat.chains import (
+    detached_from_step,
+    main_input_slot,
+    main_tensor,
+    replace_slot,
+    run_step,
+    slot_value,
+    without_caches,
+)
+from remat.core import CHECKPOINT, KEEP, SELECTIVE, Action
+from remat.planning import no_checkpoint_peak
+from remat.profiling import TimedCalls, clear_grads, run_action
 
 TIMING_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "33554432",
     "MALLOC_TRIM_THRESHOLD_": "17179869184",
     "MALLOC_TOP_PAD_": "268435456",
 }
-MENU_ACTIONS = [SELECTIVE_PREFIX + p for p in remat.policies.MENU]
+MENU_ACTIONS = [Action.selective(p).text for p in remat.policies.MENU]
 WITHOUT_MENU = [KEEP, CHECKPOINT, "selective:dots_saveable", "segment", "memory_poor"]
 
 
@@ -132,8 +137,8 @@ def applied_step(model: torch.nn.Module, batch: dict, plan: remat.Plan, steps: i
 
 
 def action_counts(plan: remat.Plan) -> str:
-    counts = Counter(a.split(":")[0] if not a.startswith(SELECTIVE_PREFIX) else a[len(SELECTIVE_PREFIX) :]
-                     for a in plan.actions.values())  # fmt: skip
+    parsed = [Action.parse(a) for a in plan.actions.values()]
+    counts = Counter(a.policy if a.kind == SELECTIVE else a.kind for a in parsed)
     return ", ".join(f"{n}x {a}" for a, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
@@ -159,12 +164,12 @@ def main() -> None:
     model, batch = build(args)
     shares = [float(x) for x in args.knapsack.split(",") if x]
     t0 = time.perf_counter()
-    knapsack_names = remat.knapsack.register_for(model, batch, shares=shares) if shares else []
+    knapsack_names = remat.checkpointing.knapsack.register_for(model, batch, shares=shares) if shares else []
     knapsack_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     costs = remat.profile(model, batch, policies=["menu", *knapsack_names], repeats=3)
     profile_s = time.perf_counter() - t0
-    knapsack_actions = [SELECTIVE_PREFIX + n for n in knapsack_names]
+    knapsack_actions = [Action.selective(n).text for n in knapsack_names]
     actions = [KEEP, CHECKPOINT, *MENU_ACTIONS, *knapsack_actions]
     block_times = time_block(model.transformer.h[0], first_block_call(model, batch), actions, args.repeats)
     row = costs.blocks[0]
@@ -190,7 +195,7 @@ def main() -> None:
             options = {"actions": allowed} if allowed is not None else {}
             try:
                 plan = remat.plan(costs, "optimal", budget=fraction, **options)
-            except remat.planners.BudgetError as error:
+            except remat.planning.strategies.BudgetError as error:
                 print(f"{fraction:>7.0%} {menu:>5}  no plan fits: {error}")
                 continue
             measured = applied_step(model, batch, plan)

@@ -7,7 +7,7 @@ profiles of one model alternate (order reversed every other round) and the table
 printed, with the blocks measured and reused and whether the two tables' bytes agree. One plain training step
 runs first, so that neither profile pays for the process's lazy setup.
 
-    .venv/bin/python benchmarks/profile_time.py [--layers 12,48] [--hidden 384] [--batch 4] [--seq 256]
+    .venv/bin/python -m benchmarks.profile_time [--layers 12,48] [--hidden 384] [--batch 4] [--seq 256]
         [--rounds 1] [--threads N]
 """
 
@@ -19,8 +19,9 @@ import statistics
 import torch
 
 import remat
-from remat.bench.models import build_model
-from remat.costs import CostTable
+from remat.bench import build_model
+from remat.chains import run_step
+from remat.core import CostTable
 
 
 def byte_rows(costs: CostTable) -> list[tuple]:
@@ -59,7 +60,7 @@ def main() -> None:
         )
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         batch = {"input_ids": ids, "labels": ids}
-        remat.profiler.run_step(spec.module, batch, spec.loss_fn)  # warm-up: the first step pays for lazy setup
+        run_step(spec.module, batch, spec.loss_fn)  # warm-up: the first step pays for lazy setup
         spec.module.zero_grad(set_to_none=True)
         seconds: dict[bool, list[float]] = {True: [], False: []}
         tables: dict[bool, CostTable] = {}

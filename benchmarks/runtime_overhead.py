@@ -4,7 +4,7 @@ The same plan (the first four of six blocks checkpointed, ``CCCCKK``, and all si
 on copies of one model: by ``remat.apply`` (hooks) and by a hand-written wrapper that calls
 ``torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False)`` on the same blocks (what
 ``peers.py``'s "torch checkpoint, first k blocks" runs). Models, batch and step are those of the peers
-benchmark (:mod:`peers_models`: HF GPT-2 with dropout 0.1 and Llama, built from config), in fp32 and under
+benchmark (:mod:`benchmarks.peers.models`: HF GPT-2 with dropout 0.1 and Llama, built from config), in fp32 and under
 bf16 autocast. Each step is timed with ``time.process_time`` (CPU seconds, one intra-op thread), every
 contender once per round, the order reversed every other round; an A/A pair (the hand-written contender
 twice) shows the noise floor. Per case it prints the median of the per-round ratios remat / hand-written,
@@ -12,7 +12,7 @@ with the 25th-75th percentile spread, the median per-round difference remat - ha
 (model call and loss) and of the backward (``+fwd ms``, ``+bwd ms``), and checks that remat's gradients equal
 the hand-written ones bitwise.
 
-    python benchmarks/runtime_overhead.py [--rounds 30] [--models gpt2 llama] [--dtypes fp32 bf16]
+    python -m benchmarks.runtime_overhead [--rounds 30] [--models gpt2 llama] [--dtypes fp32 bf16]
         [--profile]   # also print remat's own Python time per step (cProfile) for CCCCCC
 """
 
@@ -23,19 +23,15 @@ import copy
 import cProfile
 import pstats
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers_contenders import HandCheckpointed  # noqa: E402
-from peers_device import precision_context  # noqa: E402
-from peers_models import ModelSetting, block_list, build_model, make_batch  # noqa: E402
-
-import remat  # noqa: E402
+import remat
+from benchmarks.peers.contenders import HandCheckpointed
+from benchmarks.peers.device import precision_context
+from benchmarks.peers.models import ModelSetting, block_list, build_model, make_batch
 
 PLANS = {"CCCCKK": 4, "CCCCCC": 6}
 

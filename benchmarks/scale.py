@@ -1,6 +1,6 @@
 """Per-stage activation memory of GPT-2-architecture models from 100M to 70B parameters, on the meta device.
 
-    PYTHONPATH=src python benchmarks/scale.py > docs/results/scale_table.md
+    PYTHONPATH=src python -m benchmarks.scale > docs/results/scale_table.md
 
 For each configuration: the CostTable of one micro-batch computed on ``meta`` (``remat plan --device meta
 --stages ...`` does the same), one transformer layer's kept bytes beside the layer formula
@@ -16,10 +16,9 @@ from __future__ import annotations
 import sys
 import time
 
-from remat.cli import _costs, build_parser
-from remat.cli_parallel import layer_shape, stage_figures
-from remat.estimate.activation_formula import transformer_layer_activation_bytes
-from remat.sizes import format_bytes
+from remat.cli import build_parser, layer_shape, model_costs, stage_figures
+from remat.core import format_bytes
+from remat.profiling import transformer_layer_activation_bytes
 
 # name, layers, hidden, heads, seq, micro-batch, stages, tp, sequence parallel
 CONFIGS = [
@@ -40,7 +39,7 @@ def row(name: str, layers: int, hidden: int, heads: int, seq: int, mb: int, stag
     argv += ["--sequence-parallel"] if sp else []
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
-    spec, _, costs = _costs(args, batch_size=mb)
+    spec, _, costs = model_costs(args, batch_size=mb)
     figures = stage_figures(args, spec, costs, 0.5)
     seconds = time.perf_counter() - start
     kept = costs.blocks[0].saved("keep")

@@ -1,40 +1,36 @@
 """Segments against the same blocks checkpointed one by one: what a segment's waiting blocks cost, predicted and
 timed in steps.
 
-A segment of blocks ``s..e`` re-runs them all before the backward of any, where checkpointing them one by one
-re-runs each right before its own backward. Both re-run the same blocks once and save the same bytes at their
-boundaries but fewer in the segment; :mod:`remat.unit_terms` charges a segment the sum of its blocks' checkpoint
-costs plus, for each block but its last, the profile's ``deferred_s_per_byte`` times the bytes it saves (its
-recomputed activations wait while the later blocks re-run and run backward). This benchmark times them side by
-side: the first four of six blocks checkpointed (``CCCCKK``), as two segments of two (``GGGGKK``), as one
-segment of four (``G4KK``) and the whole chain of six as one segment (``G6``, the plan the profile reads the
-price from), on the peers benchmark's models (:mod:`peers_models`: HF GPT-2 with dropout 0.1 and Llama, built
-from config), through one ``remat.apply`` handle, every plan once per round, the order reversed every other
-round, CPU seconds (``time.process_time``, one intra-op thread). An A/A pair (``CCCCKK`` twice) shows the noise
-floor. Per plan it prints the predicted and the measured step (medians) and the median per-round ratio to
-``CCCCKK`` with the 25th-75th percentiles. The allocator's settings change what waiting costs (glibc returning
-freed memory to the system makes higher peaks slower); ``benchmarks/peers.py`` times with
-``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=268435456``.
+A segment of blocks ``s..e`` re-runs them all before the backward of any, where checkpointing them one by one re-runs
+each right before its own backward. Both re-run the same blocks once and save the same bytes at their boundaries but
+fewer in the segment; :mod:`remat.planning.unit_terms` charges a segment the sum of its blocks' checkpoint costs plus,
+for each block but its last, the profile's ``deferred_s_per_byte`` times the bytes it saves (its recomputed activations
+wait while the later blocks re-run and run backward). This benchmark times them side by side: the first four of six
+blocks checkpointed (``CCCCKK``), as two segments of two (``GGGGKK``), as one segment of four (``G4KK``) and the whole
+chain of six as one segment (``G6``, the plan the profile reads the price from), on the peers benchmark's models
+(:mod:`benchmarks.peers.models`: HF GPT-2 with dropout 0.1 and Llama, built from config), through one ``remat.apply``
+handle, every plan once per round, the order reversed every other round, CPU seconds (``time.process_time``, one
+intra-op thread). An A/A pair (``CCCCKK`` twice) shows the noise floor. Per plan it prints the predicted and the
+measured step (medians) and the median per-round ratio to ``CCCCKK`` with the 25th-75th percentiles. The allocator's
+settings change what waiting costs (glibc returning freed memory to the system makes higher peaks slower);
+``benchmarks/peers`` times with ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184
+MALLOC_TOP_PAD_=268435456``.
 
-    python benchmarks/segments.py [--models llama gpt2] [--rounds 30]
+    python -m benchmarks.segments [--models llama gpt2] [--rounds 30]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from runtime_overhead import fmt, quantiles
+from step_prediction import timed_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers_models import ModelSetting, build_model, make_batch  # noqa: E402
-from runtime_overhead import fmt, quantiles  # noqa: E402
-from step_prediction import timed_step  # noqa: E402
-
-import remat  # noqa: E402
+import remat
+from benchmarks.peers.models import ModelSetting, build_model, make_batch
 
 BASE = "CCCCKK"
 

@@ -6,7 +6,7 @@ Each strategy runs in a process of its own (one model, one optimizer, the same b
 allocations do not mix with another's. The figure to read is growth against ``none``: the allocator and
 Python's caches grow a little in any long run.
 
-    python benchmarks/soak.py [--steps 1000] [--warmup 50] [--layers 4] [--hidden 128] [--json PATH]
+    python -m benchmarks.soak [--steps 1000] [--warmup 50] [--layers 4] [--hidden 128] [--json PATH]
 """
 
 from __future__ import annotations

@@ -9,25 +9,20 @@ measured step and their ratio, and the measured forward (model call and loss) an
 predicted ones: what the plan adds to keep-all's forward and backward, predicted (``fwd_s_by_action`` and
 ``bwd_s_by_action`` less keep's) and measured (the plan's step less keep-all's).
 
-    .venv/bin/python benchmarks/step_prediction.py [--models gpt2 llama] [--rounds 10] [--repeats 3]
+    .venv/bin/python -m benchmarks.step_prediction [--models gpt2 llama] [--rounds 10] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from peers_models import ModelSetting, block_list, build_model, make_batch  # noqa: E402
-
-import remat  # noqa: E402
+import remat
+from benchmarks.peers.models import ModelSetting, block_list, build_model, make_batch
 
 SELECTIVE = "selective:dots_saveable"
 

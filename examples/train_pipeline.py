@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 import remat
 from remat.integrations import pipeline
-from remat.simulator import no_checkpoint_peak
+from remat.planning import no_checkpoint_peak
 
 
 class Embed(nn.Module):

@@ -1,5 +1,5 @@
-"""remat.action_steps: every action timed within whole steps, with a clock that counts the blocks' forward runs
-(so a recomputation shows where the step pays it), and the cases where the table keeps the isolated figures."""
+"""remat.profiling.action_steps: every action timed within whole steps, with a clock that counts the blocks' forward
+runs (so a recomputation shows where the step pays it), and the cases where the table keeps the isolated figures."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 import remat
-from remat.action_steps import deferral_rate, in_step_block, time_actions_in_steps
-from remat.blocks import block_ios
-from remat.costs import BlockCost, CostTable
-from remat.outside_time import plain_steps
-from remat.simulator import simulate
+from remat.chains import block_ios
+from remat.core import BlockCost, CostTable
+from remat.planning import simulate
+from remat.profiling.action_steps import deferral_rate, in_step_block, time_actions_in_steps
+from remat.profiling.outside_time import plain_steps
 
 RUNS = [0]  # forward runs of any block so far: the clock of these tests
 
@@ -76,7 +76,7 @@ def test_action_figures_are_replaced_by_what_the_step_adds() -> None:
         assert block.overhead_s["checkpoint"] == 0.0
         assert block.fwd_s_by_action["checkpoint"] == block.fwd_s == 1.0
         assert block.bwd_s_by_action["checkpoint"] == block.bwd_s + 1.0
-    assert remat.applied.owner_of(model) is None and not hasattr(model, "_remat_handle")
+    assert remat.runtime.applied.owner_of(model) is None and not hasattr(model, "_remat_handle")
 
 
 def test_profile_times_actions_in_steps_by_default_and_leaves_the_model_as_it_was() -> None:
@@ -102,7 +102,7 @@ def test_a_model_with_a_plan_keeps_the_isolated_figures_and_its_plan() -> None:
     try:
         again = remat.profile(model, torch.randn(4, 8), blocks=chain)
         assert again.info["action_times_from"] == "isolated runs (the model has a plan applied)"
-        assert remat.applied.owner_of(model) is handle
+        assert remat.runtime.applied.owner_of(model) is handle
         assert set(handle.plan.actions.values()) == {"checkpoint"}
     finally:
         handle.remove()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from remat.action_times import action_times
-from remat.block_timing import NO_GRAD_FORWARD
+from remat.profiling.action_times import action_times
+from remat.profiling.block_timing import NO_GRAD_FORWARD
 
 SELECTIVE = "selective:dots_saveable"
 OFFLOAD_DOTS = "selective:offload_dots"

@@ -1,11 +1,13 @@
-"""``remat.advise``: a table scaled to a larger batch predicts proportionally more of every byte and second, and
+"""``remat.fitting.advice``: a table scaled to a larger batch predicts proportionally more of every byte and second, and
 the advice charges a plan's whole time cost (recomputation and each action's overhead), as ``optimal`` does."""
 
 import pytest
 
-from remat.advise import advise, scale_costs
-from remat.costs import BlockCost, CostTable
-from remat.simulator import Plan, keep_step_s, no_checkpoint_peak, simulate
+from remat.core import BlockCost, CostTable
+from remat.fitting import advise
+from remat.fitting.advice import scale_costs
+from remat.planning import Plan, no_checkpoint_peak, simulate
+from remat.planning.simulator import keep_step_s
 
 MIB = 1 << 20
 

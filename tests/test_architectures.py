@@ -23,17 +23,21 @@ import torch
 from torch import nn
 
 import remat
-from remat.applied import COPY_MESSAGE
-from remat.chain import chain_name
-from remat.memory import LiveTensorTracker
-from remat.model_state import BufferSnapshot
-from remat.planners import minimum_peak_bytes
-from remat.profiler import BlockProfiler
+from remat.chains import chain_name
+from remat.chains.model_state import BufferSnapshot
+from remat.meters import LiveTensorTracker
+from remat.planning import minimum_peak_bytes
+from remat.profiling import BlockProfiler
+from remat.runtime.applied import COPY_MESSAGE
 
 transformers = pytest.importorskip("transformers")
 from remat.bench.arch_check import SEED, ArchResult, check, compare, plain_step, record_step  # noqa: E402
-from remat.bench.arch_zoo import LAYERS, architectures, by_name  # noqa: E402
-from remat.bench.user_models import UserNet  # noqa: E402
+from remat.bench.arch_zoo import (  # noqa: E402
+    LAYERS,
+    UserNet,  # noqa: E402
+    architectures,
+    by_name,
+)
 from remat.integrations import hf  # noqa: E402
 
 NAMES = [a.name for a in architectures()]
@@ -251,7 +255,7 @@ class _ComparedBlock(nn.Module):
 
 
 def test_remats_registration_hooks_leave_unhashable_module_classes_buildable() -> None:
-    # remat.model_state watches every buffer and submodule registration in the process (its Note [1]); a class
+    # remat.chains.model_state watches every buffer and submodule registration in the process (its Note [1]); a class
     # that torch itself lets you build and call must still build and run with remat imported.
     block = _ComparedBlock()
     block.extra = nn.Linear(8, 8)  # another registration into an unhashable module

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 import remat
+from remat.chains import run_step
+from remat.core import AutocastSpec, precision_mismatch
 from remat.integrations.lightning import precision_autocast
-from remat.memory import LiveTensorTracker
-from remat.precision import AutocastSpec, precision_mismatch
-from remat.simulator import Plan
-from remat.training_step import run_step
+from remat.meters import LiveTensorTracker
+from remat.planning import Plan
 
 BF16 = {"device_type": "cpu", "dtype": "bfloat16", "enabled": True}
 EXACT_PLANS = ["checkpoint", "selective:dots_saveable", "segment", "memory_poor", "offload"]
@@ -220,7 +220,7 @@ def test_trainer_and_lightning_settings_name_their_autocast() -> None:
 
 
 def test_meta_estimate_says_it_cannot_see_autocast() -> None:
-    from remat.estimate import meta_cost_table
+    from remat.profiling import meta_cost_table
 
     def model() -> nn.Module:
         return WideChain(n=2, width=32)

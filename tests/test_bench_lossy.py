@@ -12,7 +12,7 @@ import pytest
 
 from remat.bench.records import read_jsonl
 from remat.bench.runner import main
-from remat.costs import CostTable
+from remat.core import CostTable
 
 LOSSY = ["compress", "optimal_lossy", "pgac_q"]
 ARGS = [

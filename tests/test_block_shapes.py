@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.simulator import Plan
+from remat.planning import Plan
 
 N_BLOCKS = 4
 PLANS = {
@@ -290,7 +290,7 @@ def test_session_profiles_its_first_step_with_main_input() -> None:
 
 
 def test_meta_estimate_takes_main_output() -> None:
-    from remat.estimate import meta_cost_table
+    from remat.profiling import meta_cost_table
 
     hidden_bytes = 3 * 8 * 4
     named = meta_cost_table(lambda: Chain(lambda: AuxFirst(same_shape=True)), torch.randn(3, 8), main_output=1)

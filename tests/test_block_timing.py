@@ -9,8 +9,8 @@ import torch
 from toy_models import chain_input, uniform_chain
 
 import remat
-from remat import block_measure
-from remat.block_timing import CacheFlush, flush_bytes, last_level_cache_bytes
+from remat.profiling import block_measure
+from remat.profiling.block_timing import CacheFlush, flush_bytes, last_level_cache_bytes
 
 
 def test_the_flush_writes_the_traffic_given_at_most_twice_the_last_level_cache() -> None:

@@ -1,6 +1,6 @@
 """One reading of a memory budget everywhere: bytes or a fraction of the no-checkpoint activation memory.
 
-The rules live in :mod:`remat.sizes`; these tests pin them and check that every entry point (remat.plan, PGAC,
+The rules live in :mod:`remat.core.sizes`; these tests pin them and check that every entry point (remat.plan, PGAC,
 DTR, the integrations' sessions, the bench) gives the same value the same meaning and rejects the same
 mistakes before any work is done.
 """
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import remat
-from remat.bench.runner import BenchError
-from remat.bench.runner import parse_budget as bench_budget
+from remat.bench.budget import parse_budget as bench_budget
+from remat.bench.config import BenchError
+from remat.core import normalize_budget, parse_budget, parse_bytes
 from remat.integrations.lightning import RematCallback
 from remat.integrations.session import check_strategy
-from remat.simulator import no_checkpoint_peak
-from remat.sizes import normalize_budget, parse_budget, parse_bytes
+from remat.planning import no_checkpoint_peak
 
 
 @pytest.mark.parametrize(

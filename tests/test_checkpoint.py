@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from toy_models import MLPBlock
 
 import remat
-import remat.checkpointing
-from remat.memory import LiveTensorTracker
+import remat.checkpointing.api
+from remat.meters import LiveTensorTracker
 
 aten = torch.ops.aten
 MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.matmul}
@@ -77,8 +77,8 @@ def grads_of(module: nn.Module, *leaves: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
 def test_plain_call_when_grad_is_disabled(monkeypatch: pytest.MonkeyPatch, context: Any) -> None:
     frames = []
-    real = remat.checkpointing._torch_checkpoint
-    monkeypatch.setattr(remat.checkpointing, "_torch_checkpoint", lambda *a, **k: frames.append(1) or real(*a, **k))
+    real = remat.checkpointing.api._torch_checkpoint
+    monkeypatch.setattr(remat.checkpointing.api, "_torch_checkpoint", lambda *a, **k: frames.append(1) or real(*a, **k))
     block = CountingModule(mlp())
     x = torch.randn(4, 32, requires_grad=True)
     with context():

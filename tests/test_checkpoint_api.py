@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import remat
-from remat.double_backward import check_double_backward, double_backward_actions, double_backward_safe
+from remat.core import Action
+from remat.planning.strategies import check_double_backward, double_backward_actions
 
 
 def block(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -70,7 +71,7 @@ def test_plain_checkpoint_supports_a_second_backward_exactly(policy):
 
 @pytest.mark.parametrize("policy", ["dots_saveable", "everything_saveable"])
 def test_selective_regions_allow_one_backward_as_documented(policy):
-    """Pins torch's limit that docs/strategies.md and remat.double_backward describe."""
+    """Pins torch's limit that docs/strategies.md and remat.planning.strategies describe."""
     x = torch.randn(6, 6)
     wrapped = lambda t: remat.checkpoint(block, t, policy=policy)  # noqa: E731
     for run in (second_order, twice):
@@ -95,7 +96,7 @@ def test_selective_regions_allow_one_backward_as_documented(policy):
     ],
 )
 def test_which_actions_are_safe(action, safe):
-    assert double_backward_safe(action) is safe
+    assert Action.choice(action).allows_double_backward is safe
 
 
 def selective_costs(n: int = 4) -> remat.CostTable:
@@ -121,7 +122,7 @@ def test_double_backward_plans_leave_out_selective_actions():
     usual = remat.plan(costs, "optimal", budget)
     assert "selective:dots_saveable" in usual.actions.values()  # the restriction below is not vacuous
     safe = remat.plan(costs, "optimal", budget, double_backward=True)
-    assert safe.fits and all(double_backward_safe(a) for a in safe.actions.values())
+    assert safe.fits and all(Action.parse(a).allows_double_backward for a in safe.actions.values())
     assert safe.predicted_recompute_s > usual.predicted_recompute_s  # the restriction has a price
     assert double_backward_actions(costs) == ["keep", "checkpoint", "segment", "memory_poor"]
     assert double_backward_actions(costs, ["keep", "selective:dots_saveable"]) == ["keep"]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from remat.cli import DEFERRAL_LINE, main
-from remat.estimate import transformer_layer_activation_bytes
+from remat.cli.commands import DEFERRAL_LINE, main
+from remat.profiling import transformer_layer_activation_bytes
 
 
 def test_estimate_writes_the_formula(tmp_path, capsys):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat.cli import main
-from remat.estimate import transformer_layer_activation_bytes
+from remat.cli.commands import main
+from remat.profiling import transformer_layer_activation_bytes
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -123,7 +123,7 @@ def test_help_exits_0(capsys):
 def test_the_installed_command_prints_no_traceback():
     env = {**os.environ, "PYTHONPATH": SRC}
     done = subprocess.run(
-        [sys.executable, "-m", "remat.cli", "plan", "--model", "mlp", "--budget", "nan"],
+        [sys.executable, "-m", "remat.cli.commands", "plan", "--model", "mlp", "--budget", "nan"],
         capture_output=True,
         text=True,
         env=env,

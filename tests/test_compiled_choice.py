@@ -21,10 +21,9 @@ import torch
 from torch import nn
 
 import remat
-from remat.applied import owner_of
-from remat.integrations import compiled_choice
-from remat.integrations.compile import compile_blocks, fit_compiled, uncompile_blocks
-from remat.integrations.compiled_choice import BLOCKS, WHOLE_MODEL
+from remat.fitting import compile_blocks, compiled_choice, fit_compiled, trial, uncompile_blocks
+from remat.fitting.compiled_choice import BLOCKS, WHOLE_MODEL
+from remat.runtime import owner_of
 
 BACKEND = "aot_eager_decomp_partition"
 X = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
@@ -174,7 +173,7 @@ class SlowedClock:
 
 def test_every_whole_model_budget_that_fits_runs_head_to_head_whatever_the_grid_ranked_first() -> None:
     first = fit_compiled(_model(), X, 0.95, backend=BACKEND, budgets=(0.5, 0.7), partition_budgets=(0.1,), rounds=1)
-    assert sorted(t.budget for t in first.trials if t.route == WHOLE_MODEL and not t.refused) == [0.5, 0.7]
+    assert sorted(t.budget for t in first.trials if t.name == WHOLE_MODEL and not t.refused) == [0.5, 0.7]
     assert all(len(t.ratios) == 1 for t in first.trials[1:])
 
     model = _model()
@@ -218,14 +217,14 @@ def test_a_blocks_plan_measured_over_is_planned_again_for_less_by_the_most_misse
         return plan
 
     readings = iter([OverLimit(first.max_bytes) for _ in range(over)])
-    real_measure = compiled_choice.measure
+    real_measure = trial.measure  # the peak of each blocks plan is read by the fit's one meter
 
     def first_ones_over(*args: Any, **kwargs: Any) -> Any:
         meter = next(readings, None)
         return contextlib.nullcontext(meter) if meter is not None else real_measure(*args, **kwargs)
 
     monkeypatch.setattr(compiled_choice, "make_plan", recorded)
-    monkeypatch.setattr(compiled_choice, "measure", first_ones_over)
+    monkeypatch.setattr(trial, "measure", first_ones_over)
     model = _model()
     if over > compiled_choice.REPLANS:
         with pytest.raises(remat.BudgetError, match=f"measured over .* {over} times"):

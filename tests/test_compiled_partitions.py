@@ -21,9 +21,9 @@ from torch import nn
 from toy_models import lm_step
 
 import remat
-from remat import compiled_partitions
-from remat.integrations.compile import compile_blocks
-from remat.simulator import no_checkpoint_peak
+from remat.checkpointing import compiled_partitions
+from remat.fitting import compile_blocks
+from remat.planning import no_checkpoint_peak
 
 BATCH_IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
 BATCH = {"input_ids": BATCH_IDS, "labels": BATCH_IDS}
@@ -206,7 +206,7 @@ class _Marks:
 def test_a_partitions_backward_term_is_its_own_peak_below_or_above_keeps() -> None:
     """A partitioned backward recomputes only what the compiled backward needs next, so its peak may stay below
     keep's; its forward computes what keep's does while saving less, so its own forward peak bounds it too."""
-    from remat.block_bytes import ByteTerms
+    from remat.profiling.block_bytes import ByteTerms
 
     keep = _Marks(fwd_peak=100, saved=80, bwd_peak=120)
     lower = ByteTerms.from_trackers({"keep": keep, "partition:0.1": _Marks(fwd_peak=100, saved=10, bwd_peak=60)})

@@ -17,8 +17,8 @@ from torch import nn
 from toy_models import lm_step
 
 import remat
-from remat.integrations.compile import compile_blocks
-from remat.simulator import no_checkpoint_peak
+from remat.fitting import compile_blocks
+from remat.planning import no_checkpoint_peak
 
 BATCH_IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
 BATCH = {"input_ids": BATCH_IDS, "labels": BATCH_IDS}

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import _len_torch_dispatch_stack
 from toy_models import tiny_gpt2
 
 import remat
-from remat.memory import measure
+from remat.meters import measure
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()

@@ -10,14 +10,9 @@ from torch import nn
 from toy_models import tiny_gpt2_config
 
 import remat
-from remat.estimate import (
-    DEVICE_PRESETS,
-    count_flops,
-    flops_time_model,
-    meta_cost_table,
-    transformer_layer_activation_bytes,
-)
-from remat.memory import LiveTensorTracker
+from remat.meters import LiveTensorTracker
+from remat.profiling import meta_cost_table, transformer_layer_activation_bytes
+from remat.profiling.estimate import DEVICE_PRESETS, count_flops, flops_time_model
 
 transformers = pytest.importorskip("transformers")
 

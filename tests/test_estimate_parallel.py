@@ -1,4 +1,4 @@
-"""Per-stage activation memory for pipeline, tensor and data parallel splits (``remat.estimate.parallel``) and
+"""Per-stage activation memory for pipeline, tensor and data parallel splits (``remat.profiling.estimate.parallel``) and
 ``remat plan`` / ``remat advise`` with ``--stages``."""
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from dataclasses import replace
 import pytest
 from toy_models import uniform_costs
 
-from remat.cli import main
-from remat.estimate.activation_formula import transformer_layer_activation_bytes
-from remat.estimate.parallel import LayerShape, estimate_stages, shard_costs
-from remat.simulator import no_checkpoint_peak, simulate
+from remat.cli.commands import main
+from remat.planning import no_checkpoint_peak, simulate
+from remat.profiling import LayerShape, estimate_stages, shard_costs, transformer_layer_activation_bytes
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])

@@ -1,7 +1,7 @@
 """remat on a CUDA device: checkpointed GPT-2 gradients bit for bit equal to no checkpointing (dropout replayed
 from the CUDA generator), a plan's peak read from the CUDA allocator within its budget and near the prediction
 (fp32 and under bf16 autocast), ``remat.measure`` on the allocator, offload copying saved tensors into pinned
-host memory, a plan kept by ``remat.measured_fit.fit`` within its budget by the allocator, the offload policies
+host memory, a plan kept by ``remat.fitting.measured_fit.fit`` within its budget by the allocator, the offload policies
 (``selective:offload_dots``) keeping less on the device than ``selective:dots_saveable``, and the menu policies
 exact on an SDPA GPT-2 whose fused attention kernel draws (attention dropout) or does not.
 
@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from toy_models import uniform_costs
 
 import remat
-from remat.host_copies import HostCopy
-from remat.simulator import Plan
+from remat.checkpointing.host_copies import HostCopy
+from remat.planning import Plan
 
 # Deterministic cuBLAS needs a fixed workspace configuration, read when the first cuBLAS handle is made.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -36,7 +36,7 @@ VOCAB = 256
 # How far a plan's step may peak from the simulator's prediction, as fractions of it. Read on an H200 while the
 # head's retained bytes still stopped at 0 (every backward then counted the embedding lookups the model's forward
 # had freed): at most at the prediction, and under it by up to 9% on the 4-block toy GPT-2 here for plans that
-# checkpoint or offload (by 2-3% at GPT-2 small's size in benchmarks/peers.py), so the measured peak may fall 10%
+# checkpoint or offload (by 2-3% at GPT-2 small's size in benchmarks/peers/), so the measured peak may fall 10%
 # under it but rise 2% over it at most. Not read again on a GPU since.
 PEAK_OVER, PEAK_UNDER = 0.02, 0.10
 Batch = dict[str, torch.Tensor]
@@ -108,7 +108,7 @@ def test_recompute_timing_does_not_synchronise_within_a_step(
     """Timing re-executions (the default) records CUDA events instead of synchronising around each block, so
     the host keeps queueing ahead of the device; the seconds are read when asked for, and a loop that never
     asks keeps a bounded number of event pairs."""
-    from remat import recompute_stats
+    from remat.runtime import recompute_stats
 
     model, batch = _gpt2_on_cuda(make_gpt2, batch=4, seq=64)
     fqns = [fqn for fqn, _ in remat.find_blocks(model)]
@@ -247,9 +247,9 @@ def test_bf16_autocast_plan_peak_from_the_cuda_allocator_is_within_budget_and_pr
 
 
 def test_measured_fit_on_cuda_keeps_a_plan_within_budget_by_the_allocator(make_gpt2: Callable[..., nn.Module]) -> None:
-    """``remat.measured_fit.fit`` on CUDA: the plan it keeps peaks within its budget by the tracker it measured
+    """``remat.fitting.measured_fit.fit`` on CUDA: the plan it keeps peaks within its budget by the tracker it measured
     with, and within it (+2%) by the allocator."""
-    from remat.measured_fit import fit
+    from remat.fitting.measured_fit import fit
 
     model, batch = _gpt2_on_cuda(make_gpt2, batch=8, seq=128)
     result = fit(model, batch, 0.5, rounds=2)

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import remat
-from remat.costs import BlockCost, CostTable
-from remat.memory import LiveTensorTracker
-from remat.simulator import simulate
+from remat.core import BlockCost, CostTable
+from remat.meters import LiveTensorTracker
+from remat.planning import simulate
 
 
 class _Block(nn.Module):

@@ -1,7 +1,7 @@
-"""``remat.host_copies.saved_on_host``, the offload action's saved-tensor hooks: what a block saves comes back
-for backward with the strides it was saved with (a dense host copy of a device tensor included), so a compiled
-block's backward (which asserts the strides of what its forward saved) runs offloaded, with the gradients of a
-plain step; a CPU tensor is not copied."""
+"""``remat.checkpointing.host_copies.saved_on_host``, the offload action's saved-tensor hooks: what a block saves comes
+back for backward with the strides it was saved with (a dense host copy of a device tensor included), so a compiled
+block's backward (which asserts the strides of what its forward saved) runs offloaded, with the gradients of a plain
+step; a CPU tensor is not copied."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from remat.host_copies import saved_on_host
+from remat.checkpointing import saved_on_host
 
 
 class AttentionLike(nn.Module):

@@ -1,7 +1,7 @@
-"""The knapsack policy (:mod:`remat.knapsack`): the solver against brute force, the op profile of a block, a
-GPT-2 block's gradients bit for bit those of no checkpointing under it (fp32 and bf16), the bytes it keeps
-within its capacity, its choice no worse than ``dots_saveable``'s under the same profile, and a model profiled
-with knapsack actions whose predicted peaks equal the measured ones."""
+"""The knapsack policy (:mod:`remat.checkpointing.knapsack`): the solver against brute force, the op profile of a block,
+a GPT-2 block's gradients bit for bit those of no checkpointing under it (fp32 and bf16), the bytes it keeps within its
+capacity, its choice no worse than ``dots_saveable``'s under the same profile, and a model profiled with knapsack
+actions whose predicted peaks equal the measured ones."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from toy_models import assert_same_step, tiny_gpt2_config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import remat
-from remat import knapsack, policies
-from remat.knapsack import OpCall
-from remat.memory import LiveTensorTracker
+from remat.checkpointing import knapsack, policies
+from remat.checkpointing.knapsack import OpCall
+from remat.meters import LiveTensorTracker
 
 aten = torch.ops.aten
 

@@ -8,10 +8,9 @@ import torch
 from toy_models import assert_same_step, lm_step, planned_lm_step, uniform_chain, uniform_costs
 
 import remat
-from remat.compression import BLOCK, CompressingHooks, Packed, pack
-from remat.costs import CHECKPOINT, KEEP, CostTable
-from remat.grad_error import compare
-from remat.lossy_actions import parse_compress
+from remat.checkpointing.compression import BLOCK, CompressingHooks, Packed, pack
+from remat.core import CHECKPOINT, KEEP, Action, CostTable
+from remat.profiling.grad_error import compare
 
 INT8 = "compress:int8"
 FP8 = "compress:fp8"
@@ -73,9 +72,9 @@ def test_exact_tensors_are_left_alone() -> None:
 
 def test_unknown_formats_and_policies_are_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="unknown compression format 'int4'.*int8, int8_channel, fp8"):
-        parse_compress("compress:int4")
+        Action.parse("compress:int4")
     with pytest.raises(ValueError, match="unknown compression policy 'convs'.*float, matmul"):
-        parse_compress("compress:int8:convs")
+        Action.parse("compress:int8:convs")
     model = uniform_chain(2)
     costs = remat.profile(model, torch.randn(16, 8), repeats=1)
     with pytest.raises(ValueError, match="unknown compression format"):

@@ -12,11 +12,10 @@ import torch
 from toy_models import assert_same_step, lm_step, planned_lm_step
 
 import remat
-from remat.compression import pack
-from remat.costs import CHECKPOINT, KEEP, CostTable
-from remat.grad_error import compare
-from remat.lossy_actions import input_compress_action, lossy_actions
-from remat.planners.lossy import lossy_actions_of
+from remat.checkpointing.compression import pack
+from remat.core import CHECKPOINT, KEEP, Action, CostTable, lossy_actions
+from remat.planning.lossy import lossy_actions_of
+from remat.profiling.grad_error import compare
 
 CI8 = "checkpoint+compress:int8"
 RI8 = "recompute+compress:int8"
@@ -31,7 +30,7 @@ def gpt2(make_gpt2) -> tuple[torch.nn.Module, dict[str, torch.Tensor], CostTable
 
 
 def test_the_action_is_spelled_and_checked_like_the_others() -> None:
-    assert input_compress_action("fp8") == "checkpoint+compress:fp8"
+    assert Action.input_compress("fp8").text == "checkpoint+compress:fp8"
     assert lossy_actions(("int8", "fp8:matmul")) == [
         "compress:int8",
         RI8,
@@ -125,7 +124,7 @@ def test_a_recompute_that_saves_differently_is_refused() -> None:
             y = self.lin(x)
             return torch.tanh(y) if self.calls % 2 else y * 2
 
-    from remat.block_run import run_action
+    from remat.profiling.block_run import run_action
 
     x = torch.randn(64, 32, requires_grad=True)
     out = run_action(Fickle(), RI8, (x,), {})
@@ -145,7 +144,7 @@ def test_a_model_that_keeps_every_output_does_not_plan_it(gpt2) -> None:
 def test_pgac_q_recomputes_compressed_below_every_exact_plan(gpt2) -> None:
     """PGAC-Q's planner fallback may use recompute+compress in its format, never checkpoint+compress (its
     gradient scorer holds every block's output, the input that action would free)."""
-    from remat.dynamic.pgac_q_mask import COMPRESS_STATE, QuantizedMaskFitter, state_of
+    from remat.dynamic.pgac.q_mask import COMPRESS_STATE, QuantizedMaskFitter, state_of
 
     _, _, costs = gpt2
     with pytest.raises(remat.BudgetError) as refused:
@@ -159,7 +158,7 @@ def test_pgac_q_recomputes_compressed_below_every_exact_plan(gpt2) -> None:
 
 
 def test_a_second_backward_through_a_compressed_recomputation_is_refused() -> None:
-    from remat.block_run import run_action
+    from remat.profiling.block_run import run_action
 
     block = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
     x = torch.randn(64, 32, requires_grad=True)

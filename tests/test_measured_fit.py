@@ -1,4 +1,4 @@
-"""remat.measured_fit.fit: the two optimal plans (with and without per-operator policies) run on the caller's
+"""remat.fitting.measured_fit.fit: the two optimal plans (with and without per-operator policies) run on the caller's
 step where they differ, the faster that fits kept and applied; on a clock that counts the blocks' forward runs
 and charges a run inside a dispatch mode (a selective region's policy) ten times more."""
 
@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import remat
-from remat.measured_fit import CHECKPOINTS, MENU, fit
+from remat.fitting.measured_fit import CHECKPOINTS, MENU, fit
 
 POLICY = "selective:all_but_pointwise_saveable"
 TICKS = [0]

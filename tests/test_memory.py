@@ -1,4 +1,4 @@
-"""``remat.memory``: the live-tensor tracker and ``remat.measure`` against byte counts worked out by hand, for
+"""``remat.meters.memory``: the live-tensor tracker and ``remat.measure`` against byte counts worked out by hand, for
 hand-made allocation sequences and for a real training step; what creates a storage and what does not, marks,
 pausing, the device filter, nesting, and teardown when the measured code raises. The CUDA allocator path is
 tested in test_gpu.py."""
@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
 import remat
-from remat.memory import LiveTensorTracker, MemoryReport
+from remat.meters import LiveTensorTracker, MemoryReport
 
 KIB = 1024
 
@@ -194,7 +194,7 @@ def test_a_tracker_left_before_one_entered_inside_it_leaves_only_itself() -> Non
     the user's ends: the user's leaves the stack, the profiler's stays until it exits."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from remat.memory import LiveTensorTracker
+    from remat.meters import LiveTensorTracker
 
     before = list(_get_current_dispatch_mode_stack())
     outer, inner = LiveTensorTracker(), LiveTensorTracker()

@@ -10,10 +10,10 @@ from torch import nn
 from toy_models import ScaledInPlace
 
 import remat
-from remat.costs import BlockCost, CostTable
-from remat.double_backward import double_backward_actions
-from remat.dynamic.pgac_mask import exact_actions
-from remat.planners.optimal import min_peak_bytes
+from remat.core import BlockCost, CostTable
+from remat.dynamic.pgac.mask import exact_actions
+from remat.planning.optimal_plan import min_peak_bytes
+from remat.planning.strategies import double_backward_actions
 
 DOTS = "selective:dots_saveable"
 
@@ -144,7 +144,7 @@ def test_an_action_no_block_can_run_is_refused_with_the_reason() -> None:
 
 
 def test_remat_profile_prints_cannot_run_in_the_cells_of_a_refused_action(mixed, capsys) -> None:
-    from remat.cli import print_costs
+    from remat.cli.commands import print_costs
 
     print_costs(mixed[2])
     lines = capsys.readouterr().out.splitlines()

@@ -17,9 +17,9 @@ from toy_models import MLPBlock, assert_same_step, chain_input, seeded_chain, st
 
 import remat
 from remat import policies
-from remat.double_backward import double_backward_safe
-from remat.memory import LiveTensorTracker
-from remat.simulator import Plan
+from remat.core import Action
+from remat.meters import LiveTensorTracker
+from remat.planning import Plan
 
 aten = torch.ops.aten
 
@@ -138,7 +138,7 @@ def test_two_backward_passes_through_an_offload_region() -> None:
     (first,) = torch.autograd.grad(loss, x, retain_graph=True)
     (second,) = torch.autograd.grad(loss, x)
     assert torch.equal(first, ref) and torch.equal(second, ref)
-    assert double_backward_safe("selective:offload_dots")
+    assert Action.parse("selective:offload_dots").allows_double_backward
 
 
 def test_usable_as_checkpoint_wrapper_policy_and_plan_action() -> None:

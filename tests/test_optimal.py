@@ -12,11 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import remat
-from remat.costs import BlockCost, CostTable
-from remat.planners import BudgetError, minimum_peak_bytes, static
-from remat.planners.optimal import min_peak_bytes, optimal
-from remat.simulator import Simulation, no_checkpoint_peak, simulate, units_from_actions
-from remat.sizes import format_bytes
+from remat.core import BlockCost, BudgetError, CostTable, format_bytes, units_from_actions
+from remat.planning import Simulation, minimum_peak_bytes, no_checkpoint_peak, optimal, simulate, static
+from remat.planning.optimal_plan import min_peak_bytes
 
 SELECTIVE = "selective:dots_saveable"
 MORE_SELECTIVE = ("selective:dots_every_other_saveable", "selective:all_but_pointwise_saveable")

@@ -1,4 +1,4 @@
-"""remat.outside_time: the step less its blocks' time, read within the same plain steps."""
+"""remat.profiling.outside_time: the step less its blocks' time, read within the same plain steps."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import itertools
 import torch
 from torch import nn
 
-from remat.blocks import block_ios
-from remat.outside_time import plain_steps
+from remat.chains import block_ios
+from remat.profiling.outside_time import plain_steps
 
 
 class Model(nn.Module):

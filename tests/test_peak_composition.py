@@ -3,15 +3,16 @@ remat's prediction for fp32 plans (the simulator's ledger is exact there)."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
-from benchmark_imports import imported_benchmark
 
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def composition():
-    yield from imported_benchmark("peak_composition")
+    yield importlib.import_module("benchmarks.peak_composition")
 
 
 @pytest.mark.parametrize("strategy", ["none", "full"])

@@ -1,19 +1,19 @@
-"""The peers benchmark's head-to-head rounds (benchmarks/peers_duel.py) on a stand-in bench whose steps take
+"""The peers benchmark's head-to-head rounds (benchmarks/peers/duel.py) on a stand-in bench whose steps take
 chosen seconds: rounds go on, a block at a time up to the cap, only while remat's ratio to a peer that fits
 is unresolved from the speed target."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from benchmark_imports import imported_benchmark
 
 
 @pytest.fixture(scope="module")
 def duel():
-    yield from imported_benchmark("peers_duel")
+    yield importlib.import_module("benchmarks.peers.duel")
 
 
 @dataclass

@@ -1,12 +1,13 @@
-"""The peers benchmark's hand-written contenders (``benchmarks/peers_contenders.py``): the blocks chosen, by ``k``
+"""The peers benchmark's hand-written contenders (``benchmarks/peers/contenders.py``): the blocks chosen, by ``k``
 or by a planner's per-block choice (ckptplan's plans), run under ``torch.utils.checkpoint``, the others plainly;
 the gradients stay those of no checkpointing and the peak falls with each block checkpointed."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
-from benchmark_imports import imported_benchmark
 
 import remat
 
@@ -15,12 +16,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def modules():
-    models = imported_benchmark("peers_models")
-    pm = next(models)
-    contenders = imported_benchmark("peers_contenders")
-    yield pm, next(contenders)
-    for rest in (contenders, models):
-        next(rest, None)
+    return importlib.import_module("benchmarks.peers.models"), importlib.import_module("benchmarks.peers.contenders")
 
 
 def step(pm, model, batch):

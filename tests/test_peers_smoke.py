@@ -1,14 +1,14 @@
-"""The peers benchmark (benchmarks/peers.py) end to end on its tiniest setting: one model, fp32, one budget,
+"""The peers benchmark (python -m benchmarks.peers) end to end on its tiniest setting: one model, fp32, one budget,
 one timing round, the quick ``aot_eager`` compiler. Every contender must reach the table, and every exact one
 must give the gradients of its no-checkpoint reference bit for bit."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
 import pytest
-from benchmark_imports import imported_benchmark
 
 pytest.importorskip("transformers")
 
@@ -37,7 +37,7 @@ CONTENDERS = (
 
 @pytest.fixture(scope="module")
 def peers():
-    yield from imported_benchmark("peers")
+    yield importlib.import_module("benchmarks.peers.run")
 
 
 def tiny_run(out: Path, *extra: str) -> list[str]:

@@ -1,15 +1,16 @@
-"""The peers benchmark's table (benchmarks/peers_table.py, peers_targets.py) from hand-written records: the
+"""The peers benchmark's table (benchmarks/peers/table.py) from hand-written records: the
 predicted-over-measured columns and the reading against the targets, without running a model."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
-from benchmark_imports import imported_benchmark
 
 
 @pytest.fixture(scope="module")
 def table():
-    yield from imported_benchmark("peers_table")
+    yield importlib.import_module("benchmarks.peers.table")
 
 
 def contender(name: str) -> dict:
@@ -121,7 +122,7 @@ def test_a_contender_fits_only_by_every_meter_that_measured_it(table):
 
 @pytest.fixture(scope="module")
 def attempts(table):
-    yield from imported_benchmark("peers_attempts")
+    yield importlib.import_module("benchmarks.peers.attempts")
 
 
 def test_steadiness_is_no_checkpointings_predicted_over_measured_step(attempts):

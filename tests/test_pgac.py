@@ -10,9 +10,10 @@ import torch
 from toy_models import tiny_gpt2
 
 import remat
-from remat.dynamic.pgac_mask import quantile
-from remat.dynamic.schedules import Linear
-from remat.planners import BudgetError, minimum_peak_bytes
+from remat.core import BudgetError
+from remat.dynamic.pgac.mask import quantile
+from remat.dynamic.pgac.schedules import Linear
+from remat.planning import minimum_peak_bytes
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import remat
-from remat.costs import BlockCost, CostTable
-from remat.dynamic.pgac_mask import MaskFitter
-from remat.memory import LiveTensorTracker
+from remat.core import BlockCost, CostTable
+from remat.dynamic.pgac.mask import MaskFitter
+from remat.meters import LiveTensorTracker
 
 transformers = pytest.importorskip("transformers")
 from remat.bench.arch_check import compare, record_step  # noqa: E402
@@ -92,7 +92,7 @@ def test_pgac_profiles_every_chain_in_its_first_step_then_is_exact_and_within_bu
 
 
 def test_the_meta_estimate_refuses_several_chains_and_says_what_to_do() -> None:
-    from remat.estimate import meta_cost_table
+    from remat.profiling import meta_cost_table
 
     arch = by_name("t5")
     model = arch.build()

@@ -7,11 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat.costs import BlockCost, CostTable
-from remat.dynamic.pgac_mask import MaskFitter, quantile, score_mask, threshold
-from remat.dynamic.pgac_pipeline import simulate_pipeline_masks, stage_costs
-from remat.planners import BudgetError, minimum_peak_bytes
-from remat.simulator import simulate, units_from_actions
+from remat.core import BlockCost, BudgetError, CostTable, units_from_actions
+from remat.dynamic.pgac.mask import MaskFitter, quantile, score_mask, threshold
+from remat.dynamic.pgac.pipeline import simulate_pipeline_masks
+from remat.planning import minimum_peak_bytes, simulate, stage_costs
 
 
 def chain(keep: list[int], out: int = 100, fwd: list[float] | None = None, head: int = 0) -> CostTable:

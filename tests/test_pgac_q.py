@@ -12,9 +12,9 @@ import torch
 from toy_models import tiny_gpt2
 
 import remat
-from remat.dynamic.pgac_q_mask import QuantizedMaskFitter
-from remat.grad_error import compare
-from remat.planners import BudgetError
+from remat.core import BudgetError
+from remat.dynamic.pgac.q_mask import QuantizedMaskFitter
+from remat.profiling.grad_error import compare
 
 transformers = pytest.importorskip("transformers")
 INT8 = "compress:int8"
@@ -156,7 +156,7 @@ def test_budgets_below_every_exact_plan_train_with_compressed_blocks():
     budget = 900
     with pytest.raises(BudgetError):
         remat.plan(costs, "optimal", budget)
-    exact_min = remat.planners.minimum_peak_bytes(costs, ["keep", "checkpoint", "segment", "memory_poor"])
+    exact_min = remat.planning.strategies.minimum_peak_bytes(costs, ["keep", "checkpoint", "segment", "memory_poor"])
     assert budget < exact_min
     with pytest.raises(BudgetError, match=f"\\({exact_min} bytes\\)"):
         remat.PGAC(model, budget, costs=costs)  # PGAC plans exact actions only, whatever the table holds

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import remat
-from remat.grad_error import compare
+from remat.profiling.grad_error import compare
 
 STEPS = 6
 

@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from remat.dynamic.pgac import step_reward
-from remat.dynamic.schedules import Constant, Cosine, FromFunction, LearnedGamma, Linear, make_schedule
+from remat.dynamic import make_schedule
+from remat.dynamic.pgac.record import step_reward
+from remat.dynamic.pgac.schedules import Constant, Cosine, FromFunction, LearnedGamma, Linear
 
 
 def test_fixed_schedules_follow_their_formulas():

@@ -11,7 +11,7 @@ import torch
 from toy_models import tiny_gpt2
 
 import remat
-from remat.dynamic.pgac_scores import GradientScorer
+from remat.dynamic.pgac.scores import GradientScorer
 
 transformers = pytest.importorskip("transformers")
 

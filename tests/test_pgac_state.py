@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.dynamic.pgac_state import plain
+from remat.dynamic.pgac.state import plain
 
 STEPS_BEFORE, STEPS_AFTER = 6, 10
 

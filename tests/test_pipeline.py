@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 import remat
 from remat.integrations import pipeline
-from remat.simulator import no_checkpoint_peak, simulate
+from remat.planning import no_checkpoint_peak, simulate, stages
 
 STAGES, MICRO, BATCH, SEQ, D, VOCAB, LAYERS, STEPS = 2, 4, 8, 16, 32, 64, 8, 5
 
@@ -145,8 +145,8 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         last_loss = (lambda out: loss_fn(out, mb_target)) if rank == STAGES - 1 else None
         costs = remat.profile(make_stage(rank), sample(rank), loss_fn=last_loss, repeats=1)
         result = {}
-        for kind in pipeline.SCHEDULES:
-            flight = pipeline.in_flight(kind, STAGES, rank, MICRO)
+        for kind in stages.SCHEDULES:
+            flight = stages.in_flight(kind, STAGES, rank, MICRO)
             lowest = simulate(costs, ["checkpoint"] * len(costs)).peak_bytes
             stage_budget = flight * (lowest + no_checkpoint_peak(costs)) // 2
             result[kind] = {"budget": stage_budget, "flight": flight}
@@ -160,21 +160,21 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_in_flight_counts_and_budget_share():
-    assert [pipeline.in_flight("gpipe", 4, p, 8) for p in range(4)] == [8, 8, 8, 8]
-    assert [pipeline.in_flight("1f1b", 4, p, 8) for p in range(4)] == [4, 3, 2, 1]
-    assert [pipeline.in_flight("1f1b", 4, p, 2) for p in range(4)] == [2, 2, 2, 1]
-    assert pipeline.micro_batch_budget("1KiB", "1f1b", 4, 0, 8) == 256
+    assert [stages.in_flight("gpipe", 4, p, 8) for p in range(4)] == [8, 8, 8, 8]
+    assert [stages.in_flight("1f1b", 4, p, 8) for p in range(4)] == [4, 3, 2, 1]
+    assert [stages.in_flight("1f1b", 4, p, 2) for p in range(4)] == [2, 2, 2, 1]
+    assert stages.micro_batch_budget("1KiB", "1f1b", 4, 0, 8) == 256
     with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b"):
-        pipeline.in_flight("zero-bubble", 4, 0, 8)
+        stages.in_flight("zero-bubble", 4, 0, 8)
 
 
 def test_a_stage_before_the_last_sets_aside_its_output_gradient_buffer():
     costs = remat.profile(make_stage(0), sample(0), repeats=1)
     output = costs.blocks[-1].output_bytes
     assert output == (BATCH // MICRO) * SEQ * D * 4
-    assert pipeline.stage_share(costs, 10**6, "1f1b", 2, 0, MICRO) == (10**6 - output) // 2
-    last = pipeline.micro_batch_budget(10**6, "1f1b", 2, 1, MICRO)
-    assert pipeline.stage_share(costs, "1MB", "1f1b", 2, 1, MICRO) == last  # the last stage computes the loss
+    assert stages.stage_share(costs, 10**6, "1f1b", 2, 0, MICRO) == (10**6 - output) // 2
+    last = stages.micro_batch_budget(10**6, "1f1b", 2, 1, MICRO)
+    assert stages.stage_share(costs, "1MB", "1f1b", 2, 1, MICRO) == last  # the last stage computes the loss
 
 
 def test_split_chain_keeps_order_stem_and_head():
@@ -193,9 +193,9 @@ def test_split_chain_keeps_order_stem_and_head():
 def test_two_stages_plans_and_pgac_match_no_checkpointing_within_stage_budgets(tmp_path, free_port):
     mp.spawn(worker, args=(STAGES, free_port(), str(tmp_path)), nprocs=STAGES, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(STAGES)]
-    for kind in pipeline.SCHEDULES:
+    for kind in stages.SCHEDULES:
         for r, res in enumerate(ranks):
-            assert res[kind]["flight"] == pipeline.in_flight(kind, STAGES, r, MICRO)
+            assert res[kind]["flight"] == stages.in_flight(kind, STAGES, r, MICRO)
             for mode in ("None", "local", "global"):
                 for step in res[kind][mode]:
                     assert step["diff"] <= 1e-6, (kind, mode, r, step)

@@ -9,9 +9,8 @@ import warnings
 import pytest
 
 import remat
-from remat.costs import BlockCost, CostTable
-from remat.planners.optimal import optimal
-from remat.simulator import Plan, simulate
+from remat.core import BlockCost, CostTable
+from remat.planning import Plan, optimal, simulate
 
 FQNS = ["h.0", "h.1", "h.2"]
 KEEP_ALL = dict.fromkeys(FQNS, "keep")

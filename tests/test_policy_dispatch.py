@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 import torch
+from remat.policies import Policy
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import remat
-from remat import replayed_draws
-from remat.policies import Policy
+from remat.checkpointing import replayed_draws
 
 
 class Probe(nn.Module):

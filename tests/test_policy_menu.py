@@ -18,7 +18,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import remat
 from remat import policies
-from remat.memory import LiveTensorTracker
+from remat.meters import LiveTensorTracker
 
 aten = torch.ops.aten
 NEW = ("all_but_pointwise_saveable", "attention_saveable", "dots_every_other_saveable")
@@ -229,7 +229,7 @@ def test_a_policy_that_cannot_run_on_a_block_is_left_out_of_its_costs_and_plans(
 
 
 def test_the_meta_estimate_leaves_out_a_policy_that_cannot_run_too() -> None:
-    from remat.estimate import meta_cost_table
+    from remat.profiling import meta_cost_table
 
     model = lambda: nn.Sequential(*(ScaledInPlace() for _ in range(3)))  # noqa: E731
     with pytest.warns(UserWarning, match=r"selective:dots_saveable cannot run on ScaledInPlace blocks"):

@@ -1,4 +1,4 @@
-"""The whole-process meter (``remat.bench.procmem``) in processes started as the benchmarks start them: the
+"""The whole-process meter (``remat.meters.process``) in processes started as the benchmarks start them: the
 allocator settings it needs are passed to the child whatever the parent runs with (a parent started with the
 timing settings, whose 256 MiB top pad would lift the high-water mark by itself, included), a process started
 otherwise is told why the meter cannot work, and the meter reads a step's growth."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from remat.bench.childproc import child_env
-from remat.bench.procmem import CHILD_ENV
+from remat.meters import CHILD_ENV
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the meter needs Linux")
 
@@ -25,7 +25,7 @@ TIMING_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1
 # reads (nearly) nothing.
 PROBE = """
 import torch
-from remat.bench.procmem import ProcessPeakMeter, process_meter_problem
+from remat.meters import ProcessPeakMeter, process_meter_problem
 def small():
     return [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(32)]
 problem = process_meter_problem()

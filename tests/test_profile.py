@@ -10,8 +10,8 @@ from torch import nn
 from toy_models import MLPChain, assert_same_step, uniform_chain
 
 import remat
-from remat.costs import CHECKPOINT, KEEP, CostTable
-from remat.profiler import BlockProfiler
+from remat.core import CHECKPOINT, KEEP, CostTable
+from remat.profiling import BlockProfiler
 
 STRATEGIES = [
     ("none", {}),

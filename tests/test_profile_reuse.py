@@ -10,7 +10,7 @@ from torch import nn
 from toy_models import MLPBlock
 
 import remat
-from remat.costs import CostTable
+from remat.core import CostTable
 
 
 def _bytes(costs: CostTable) -> list[tuple]:

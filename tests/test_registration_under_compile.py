@@ -1,4 +1,4 @@
-"""remat's module-registration hook (``remat.model_state``, Note [1]) stays out of compiled graphs' guards: a
+"""remat's module-registration hook (``remat.chains.model_state``, Note [1]) stays out of compiled graphs' guards: a
 forward that registers modules (Hugging Face slices its ModuleList of layers in every forward) compiled with remat
 imported is guarded on nothing of remat's buffer-slot cache, so remat caching another tree (profiles,
 measurements and recomputations do) cannot fail its guards and recompile it (it did: in

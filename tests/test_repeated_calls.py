@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.block_calls import call_name, split_call
+from remat.chains.block_calls import call_name, split_call
 
 
 class _Residual(nn.Module):

@@ -15,8 +15,8 @@ from toy_models import tiny_gpt2_config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import remat
-from remat import replayed_draws
-from remat.memory import LiveTensorTracker
+from remat.checkpointing import replayed_draws
+from remat.meters import LiveTensorTracker
 
 aten = torch.ops.aten
 POLICIES = (

@@ -1,4 +1,4 @@
-"""``remat.runtime``: a Plan applied to a live model through hooks. Random mixes of every action give the
+"""``remat.runtime.handle``: a Plan applied to a live model through hooks. Random mixes of every action give the
 gradients of no checkpointing bit for bit (dropout replayed from the forward's RNG state), blocks re-run as
 often as the simulator says, plans switch between steps without new hooks, ``remove()`` leaves the model as it
 was, suspension, output observers, the helpers that find a block's main tensor and strip caches, and the
@@ -24,10 +24,9 @@ from toy_models import (
 )
 
 import remat
-from remat.blocks import main_tensor, without_caches
-from remat.recompute_stats import RecomputeStats
-from remat.simulator import Plan, simulate
-from remat.suspension import suspend_all
+from remat.chains import main_tensor, without_caches
+from remat.planning import Plan, simulate
+from remat.runtime import RecomputeStats, suspend_all
 
 L = 6
 ACTIONS = ["keep", "checkpoint", "selective:dots_saveable", "selective:everything_saveable", "offload"]

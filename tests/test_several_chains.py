@@ -13,11 +13,10 @@ from hypothesis import strategies as st
 from test_optimal import check_against, cost_tables, every_plan
 
 import remat
-from remat.costs import BlockCost, CostTable
-from remat.planners import BudgetError
-from remat.planners.optimal import min_peak_bytes
-from remat.simulator import Plan, simulate
-from remat.unit_terms import single_terms
+from remat.core import BlockCost, BudgetError, CostTable
+from remat.planning import Plan, simulate
+from remat.planning.optimal_plan import min_peak_bytes
+from remat.planning.unit_terms import single_terms
 
 
 def _block(fqn: str, keep: int, checkpointed: int, rerun: float = 1 / 64) -> BlockCost:

@@ -1,14 +1,14 @@
-"""remat.step_anchor: a block's keep times come from the plain steps, its actions' differences from its paired
+"""remat.profiling.profiler: a block's keep times come from the plain steps, its actions' differences from its paired
 isolated runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from remat.costs import CHECKPOINT, KEEP, BlockCost, CostTable
-from remat.outside_time import PlainSteps
-from remat.simulator import simulate
-from remat.step_anchor import anchor_to_plain_steps
+from remat.core import CHECKPOINT, KEEP, BlockCost, CostTable
+from remat.planning import simulate
+from remat.profiling.outside_time import PlainSteps
+from remat.profiling.profiler import anchor_to_plain_steps
 
 
 def _row(fqn: str) -> BlockCost:

@@ -11,8 +11,7 @@ import pytest
 from toy_models import assert_same_step, chain_costs, chain_input, seeded_chain, step, uniform_costs
 
 import remat
-from remat.planners import minimum_peak_bytes
-from remat.simulator import Plan, no_checkpoint_peak, resolve_budget, simulate
+from remat.planning import Plan, minimum_peak_bytes, no_checkpoint_peak, resolve_budget, simulate
 
 L = 6
 STATIC = [

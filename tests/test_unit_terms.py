@@ -1,6 +1,6 @@
 """One table of units run through every form of the memory and time model: the simulator's scalar form, the
-vectorised tables of :mod:`remat.unit_terms`, and the columns the optimal planner searches over
-(:class:`remat.planners.chain_units.ChainUnits`, by start and by end). Every form must give the same numbers,
+vectorised tables of :mod:`remat.planning.unit_terms`, and the columns the optimal planner searches over
+(:class:`remat.planning.chain_units.ChainUnits`, by start and by end). Every form must give the same numbers,
 floating-point seconds included."""
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from remat.actions import MEMORY_POOR, SEGMENT, SINGLE, Unit
-from remat.costs import BlockCost, CostTable
-from remat.planners.chain_units import ChainUnits, holding_arguments
-from remat.simulator import simulate, units_from_actions
-from remat.unit_terms import TIME_GRID_S, ChainNumbers, group_table, on_time_grid, single_table, unit_terms
+from remat.core import MEMORY_POOR, SEGMENT, SINGLE, BlockCost, CostTable, Unit, units_from_actions
+from remat.planning import simulate
+from remat.planning.chain_units import ChainUnits, holding_arguments
+from remat.planning.unit_terms import TIME_GRID_S, ChainNumbers, group_table, on_time_grid, single_table, unit_terms
 
 SELECTIVE = "selective:dots_saveable"
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from remat import Plan, apply, find_blocks, measure
-from remat.costs import CHECKPOINT, KEEP, OFFLOAD, BlockCost, CostTable
+from remat.core import CHECKPOINT, KEEP, OFFLOAD, BlockCost, CostTable
 
 
 class MLPBlock(nn.Module):

@@ -28,10 +28,10 @@ from torch import nn
 
 import remat
 from remat.bench.arch_zoo import Architecture
-from remat.blocks import resolve_blocks
-from remat.hf_guards import cache_configs
-from remat.memory import LiveTensorTracker
-from remat.planners import minimum_peak_bytes
+
+from ..chains import cache_configs, resolve_blocks
+from ..meters import LiveTensorTracker
+from ..planning import minimum_peak_bytes
 
 SEED = 1234
 
@@ -276,8 +276,7 @@ def _check_integration(
 ) -> list[str]:
     from transformers import PreTrainedModel
 
-    from remat.integrations import hf
-    from remat.integrations.session import RematSession
+    from ..integrations import RematSession, hf
 
     hf_model = isinstance(model, PreTrainedModel) or isinstance(getattr(model, "base_model", None), nn.Module)
     start = hf.enable if hf_model and arch.needs else RematSession
@@ -297,7 +296,7 @@ def _check_integration(
 
 def format_table(results: list[ArchResult]) -> str:
     """The matrix as a text table."""
-    from remat.sizes import format_bytes
+    from ..core import format_bytes
 
     header = f"{'arch':<12} {'chains':>6} {'blocks':>6} {'exact':>5} {'peak / budget':>22} {'predicted':>11}  status"
     lines = [header, "-" * len(header)]

@@ -6,9 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..costs import CostTable
-from ..simulator import no_checkpoint_peak
-from ..sizes import format_bytes, normalize_budget
+from ..core import CostTable, format_bytes, normalize_budget
+from ..planning import no_checkpoint_peak
 from .config import BenchError
 from .static_plans import budget_fraction
 
@@ -24,7 +23,7 @@ def parse_budget(text: str) -> float | int:
 def resolve_bench_budget(spec: float | int, costs_by_seed: dict[int, CostTable]) -> dict[str, Any]:
     """The budget in bytes (a fraction is of seed 0's predicted no-checkpoint peak); raises BenchError when
     no plan reaches it on some seed's model and batch."""
-    from ..planners import minimum_peak_bytes
+    from ..planning import minimum_peak_bytes
 
     reference = no_checkpoint_peak(costs_by_seed[0])
     budget_bytes = int(spec * reference) if isinstance(spec, float) else int(spec)

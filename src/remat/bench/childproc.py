@@ -10,20 +10,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-LINE_PREFIX = "REMAT "
+LINE_MARK = "REMAT "
 
 
 def emit(record: dict[str, Any]) -> None:
     """Send ``record`` to the parent (child side)."""
-    sys.stdout.write(LINE_PREFIX + json.dumps(record) + "\n")
+    sys.stdout.write(LINE_MARK + json.dumps(record) + "\n")
     sys.stdout.flush()
 
 
 def parse(line: str) -> dict[str, Any] | None:
     """The record on ``line``, or None for any other output of the child (parent side)."""
-    if not line.startswith(LINE_PREFIX):
+    if not line.startswith(LINE_MARK):
         return None
-    return json.loads(line[len(LINE_PREFIX) :])
+    return json.loads(line[len(LINE_MARK) :])
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..sizes import format_bytes
+from ..core import format_bytes
 from . import stats
 from .formatting import fmt_ms, fmt_pct, mean_of, p_text
 from .lossy_claims import lossy_claims

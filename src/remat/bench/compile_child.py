@@ -1,5 +1,5 @@
 """The ``compile_budget`` run, in a child process of its own so that the whole-process meter of
-:mod:`remat.bench.procmem` can measure it (the live-tensor tracker does not see allocations made inside
+:mod:`remat.meters.process` can measure it (the live-tensor tracker does not see allocations made inside
 ``torch.compile``d code).
 
 Parent side, :func:`run_child`: start ``python -m remat.bench.compile_child JOB_JSON`` with the allocator
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from ..meters import CHILD_ENV, ProcessPeakMeter, process_meter_problem
 from .childproc import child_env, emit, parse
 from .controllers import CompileController
-from .procmem import CHILD_ENV, ProcessPeakMeter, process_meter_problem
 from .strategies import StrategySpec
 from .train import Emit, build, execute_run, load_data
 
@@ -29,7 +29,7 @@ from .train import Emit, build, execute_run, load_data
 def run_child(
     job: dict[str, Any], on_record: Callable[[dict[str, Any]], None], timeout_s: float | None = None
 ) -> dict[str, Any]:
-    """Run ``job`` in a child process with the allocator settings the meter needs (``procmem.CHILD_ENV``); every
+    """Run ``job`` in a child process with the allocator settings the meter needs (``remat.meters.CHILD_ENV``); every
     step record goes to ``on_record`` as it arrives; returns the run record (``status`` "failed" with the reason
     if it failed)."""
     env = child_env(**CHILD_ENV)

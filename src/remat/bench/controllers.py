@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..costs import KEEP, CostTable
-from ..simulator import Plan, simulate
+from ..core import COMPRESS, KEEP, CostTable, kind_of
+from ..planning import Plan, simulate
 from .static_plans import budget_fraction, static_plan
 from .strategies import STATIC, StrategyError, StrategySpec
 
@@ -114,7 +114,7 @@ class PGACController(Controller):
             "recompute_time_s": stats.total_seconds,
             "recompute_calls": stats.total_calls,
             "stored_blocks": sum(a == KEEP for a in ran),
-            "compressed_blocks": sum(a.startswith("compress:") for a in ran),
+            "compressed_blocks": sum(kind_of(a) == COMPRESS for a in ran),
             "tau": self.pgac.tau,
             "gamma": self.pgac.gamma,
         }

@@ -90,7 +90,7 @@ def worker(job: dict[str, Any]) -> None:
 
     import remat
 
-    from ..costs import KEEP, CostTable
+    from ..core import KEEP, CostTable
     from .train import build, load_data
 
     dist.init_process_group("gloo")

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from ..sizes import format_bytes
+from ..core import format_bytes
 from .formatting import cell, fmt_ms
 from .pipeline_summary import compare_modes, mode_rows
 from .results import Results

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..costs import CostTable
+from ..core import CostTable
 from .results import Results
 
 

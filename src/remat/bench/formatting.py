@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sizes import format_bytes
+from ..core import format_bytes
 
 
 def mean_of(values: Any) -> float | None:

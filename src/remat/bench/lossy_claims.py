@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..sizes import format_bytes
+from ..core import format_bytes
 from . import stats
 from .formatting import fmt_ms, fmt_pct, mean_of, p_text
 from .strategies import LOSSY

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..sizes import format_bytes
+from ..core import format_bytes
 from .claims import Claim, context_notes
 from .distributed_sections import distributed_section, pipeline_section
 from .formatting import cell, fmt_ms, fmt_p, fmt_pct, mean_of

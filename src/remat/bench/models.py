@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core import StepSpec
 from .mlp_chain import MLPChain
 
 # Presets use family-neutral keys; _FIELDS maps them onto each Hugging Face config class.
@@ -144,6 +145,11 @@ class ModelSpec:
     num_params: int
     block_container: str
     seed: int
+
+    @property
+    def step(self) -> StepSpec:
+        """The model's training step as remat's entry points take it: its loss and its repeated layers."""
+        return StepSpec(loss_fn=self.loss_fn, blocks=self.blocks())
 
     def blocks(self) -> list[tuple[str, nn.Module]]:
         """The repeated layers as ``(fully qualified name, module)`` pairs, in execution order."""

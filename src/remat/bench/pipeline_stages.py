@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..integrations.pipeline import Stage, split_chain
+from ..integrations import Stage, split_chain
 
 PIPELINE_MODELS = ("gpt2", "mlp")
 

@@ -114,9 +114,9 @@ def worker(job: dict[str, Any]) -> None:
 
     import remat
 
-    from ..costs import KEEP, CostTable
+    from ..core import KEEP, CostTable
     from ..integrations import pipeline
-    from ..simulator import no_checkpoint_peak
+    from ..planning import no_checkpoint_peak
     from .pipeline_stages import bench_stages, stage_inputs, stage_loss, stage_sample
     from .train import build, load_data
 

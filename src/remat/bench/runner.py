@@ -17,16 +17,20 @@ The loop, in order:
 Memory is measured with the live-tensor tracker (``remat.measure``) on dedicated steps only -- the first step
 after warm-up and the last step (plus every ``--measure-every`` steps) -- because the tracker slows the step;
 those steps are left out of every timing figure. ``compile_budget`` runs in a child process and is measured
-by the whole-process high-water mark (:mod:`remat.bench.procmem`, :mod:`remat.bench.compile_child`).
+by the whole-process high-water mark (:mod:`remat.meters.process`, :mod:`remat.bench.compile_child`).
 
 ``--resume`` keeps finished (strategy, seed) runs, drops the steps of unfinished ones and runs them again (the
-same for the modes of the pipeline sweep; the DDP sweep runs again whole).
+same for the modes of the pipeline sweep; the DDP sweep runs again whole). The runner describes the machine
+for every figure (:func:`environment`) and tells the person watching what runs (:class:`ProgressLog`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -34,23 +38,104 @@ from typing import Any
 
 import torch
 
-from ..costs import CostTable, profile_summary
+from ..core import COMPRESS, Action, CostTable, profile_summary
 from .budget import parse_budget, resolve_bench_budget
 from .checks import all_specs, resolve_layers, validate
 from .compile_child import run_child
 from .config import BenchConfig, BenchError, add_arguments, config_from_args
 from .controllers import make_controller
 from .ddp_sweep import run_sync_sweep
-from .machine import default_threads, environment, loadavg
 from .output_folder import check_out, prepare_out
 from .pipeline_sweep import run_stage_sync_sweep
-from .progress import ProgressLog
 from .records import JsonlWriter, json_default, read_jsonl, safe_name
 from .report import build_report
 from .strategies import StrategySpec, lossy_formats
 from .train import execute_run, profile_clock, profile_costs
 
 # The `remat` command builds `remat bench` from these two: add_arguments, then run_from_args.
+# ----------------------------------------------------------------------------------------------------
+# The machine a bench runs on: described in words for every figure and report, its load average, and the default
+# number of intra-op threads.
+
+
+def default_threads() -> int:
+    """Intra-op threads when ``--threads`` is 0: half the cores."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def environment(device: str) -> dict[str, Any]:
+    """The machine, in words, for every figure and report."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    env: dict[str, Any] = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    gpu = f"{env['gpu']}, " if "gpu" in env else ""
+    env["machine"] = f"{gpu}{cpu} ({env['cores']} cores), torch {torch.__version__}"
+    return env
+
+
+def loadavg() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages, or None where the system has none."""
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# What ``remat bench`` tells the person watching it: notes on stderr and a tqdm progress bar over the training
+# steps, or nothing at all with ``--no-progress``.
+
+
+class ProgressLog:
+    """Notes to stderr and the tqdm progress bar (a silent stand-in with --no-progress)."""
+
+    def __init__(self, progress: bool) -> None:
+        self.progress = progress
+
+    def note(self, text: str) -> None:
+        if self.progress:
+            print(f"remat bench: {text}", file=sys.stderr, flush=True)
+
+    def bar(self, total: int) -> Any:
+        if self.progress:
+            from tqdm import tqdm
+
+            return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+        return SilentBar()
+
+
+class SilentBar:
+    """The progress bar's interface, doing nothing."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_description(self, text: str) -> None:
+        pass
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 __all__ = ["add_arguments", "main", "run_bench", "run_from_args"]
 
 
@@ -127,7 +212,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         if resuming and path.exists():
             saved = CostTable.from_json(path.read_text())
             clock = profile_clock(probe).__name__
-            if all(f"compress:{f}" in saved.common_actions() for f in lossy) and saved.info.get("clock") == clock:
+            profiled = all(Action(COMPRESS, f).text in saved.common_actions() for f in lossy)
+            if profiled and saved.info.get("clock") == clock:
                 costs_by_seed[seed] = saved
                 continue
             log.note(

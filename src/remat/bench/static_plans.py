@@ -6,8 +6,8 @@ peak."""
 
 from __future__ import annotations
 
-from ..costs import CostTable
-from ..simulator import Plan, no_checkpoint_peak
+from ..core import COMPRESS, GROUP_KINDS, INPUT_COMPRESS, RECOMPUTE_COMPRESS, Action, CostTable
+from ..planning import Plan, minimum_peak_bytes, no_checkpoint_peak
 from .strategies import StrategySpec
 
 
@@ -32,22 +32,20 @@ def lossy_plan(spec: StrategySpec, costs: CostTable, budget_bytes: int) -> Plan:
     the least-peak plan, recorded as not fitting, when none fits)."""
     import remat
 
-    from ..lossy_actions import COMPRESS_PREFIX, INPUT_COMPRESS_PREFIX, RECOMPUTE_COMPRESS_PREFIX, is_lossy
-
     fmt = str(spec.compress_format)
-    action = COMPRESS_PREFIX + fmt
+    action = Action(COMPRESS, fmt).text
     if spec.name == "compress":
         return Plan.from_actions(costs, [action] * len(costs), "compress", budget_bytes)
     # the spec's format only: compressed storage, compressed recomputation and (no policy) a compressed input
-    lossy = {action, RECOMPUTE_COMPRESS_PREFIX + fmt, INPUT_COMPRESS_PREFIX + fmt}
-    allowed = [a for a in costs.plannable_actions() if a in lossy or not is_lossy(a)]
-    allowed += ["segment", "memory_poor"]
+    lossy = {action, Action(RECOMPUTE_COMPRESS, fmt).text, Action(INPUT_COMPRESS, fmt).text}
+    allowed = [a for a in costs.plannable_actions() if a in lossy or Action.parse(a).is_exact]
+    allowed += list(GROUP_KINDS)
     options = {"max_grad_error": spec.opts["max_grad_error"]} if "max_grad_error" in spec.opts else {}
     try:
         return remat.plan(costs, "optimal", budget_bytes, allow_lossy=True, actions=allowed, **options)
     except remat.BudgetError:
-        return remat.plan(costs, "optimal", remat.planners.minimum_peak_bytes(costs, allowed), allow_lossy=True,
-                          actions=allowed, **options)  # fmt: skip
+        least = minimum_peak_bytes(costs, allowed)
+        return remat.plan(costs, "optimal", least, allow_lossy=True, actions=allowed, **options)
 
 
 def uniform_plan(costs: CostTable, budget_bytes: int) -> Plan:

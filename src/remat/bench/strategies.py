@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core import COMPRESS, Action
+
 STATIC = ("none", "full", "every_k", "sqrt", "memory_poor", "random", "optimal")
 DYNAMIC = ("pgac", "dtr")
 COMPILED = ("compile_budget",)
@@ -172,7 +174,7 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
 def check_available(specs: list[StrategySpec]) -> None:
     """Import what the strategies need, so a missing piece fails before any training."""
     names = {s.name for s in specs}
-    needs = {"pgac": "remat.dynamic.pgac", "dtr": "remat.dynamic.dtr", "optimal": "remat.planners.optimal"}
+    needs = {"pgac": "remat.dynamic", "dtr": "remat.dynamic", "optimal": "remat.planning"}
     import importlib
 
     for name, module in needs.items():
@@ -183,10 +185,8 @@ def check_available(specs: list[StrategySpec]) -> None:
                 raise StrategyError(f"strategy {name!r} needs {module}, which cannot be imported: {err}") from err
     for spec in specs:
         if spec.lossy:
-            from ..lossy_actions import COMPRESS_PREFIX, parse_compress
-
             try:
-                parse_compress(COMPRESS_PREFIX + str(spec.compress_format))
+                Action.parse(Action(COMPRESS, str(spec.compress_format)).text)
             except ValueError as err:
                 raise StrategyError(f"{spec.name}:format: {err}") from err
             if spec.name == "pgac_q" and spec.opts.get("rank", "score") not in ("score", "error"):
@@ -203,11 +203,11 @@ def check_available(specs: list[StrategySpec]) -> None:
             if opts.get("sync", "local") not in ("local", "global"):
                 raise StrategyError(f"pgac:sync must be 'local' or 'global', got {opts['sync']!r}")
             if "gamma" in opts:
-                from ..dynamic.schedules import make_schedule
+                from ..dynamic import make_schedule
 
                 make_schedule(opts["gamma"])
         if spec.name == "dtr" and "heuristic" in spec.opts:
-            from ..dynamic.dtr import HEURISTICS
+            from ..dynamic import HEURISTICS
 
             if spec.opts["heuristic"] not in HEURISTICS:
                 raise StrategyError(

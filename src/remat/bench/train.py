@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..costs import CostTable
+from ..core import CostTable
 from .controllers import Controller
 
 Emit = Callable[[dict[str, Any]], None]
@@ -63,7 +63,7 @@ def profile_costs(
     costs = remat.profile(
         spec.module,
         batch,
-        loss_fn=spec.loss_fn,
+        step=remat.StepSpec(loss_fn=spec.loss_fn),  # the chain remat finds
         repeats=repeats,
         lossy=tuple(lossy or ()),
         clock=profile_clock(job),

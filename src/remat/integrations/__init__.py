@@ -22,15 +22,21 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
 _SUBMODULES = ("compile", "deepspeed", "distributed", "hf", "lightning", "pipeline", "session")
+# Names taken from a submodule, imported with it on first use.
+_NAMES = {"RematSession": "session", "Stage": "pipeline", "split_chain": "pipeline"}
 
-__all__ = list(_SUBMODULES)
+__all__ = [*_SUBMODULES, *_NAMES]
 
 
-def __getattr__(name: str) -> ModuleType:
+def __getattr__(name: str) -> ModuleType | Any:
     if name in _SUBMODULES:
-        module = importlib.import_module(f"{__name__}.{name}")
-        globals()[name] = module
-        return module
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}; integrations: {', '.join(_SUBMODULES)}")
+        value: Any = importlib.import_module(f"{__name__}.{name}")
+    elif name in _NAMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}; integrations: {', '.join(_SUBMODULES)}")
+    globals()[name] = value
+    return value

@@ -12,11 +12,13 @@ Two ways compose correctly (``docs/compile.md`` has the details and examples):
   recomputation calls the same compiled forward again, and ``handle.set_plan`` switches actions between steps
   without recompiling. Compiling the whole model around an applied plan is not supported: the forward would
   run compiled and the recomputation eagerly; such a forward is refused at its start.
-* **torch.compile's own budget, fitted to bytes**: :func:`fit_compile_budget` (:mod:`.compile_budget`) compiles
+* **torch.compile's own budget, fitted to bytes**: :func:`fit_compile_budget` (:mod:`remat.fitting.compile_budget`)
+  compiles
   the whole model under a grid of ``activation_memory_budget`` fractions, measures each step's peak and time,
   and returns the fastest that fits a byte budget. One graph takes one budget, so below the least peak it
   reaches, plans on compiled blocks (above) are the way down.
-* **Whichever is faster**: :func:`fit_compiled` (:mod:`.compiled_choice`) measures both routes under a byte budget,
+* **Whichever is faster**: :func:`fit_compiled` (:mod:`remat.fitting.compiled_choice`) measures both routes under a byte
+  budget,
   head to head, and sets the model up for the faster that fits.
 
 Measuring: remat's live-tensor tracker (``remat.measure()`` on CPU, the profiler) does not see buffers that
@@ -28,9 +30,8 @@ memory returns to the system) or on CUDA with ``torch.cuda.max_memory_allocated`
 
 from __future__ import annotations
 
-from .compile_budget import CompileBudgetFit, fit_compile_budget
-from .compiled_blocks import compile_blocks, uncompile_blocks
-from .compiled_choice import CompiledFit, fit_compiled
+from ..fitting import CompileBudgetFit, CompiledFit, compile_blocks, fit_compile_budget, fit_compiled, uncompile_blocks
+from ..meters import peak_rss_bytes, reset_peak_rss
 
 __all__ = [
     "CompileBudgetFit",
@@ -42,30 +43,3 @@ __all__ = [
     "reset_peak_rss",
     "uncompile_blocks",
 ]
-
-
-_STATUS = "/proc/self/status"
-
-
-def reset_peak_rss() -> None:
-    """Reset this process's resident-memory high-water mark (Linux: ``5`` to ``/proc/self/clear_refs``)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError as err:
-        raise OSError(
-            f"cannot reset the memory high-water mark ({err}); it needs Linux's /proc/self/clear_refs. "
-            "On CUDA use torch.cuda.reset_peak_memory_stats() and torch.cuda.max_memory_allocated() instead"
-        ) from err
-
-
-def peak_rss_bytes() -> int:
-    """This process's resident-memory high-water mark in bytes (``VmHWM``) since start or :func:`reset_peak_rss`."""
-    try:
-        with open(_STATUS) as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError as err:
-        raise OSError(f"cannot read {_STATUS} ({err}); the whole-process high-water mark needs Linux") from err
-    raise OSError(f"{_STATUS} has no VmHWM line; the whole-process high-water mark needs Linux")

@@ -30,10 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..costs import CostTable
-from ..simulator import Plan
-from .session import RematSession
-from .wrappers import is_sharded, is_wrapped
+from ..core import CostTable
+from ..planning import Plan
+from .session import RematSession, is_sharded, is_wrapped
 
 
 def free_port() -> int:

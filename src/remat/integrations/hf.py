@@ -39,16 +39,16 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..chain import several_chains_error
+from ..chains import several_chains_error
 from ..checkpointing import PolicyLike, checkpoint_fn
-from ..costs import CostTable
-from ..precision import AutocastSpec
-from ..simulator import Plan
+from ..core import AutocastSpec, CostTable, StepSpec
+from ..planning import Plan
 from .session import RematSession
 
 log = logging.getLogger("remat.integrations.hf")
@@ -186,6 +186,7 @@ def enable(
     sync: str | None = None,
     auto_step: bool = True,
     autocast: Any = None,
+    step: StepSpec | None = None,
     **options: Any,
 ) -> HFSession:
     """Put a remat plan on a Hugging Face model's layers and return the session (``remove()`` undoes it).
@@ -206,20 +207,21 @@ def enable(
     ``Trainer``'s with ``bf16=True`` or ``fp16=True``) and is measured under it. A ``batch=`` is profiled under
     ``autocast=`` (``torch.bfloat16``, ``"fp16"``, or :func:`trainer_autocast` of the ``TrainingArguments``);
     costs measured under another setting than the first training step's are warned about.
+
+    ``step=`` (a :class:`remat.StepSpec`) describes the training step; its fields may be given as keywords.
     """
-    chain = list(blocks) if blocks is not None else layers(model)
+    spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, autocast=autocast)
+    chain = list(spec.blocks) if spec.blocks is not None else layers(model)
     return HFSession(
         model,
         strategy,
         budget,
         costs=costs,
         batch=batch,
-        loss_fn=loss_fn,
         plan=plan,
-        blocks=chain,
         sync=sync,
         auto_step=auto_step,
-        autocast=autocast,
+        step=replace(spec, blocks=chain),
         **options,
     )
 

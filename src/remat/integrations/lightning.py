@@ -32,10 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks import resolve_blocks
-from ..costs import CostTable
-from ..precision import AutocastSpec
-from ..simulator import Plan
+from ..chains import resolve_blocks
+from ..core import AutocastSpec, CostTable, StepSpec
+from ..planning import Plan
 from .session import RematSession, check_strategy
 
 try:
@@ -85,7 +84,8 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
     """Apply a remat plan or PGAC during ``Trainer.fit``. Arguments as for
     :class:`~remat.integrations.session.RematSession`: ``strategy`` (a :data:`remat.STRATEGIES` name or
     ``"pgac"``), ``budget`` (bytes, "2GiB" or a fraction), ``blocks`` (FQNs in the LightningModule), ``costs``,
-    ``batch``, ``plan``, ``sync`` and planner or PGAC ``options``."""
+    ``batch``, ``plan``, ``sync`` and planner or PGAC ``options``; ``step`` (a :class:`remat.StepSpec`), or its
+    fields ``loss_fn`` and ``blocks`` as keywords. Lightning's own precision setting is the step's autocast."""
 
     def __init__(
         self,
@@ -98,13 +98,15 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         plan: Plan | None = None,
         sync: str | None = None,
+        step: StepSpec | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         check_strategy(strategy, budget)
+        spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks)
         self.strategy, self.budget = strategy, budget
-        self.blocks = list(blocks) if blocks is not None else None
-        self.costs, self.batch, self.loss_fn, self.plan, self.sync = costs, batch, loss_fn, plan, sync
+        self.blocks = list(spec.blocks) if spec.blocks is not None else None
+        self.costs, self.batch, self.loss_fn, self.plan, self.sync = costs, batch, spec.loss_fn, plan, sync
         self.options = options
         self.session: RematSession | None = None
         self.root: str | None = None

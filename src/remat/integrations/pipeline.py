@@ -17,7 +17,7 @@ own EMA. Thresholds are
 ``"local"`` (``tau_p = gamma * Quantile_q(scores of stage p)``) or ``"global"`` (the quantile of the whole
 chain's scores, every stage putting its EMA scores at its offset in a zero vector as long as the chain and one
 all-reduce (sum) over the pipeline group giving every stage the whole chain). Masks change only between steps:
-PGAC re-plans after ``optimizer.step()``, never inside a schedule's step. :mod:`remat.dynamic.pgac_pipeline`
+PGAC re-plans after ``optimizer.step()``, never inside a schedule's step. :mod:`remat.dynamic.pgac.pipeline`
 describes a variant that piggybacks the scores on the pipeline's own messages instead of a collective.
 
 >>> stages = split_chain(model.blocks, 2, stem=model.embed, head=model.head)
@@ -35,14 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..costs import CostTable
-from ..dynamic.pgac import PGAC
-from ..dynamic.pgac_pipeline import split_stages
-from ..planners import plan as make_plan
+from ..core import CostTable
+from ..dynamic import PGAC
+from ..planning import SCHEDULES, check_schedule, in_flight, make_plan, micro_batch_budget, split_stages, stage_share
 from ..runtime import RematHandle, apply
-from ..sizes import parse_budget
 
-SCHEDULES = ("gpipe", "1f1b")
 THRESHOLDS = ("local", "global")
 
 
@@ -100,51 +97,6 @@ def split_chain(
         )
         for p, (s, e) in enumerate(bounds)
     ]
-
-
-def check_schedule(schedule: str) -> str:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    return schedule
-
-
-def in_flight(schedule: str, num_stages: int, stage_index: int, n_microbatches: int) -> int:
-    """How many micro-batches' activations are alive at once on stage ``stage_index`` under ``schedule``."""
-    check_schedule(schedule)
-    if not 0 <= stage_index < num_stages:
-        raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
-    if n_microbatches < 1:
-        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
-    if schedule == "gpipe":
-        return n_microbatches
-    return min(n_microbatches, num_stages - stage_index)
-
-
-def micro_batch_budget(
-    stage_budget: int | str,
-    schedule: str,
-    num_stages: int,
-    stage_index: int,
-    n_microbatches: int,
-    reserved: int = 0,
-) -> int:
-    """The bytes one micro-batch may use on the stage: the stage's budget, less ``reserved`` bytes the schedule
-    holds beside the activations, divided by the in-flight count."""
-    total = parse_budget(stage_budget) if isinstance(stage_budget, str) else int(stage_budget)
-    return (total - reserved) // in_flight(schedule, num_stages, stage_index, n_microbatches)
-
-
-def stage_share(
-    costs: CostTable, stage_budget: int | str, schedule: str, num_stages: int, stage_index: int, n_microbatches: int
-) -> int:
-    """What one micro-batch's plan may use on the stage: :func:`micro_batch_budget` of the stage budget less, on a
-    stage before the last, the buffer the next stage's gradient of this stage's output is received into. The
-    stage's profile ends in a sum of its output, whose gradient allocates nothing of that size; in the schedule
-    one such buffer is alive beside the activations (1F1B's first stage measured 4,208 B over a plan at its
-    share's edge without it)."""
-    receives_grad = stage_index < num_stages - 1 and costs.blocks
-    reserved = costs.blocks[-1].output_bytes if receives_grad else 0
-    return micro_batch_budget(stage_budget, schedule, num_stages, stage_index, n_microbatches, reserved)
 
 
 def build(
@@ -281,3 +233,19 @@ def stage_pgac(
     # Every micro-batch in flight is scored, not only the one whose forward ran last.
     pgac.scorer.max_pending = in_flight(schedule, s, p, n_microbatches)
     return pgac
+
+# The stage arithmetic is the planning stage's (remat.planning.stages); this door exposes it too.
+__all__ = [
+    "ChainScores",
+    "SCHEDULES",
+    "Stage",
+    "THRESHOLDS",
+    "apply_stage_plan",
+    "build",
+    "check_schedule",
+    "in_flight",
+    "micro_batch_budget",
+    "split_chain",
+    "stage_pgac",
+    "stage_share",
+]

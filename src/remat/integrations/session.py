@@ -6,13 +6,13 @@ The integrations (Hugging Face, Lightning, DDP/FSDP) all return a :class:`RematS
 * ``plan=`` given: applied as it is;
 * ``costs=`` given, or ``batch=`` (a sample batch, profiled with :func:`remat.profile` at once): the plan is made
   now with :func:`remat.plan`;
-* neither: no example batch is needed. The first training step runs with every block checkpointed and is
-  profiled by :class:`remat.profiler.BlockProfiler`; at the end of that step the cost table is complete, the plan
-  is made and switched in, so it applies from the second step on. The end of the step is the first
-  ``optimizer.step()`` of an optimizer that holds the model's parameters (seen through PyTorch's global
-  optimizer hooks, so Hugging Face's ``Trainer`` needs no extra call), or :meth:`RematSession.step`, or at the
-  latest the next training forward. Blocks compiled with ``torch.compile`` cannot be profiled this way (the
-  profiler's tracker makes dynamo run them eagerly): give ``batch=`` or ``costs=`` made before compiling;
+* neither: no example batch is needed. The first training step runs with every block checkpointed and is profiled by
+  :class:`remat.profiling.profiler.BlockProfiler`; at the end of that step the cost table is complete, the plan is made
+  and switched in, so it applies from the second step on. The end of the step is the first ``optimizer.step()`` of an
+  optimizer that holds the model's parameters (seen through PyTorch's global optimizer hooks, so Hugging Face's
+  ``Trainer`` needs no extra call), or :meth:`RematSession.step`, or at the latest the next training forward. Blocks
+  compiled with ``torch.compile`` cannot be profiled this way (the profiler's tracker makes dynamo run them eagerly):
+  give ``batch=`` or ``costs=`` made before compiling;
 * ``strategy="pgac"``: :class:`remat.PGAC` does the same profiling itself and then re-plans after every
   optimizer step; the session attaches it to the first optimizer that steps the model's parameters.
 
@@ -22,7 +22,9 @@ of the step. To wrap that step in ``remat.measure()`` as well, put the optimizer
 
 Under ``torch.distributed`` (``sync="global"``, the default when more than one rank runs) rank 0's measured
 cost table is broadcast, so every rank runs the same plan: FSDP2 needs that, as a rank that recomputes a block
-the others keep would all-gather alone.
+the others keep would all-gather alone. The session also says whether a model was already wrapped or sharded
+(:func:`is_wrapped`, :func:`is_sharded`), so that every door refuses the wrong order, and how many ranks a
+process group has (:func:`distributed_world`).
 """
 
 from __future__ import annotations
@@ -31,24 +33,19 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..blocks import resolve_blocks, several_chains
-from ..costs import CHECKPOINT, CostTable
-from ..memory import model_device
-from ..planners import STRATEGIES
-from ..planners import plan as make_plan
-from ..precision import AutocastArg, AutocastSpec, precision_mismatch
-from ..profiler import BlockProfiler, profile
-from ..recompute_stats import RecomputeStats
-from ..runtime import RematHandle, apply
-from ..simulator import Plan
-from ..sizes import normalize_budget
-from .process_group import distributed_world
-from .wrappers import is_sharded
+from ..chains import resolve_blocks, several_chains
+from ..core import CHECKPOINT, AutocastArg, AutocastSpec, CostTable, StepSpec, normalize_budget, precision_mismatch
+from ..dynamic import PGAC
+from ..meters import model_device
+from ..planning import STRATEGIES, Plan, make_plan
+from ..profiling import BlockProfiler, profile
+from ..runtime import RecomputeStats, RematHandle, apply
 
 log = logging.getLogger("remat.integrations")
 
@@ -88,8 +85,9 @@ class RematSession:
     ``strategy``: a :data:`remat.STRATEGIES` name or ``"pgac"``; ``budget``: bytes, "2GiB" or a fraction;
     ``options`` go to :func:`remat.plan` (``k=``, ``fraction=``, ``strict=``...) or to :class:`remat.PGAC`
     (``alpha``, ``q``, ``gamma``, ``every``, ``total_steps``...). ``auto_step=False`` turns off the global
-    optimizer hooks; then call :meth:`step` (or :meth:`attach`) yourself. ``main_input``/``main_output`` name
-    the hidden state a block takes and returns where remat's guess is wrong (see :mod:`remat.blocks`).
+    optimizer hooks; then call :meth:`step` (or :meth:`attach`) yourself. ``step=`` (a :class:`remat.StepSpec`)
+    describes the training step, or its fields are given as keywords: ``main_input``/``main_output`` name
+    the hidden state a block takes and returns where remat's guess is wrong (see :mod:`remat.chains.blocks`).
     ``autocast=`` is the training precision a ``batch=`` is profiled under (as :func:`remat.profile` takes
     it). The first training forward's autocast setting is recorded (:attr:`step_autocast`); costs measured under
     another setting are warned about.
@@ -112,8 +110,12 @@ class RematSession:
         main_input: Any = None,
         main_output: Any = None,
         autocast: AutocastArg = None,
+        step: StepSpec | None = None,
         **options: Any,
     ) -> None:
+        spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, main_input=main_input, main_output=main_output,
+                           autocast=autocast)  # fmt: skip
+        blocks = spec.blocks
         check_strategy(strategy, budget)
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be None (automatic), 'local' (a plan per rank) or 'global', got {sync!r}")
@@ -134,9 +136,10 @@ class RematSession:
         self._owners: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._removed = False
         chain = resolve_blocks(model, blocks)
-        names = {"main_input": main_input, "main_output": main_output}
+        names = {"main_input": spec.main_input, "main_output": spec.main_output}
         # What profiles see: several chains stay several (planned together), else the chain.
         self._profiled: Any = blocks if several_chains(blocks) else chain
+        profiled_step = replace(spec, blocks=self._profiled)
 
         if strategy == "pgac":
             unknown = set(options) - PGAC_OPTIONS
@@ -147,12 +150,8 @@ class RematSession:
             if costs is None:
                 _refuse_compiled(chain)  # PGAC would profile the first step
                 if batch is not None:
-                    self.costs = profile(
-                        model, batch, loss_fn=loss_fn, blocks=self._profiled, autocast=autocast, **names
-                    )
-            import remat
-
-            self.pgac = remat.PGAC(
+                    self.costs = profile(model, batch, step=profiled_step)
+            self.pgac = PGAC(
                 model,
                 budget,
                 costs=self.costs,
@@ -168,9 +167,7 @@ class RematSession:
             if plan is None:
                 if self.costs is None and batch is not None:
                     _refuse_compiled(chain)
-                    self.costs = profile(
-                        model, batch, loss_fn=loss_fn, blocks=self._profiled, autocast=autocast, **names
-                    )
+                    self.costs = profile(model, batch, step=profiled_step)
                 if self.costs is not None:
                     self.costs = self._shared(self.costs)
                     plan = self._plan_for(self.costs)
@@ -366,3 +363,37 @@ class RematSession:
     def __repr__(self) -> str:
         state = "profiling the first step" if self._waiting else f"{sum(self.mask.values())} of {len(self.mask)} kept"
         return f"{type(self).__name__}(strategy={self.strategy!r}, budget={self.budget!r}, {state})"
+
+
+# ----------------------------------------------------------------------------------------------------
+# How many ranks a process group has: the session picks PGAC's global threshold when there is more than one.
+
+
+def distributed_world(process_group: Any = None) -> int:
+    """Number of ranks in ``process_group`` (1 when torch.distributed is not initialised)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Whether a model was already wrapped for data parallelism (DDP, FSDP, DeepSpeed) or sharded with FSDP2.
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` or one of its modules was sharded with FSDP2's ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    """Whether ``model`` itself is a DDP, FSDP (version 1) or DeepSpeed wrapper around the model."""
+    return isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ in (
+        "FullyShardedDataParallel",
+        "DeepSpeedEngine",
+    )

@@ -1,0 +1,161 @@
+"""Hugging Face settings that a remat training step must check: the key/value cache, Hugging Face's own gradient
+checkpointing, and its collection of extra outputs. Nothing here imports ``transformers``: the checks read
+attributes (``config.use_cache``, ``module.gradient_checkpointing``) and the output collector only when
+``transformers`` is already loaded.
+
+* ``use_cache``: a causal language model's config asks for a cache by default, also in training. A cache
+  filled in the forward keeps every layer's keys and values alive through the step, and a recomputed layer
+  (which runs without it) would save different tensors than the forward did: a selective region then fails in
+  backward (``aten.clone.default invocation index ... not found in storage``) and a checkpointed one can differ
+  in the last bits. Training forwards under :func:`training_forward_guards` (installed by ``remat.apply``) and
+  under :func:`profiled_step` (``remat.profile``) run with ``use_cache=False``, as Hugging Face's own
+  checkpointing does; the model's config is left as it was.
+* Hugging Face's gradient checkpointing (``model.gradient_checkpointing_enable()`` or
+  ``TrainingArguments(gradient_checkpointing=True)``): with it on, a profile would measure checkpointed layers
+  and a plan would recompute them twice. ``remat.profile`` switches it off for the profiled step with a warning;
+  ``remat.apply`` refuses (:func:`refuse_hf_checkpointing`).
+* collected outputs (:func:`outputs_not_collected`): see :mod:`remat.chains.model_state`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("remat")
+
+USE_CACHE_NOTE = (
+    "remat: use_cache=True in a training step keeps every layer's keys and values alive through the step and "
+    "cannot be recomputed; this model's training forwards run with use_cache=False (as with Hugging Face's own "
+    "gradient checkpointing). Pass use_cache=False yourself to silence this note."
+)
+
+
+def cache_configs(model: nn.Module) -> list[Any]:
+    """The distinct configs in ``model`` (a Hugging Face model, or one wrapping one) with a ``use_cache`` setting."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and isinstance(getattr(config, "use_cache", None), bool):
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+def hf_checkpointing_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules with Hugging Face's gradient checkpointing switched on."""
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+
+
+class _CacheOff:
+    """Forward hooks on the model: a training forward runs with ``use_cache=False`` and the configs as before."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.configs = cache_configs(model)
+        self.noted = False
+        self._switched: list[list[Any]] = []
+
+    def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not (module.training and torch.is_grad_enabled()):
+            self._switched.append([])
+            return None
+        configs = [config for config in self.configs if config.use_cache is True]
+        for config in configs:
+            config.use_cache = False
+        self._switched.append(configs)
+        asked = kwargs.get("use_cache") is True
+        if asked:
+            kwargs = {**kwargs, "use_cache": False}
+        if (asked or configs) and not self.noted:
+            self.noted = True
+            log.warning(USE_CACHE_NOTE)
+        return (args, kwargs) if asked else None
+
+    def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self._switched:
+            for config in self._switched.pop():
+                config.use_cache = True
+
+
+def training_forward_guards(model: nn.Module, wrap: Any = None) -> list[Any]:
+    """Install the ``use_cache`` guard on ``model``'s forward; returns the hook handles (``.remove()`` them).
+
+    ``wrap`` (optional) is applied to each hook function before it is registered.
+    """
+    guard = _CacheOff(model)
+    before, after = guard.before, guard.after
+    if wrap is not None:
+        before, after = wrap(before), wrap(after)
+    return [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True, always_call=True),
+    ]
+
+
+@contextmanager
+def profiled_step(model: nn.Module) -> Iterator[None]:
+    """Around ``remat.profile``'s step: ``use_cache`` off, Hugging Face's checkpointing off (with a warning);
+    both as they were afterwards."""
+    flagged = hf_checkpointing_modules(model)
+    if flagged:
+        warnings.warn(
+            f"remat.profile: Hugging Face gradient checkpointing is on in {type(model).__name__}; it is switched "
+            "off for the profiled step (so the costs are those of the layers themselves) and back on afterwards. "
+            "Switch it off before remat.apply (model.gradient_checkpointing_disable()), or use "
+            "remat.integrations.hf.enable, which does.",
+            stacklevel=3,
+        )
+    hooks = training_forward_guards(model)
+    for module in flagged:
+        module.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for module in flagged:
+            module.gradient_checkpointing = True
+        for hook in hooks:
+            hook.remove()
+
+
+def refuse_hf_checkpointing(model: nn.Module) -> None:
+    """Raise when Hugging Face's gradient checkpointing is on: a plan on top would recompute layers twice."""
+    flagged = hf_checkpointing_modules(model)
+    if flagged:
+        raise RuntimeError(
+            f"Hugging Face gradient checkpointing is on in {type(model).__name__} ({len(flagged)} modules): a remat "
+            "plan on top of it would recompute the layers twice. Call model.gradient_checkpointing_disable() "
+            "(and leave TrainingArguments(gradient_checkpointing=False)) before remat.apply, or use "
+            "remat.integrations.hf.enable, which switches it off for you."
+        )
+
+
+def _hf_collector() -> Any:
+    """Hugging Face's output collector (a context variable), when transformers is loaded and has one."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    return getattr(module, "_active_collector", None) if module is not None else None
+
+
+def outputs_collected() -> bool:
+    """Whether Hugging Face's layer hooks are collecting hidden states, attentions or router logits now."""
+    collector = _hf_collector()
+    return collector is not None and collector.get() is not None
+
+
+@contextmanager
+def outputs_not_collected() -> Iterator[None]:
+    """Within this context, Hugging Face's layer hooks collect no hidden states, attentions or router logits."""
+    collector = _hf_collector()
+    if collector is None or collector.get() is None:
+        yield
+        return
+    token = collector.set(None)
+    try:
+        yield
+    finally:
+        collector.reset(token)

@@ -1,0 +1,156 @@
+"""The byte fields of a block's :class:`~remat.core.costs.BlockCost`, from one tracked run per action.
+
+:func:`run_tracked` runs one forward and backward of a block under an action inside a live-bytes tracker
+(:class:`~remat.meters.memory.LiveTensorTracker`) and marks the moments the fields are read at; :class:`ByteTerms`
+derives the fields from the trackers of all actions. The profiler (real device) and the meta estimator
+(``meta`` device) share both, so their byte figures are derived alike.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..chains import main_tensor
+from ..checkpointing import SavedOutputChanged
+from ..core import INPUT_COMPRESS, KEEP, PARTITION, SELECTIVE, Action, kind_of
+from ..meters import AllocationTracker, LiveTensorTracker
+from .block_run import backward_releasing_output, clear_grads, run_action
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements (not of its whole storage)."""
+    return t.numel() * t.element_size()
+
+
+def run_tracked(
+    tracker: LiveTensorTracker | AllocationTracker,
+    module: nn.Module,
+    action: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    main: torch.Tensor,
+    output_bytes: Callable[[torch.Tensor], int] = tensor_bytes,
+    pick: Callable[[Any], torch.Tensor | None] = main_tensor,
+    refused: dict[str, str] | None = None,
+) -> int | None:
+    """One forward and backward of the block under ``action`` inside ``tracker``, marked ``start``,
+    ``fwd_end``, ``bwd_start`` and ``bwd_end``; returns ``output_bytes`` of the output (its main output,
+    which ``pick`` takes from what the block returns).
+
+    With ``refused``, a per-operator policy the block cannot run returns None instead of raising, with why in
+    ``refused[action]`` and a warning (once per block class). The usual cause: the policy saves an operator's
+    output that the block then changes in place (``x /= x.sum()``, ``x += residual``), which torch's selective
+    checkpointing refuses in the backward rather than recompute from a changed value."""
+    try:
+        with tracker:
+            tracker.mark("start")
+            out = pick(run_action(module, action, args, kwargs))
+            tracker.mark("fwd_end")
+            grad = torch.ones_like(out)
+            nbytes = output_bytes(out)
+            holder = [out]
+            del out
+            tracker.mark("bwd_start")
+            backward_releasing_output(holder, grad)
+            tracker.mark("bwd_end")
+            del grad
+            main.grad = None
+    except RuntimeError as error:
+        if refused is None or kind_of(action) != SELECTIVE:
+            raise
+        refused[action] = _refusal(module, action, error)
+        nbytes, main.grad = None, None
+    # Close while the parameter gradients are alive: like in a real step they outlive the region, so they are
+    # survivors, not activations, and stay out of the backward transient.
+    tracker.close()
+    clear_grads(module)
+    return nbytes
+
+
+def _refusal(module: nn.Module, action: str, error: RuntimeError) -> str:
+    """Why ``module`` cannot run the policy ``action``, from its error; warns with it."""
+    if isinstance(error, SavedOutputChanged):
+        why = (
+            "the policy saves an operator's output that the block then changes in place, which torch's selective "
+            "checkpointing refuses in the backward"
+        )
+    else:
+        why = " ".join(str(error).split())
+    warnings.warn(
+        f"remat: {action} cannot run on {type(module).__name__} blocks: {why}; it is left out of their costs "
+        "(BlockCost.unavailable), so plans do not choose it",
+        stacklevel=3,
+    )
+    return why
+
+
+def warm_up(
+    module: nn.Module,
+    action: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    main: torch.Tensor,
+    pick: Callable[[Any], torch.Tensor | None] = main_tensor,
+) -> None:
+    """One untracked forward and backward of the block under ``action`` (a compiled block compiles on it)."""
+    holder = [pick(run_action(module, action, args, kwargs))]
+    backward_releasing_output(holder, torch.ones_like(holder[0]))
+    main.grad = None
+    clear_grads(module)
+
+
+def _reads_own_peaks(action: str) -> bool:
+    """Whether the simulator reads ``action``'s own forward and backward peaks, lower than keep's included:
+    lossy actions and compiled partitions (see :meth:`ByteTerms.from_trackers`)."""
+    return Action.parse(action).is_lossy or kind_of(action) == PARTITION
+
+
+@dataclass
+class ByteTerms:
+    """The byte fields of a :class:`BlockCost`, read from one tracked run per action (see :func:`run_tracked`)."""
+
+    saved: dict[str, int]
+    fwd_temp: int
+    bwd_temp: int
+    bwd_extra: dict[str, int]
+
+    @classmethod
+    def from_trackers(
+        cls, trackers: Mapping[str, LiveTensorTracker | AllocationTracker], input_bytes: int = 0
+    ) -> ByteTerms:
+        """The fields from the tracked runs; ``input_bytes`` are the bytes of the block's main input, which
+        the runs held throughout (as the block before does in a step)."""
+        saved = {action: t.bytes_at("fwd_end") for action, t in trackers.items()}
+        bwd_peak = {action: t.peak_between("bwd_start", "bwd_end") for action, t in trackers.items()}
+        for action, t in trackers.items():
+            if kind_of(action) == INPUT_COMPRESS:
+                # In a step the input is freed once this block's forward ends: only its compressed copy stays,
+                # and in backward the restored copy (tracked as new) stands in for it. So the input leaves what
+                # the block retains, and its backward peak counts the input once.
+                saved[action] -= input_bytes
+                bwd_peak[action] -= input_bytes
+            if _reads_own_peaks(action):
+                # A lossy forward holds full tensors and their compressed copies at once, and a partitioned one
+                # computes what keep's does while saving less: keep's forward transient does not describe either,
+                # so the action's own forward peak goes into the one term the simulator reads.
+                bwd_peak[action] = max(bwd_peak[action], t.peak_between("start", "fwd_end"))
+        keep = trackers[KEEP]
+        return cls(
+            saved=saved,
+            fwd_temp=max(0, keep.peak_between("start", "fwd_end") - saved[KEEP]),
+            bwd_temp=max(0, bwd_peak[KEEP] - saved[KEEP]),
+            # how much higher the backward peaked under an action than under keep (only the positive ones, but
+            # also the negative ones of lossy and partitioned actions: their backward restores one node's
+            # tensors at a time, or recomputes only what the compiled backward needs next)
+            bwd_extra={
+                a: p - bwd_peak[KEEP]
+                for a, p in bwd_peak.items()
+                if a != KEEP and (p > bwd_peak[KEEP] or (_reads_own_peaks(a) and p < bwd_peak[KEEP]))
+            },
+        )

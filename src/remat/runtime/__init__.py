@@ -1,0 +1,28 @@
+"""A plan on a live model: ``remat.apply`` installs hooks once, ``handle.set_plan`` switches plans between steps
+without re-wrapping, ``handle.remove()`` undoes it; what copying a hooked model does; recompute statistics.
+
+* :mod:`.handle`: :func:`apply` and :class:`RematHandle`, whose rules are Notes [1]-[8] there (segments,
+  memory-poor groups, RNG replay, hooks installed once, what ``set_plan`` may change, teardown, autocast, blocks
+  called more than once);
+* :mod:`.applied`: one plan per model, copies refused while hooked, every plan switched off while a block is
+  measured alone (:func:`suspend_all`);
+* :mod:`.recompute_stats`: block re-executions in backward and their seconds.
+"""
+
+from __future__ import annotations
+
+from . import applied
+from .applied import Counting, all_suspended, owner_of, suspend_all
+from .handle import RematHandle, apply
+from .recompute_stats import RecomputeStats
+
+__all__ = [
+    "Counting",
+    "all_suspended",
+    "suspend_all",
+    "RecomputeStats",
+    "RematHandle",
+    "applied",
+    "apply",
+    "owner_of",
+]
