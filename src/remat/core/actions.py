@@ -42,7 +42,8 @@ files, action lists and ``actions=`` options pass through it and come out as ``"
 Rules, enforced here:
 
 1. An action's text is the one form that is stored and compared: ``Action.parse(text).text == text`` for every
-   text that parses (a lossy action's policy is kept as written).
+   text that parses (a lossy action's policy is kept as written), but the old memory-poor spelling, which reads
+   as the new one.
 2. Every exact action gives the gradients of keeping everything; an action is lossy exactly when its kind is a
    compress kind, and nothing lossy is planned unless the user allows it.
 3. A ``selective`` action whose policy saves operator outputs on the device allows one backward pass per

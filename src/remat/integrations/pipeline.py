@@ -1,16 +1,12 @@
 """remat inside ``torch.distributed.pipelining``: stages cut from a model's chain, a schedule (GPipe or 1F1B)
 over micro-batches, and on each stage its own static plan or its own PGAC mask, under a per-stage budget.
 
-A pipeline stage stores every micro-batch's activations from that micro-batch's forward until its backward.
-How many micro-batches are alive at once on a stage depends on the schedule (:func:`in_flight`): under GPipe
-all forwards run before any backward, so all ``n_microbatches`` are alive on every stage; under 1F1B stage
-``p`` of ``S`` runs ``min(n_microbatches, S - p)`` forwards before its first backward and then alternates one
-backward and one forward, so at most that many are alive. A stage's budget (bytes for all its activations) is
-therefore divided by the in-flight count to plan one micro-batch (:func:`micro_batch_budget`; :func:`stage_share`
-first sets aside the buffer a stage before the last receives its output's gradient into), and a plan or
-PGAC mask is fitted to that share, with costs profiled on one micro-batch (on the last stage with the real
-loss, whose own temporaries count). Call ``schedule.step(..., return_outputs=False)`` in training: with the
-default the last stage keeps every micro-batch's output to merge them, memory no plan accounts for.
+A stage's budget (bytes for all its activations) is divided by the micro-batches the schedule keeps alive on
+it to plan one micro-batch (:mod:`remat.planning.stages`: :func:`in_flight`, :func:`micro_batch_budget`,
+:func:`stage_share`), and a plan or PGAC mask is fitted to that share, with costs profiled on one micro-batch
+(on the last stage with the real loss, whose own temporaries count). Call ``schedule.step(...,
+return_outputs=False)`` in training: with the default the last stage keeps every micro-batch's output to merge
+them, memory no plan accounts for.
 
 PGAC per stage (:func:`stage_pgac`): each stage scores its own blocks over all its micro-batches and keeps its
 own EMA. Thresholds are
