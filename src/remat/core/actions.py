@@ -137,11 +137,6 @@ class Action:
         return _parse(f"{INPUT_COMPRESS}:{fmt}")
 
     @classmethod
-    def recompute_compress(cls, fmt: str, policy: str = DEFAULT_COMPRESS_POLICY) -> Action:
-        """``recompute+compress:<fmt>[:<policy>]`` (checked), the default policy left out."""
-        return _parse(f"{RECOMPUTE_COMPRESS}:{fmt}" + ("" if policy == DEFAULT_COMPRESS_POLICY else f":{policy}"))
-
-    @classmethod
     def group(cls, kind: str, group_id: object) -> Action:
         """A ``segment`` or ``memory_poor`` group's action for blocks with id ``group_id``."""
         if kind not in GROUP_KINDS:
