@@ -67,9 +67,8 @@ class StepSpec:
         for name, value in given.items():
             if value is None:
                 continue
-            default = _DEFAULTS[name]
             mine = getattr(self, name)
-            if mine is not default and mine != default and not _same(mine, value):
+            if not _same(mine, _DEFAULTS[name]) and not _same(mine, value):
                 raise ValueError(
                     f"{name} is given twice, as {name}={value!r} and in step=StepSpec({name}={mine!r}): give it once"
                 )

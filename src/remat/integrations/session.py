@@ -136,10 +136,9 @@ class RematSession:
         self._owners: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._removed = False
         chain = resolve_blocks(model, blocks)
-        names = {"main_input": spec.main_input, "main_output": spec.main_output}
-        # What profiles see: several chains stay several (planned together), else the chain.
+        # What profiles see: several chains stay several (planned together), else the chain; the hooks go on the chain.
         self._profiled: Any = blocks if several_chains(blocks) else chain
-        profiled_step = replace(spec, blocks=self._profiled)
+        profiled_step, hooked_step = replace(spec, blocks=self._profiled), replace(spec, blocks=chain)
 
         if strategy == "pgac":
             unknown = set(options) - PGAC_OPTIONS
@@ -155,10 +154,9 @@ class RematSession:
                 model,
                 budget,
                 costs=self.costs,
-                blocks=chain,
                 sync=sync,
                 process_group=process_group,
-                **names,
+                step=hooked_step,
                 **options,
             )
             self.handle: RematHandle = self.pgac.handle
@@ -173,7 +171,7 @@ class RematSession:
                     plan = self._plan_for(self.costs)
             self._waiting = plan is None
             initial = plan if plan is not None else Plan({f: CHECKPOINT for f, _ in chain}, strategy="profiling")
-            self.handle = apply(model, initial, chain, **names)
+            self.handle = apply(model, initial, step=hooked_step)
         model._remat_session = self  # type: ignore[assignment]
         self._global_done = not (auto_step and (self._waiting or self.pgac is not None))
         self._hooks.append(model.register_forward_pre_hook(self._on_forward))  # removed once it has no more to do
