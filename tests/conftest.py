@@ -2,7 +2,8 @@
 
 The models in the tests are small: one intra-op thread runs them fastest (no thread start-up, no
 oversubscription on a busy machine) and makes floating-point reductions reproducible run to run, which the
-exact gradient comparisons rely on.
+exact gradient comparisons rely on. The profile cache is off (``REMAT_CACHE_DIR=off``), so that every test
+profiles what it plans.
 
 Fixtures: ``make_gpt2`` builds the tiny GPT-2 of :func:`toy_models.tiny_gpt2` (the test is skipped when
 transformers is not installed); ``free_port()`` gives a TCP port free on this host, for ``MASTER_PORT``.
@@ -10,6 +11,7 @@ transformers is not installed); ``free_port()`` gives a TCP port free on this ho
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable
 
@@ -19,6 +21,8 @@ from torch import nn
 from toy_models import tiny_gpt2
 
 torch.set_num_threads(1)
+# Every test profiles what it plans: the profile cache (remat.profiling.profile_cache) is tested on its own.
+os.environ["REMAT_CACHE_DIR"] = "off"
 
 
 @pytest.fixture(scope="session")

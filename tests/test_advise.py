@@ -4,7 +4,7 @@ the advice charges a plan's whole time cost (recomputation and each action's ove
 import pytest
 
 from remat.core import BlockCost, CostTable
-from remat.fitting import advise
+from remat.fitting import advise_costs
 from remat.fitting.advice import scale_costs
 from remat.planning import Plan, no_checkpoint_peak, simulate
 from remat.planning.simulator import keep_step_s
@@ -46,7 +46,7 @@ def test_a_scaled_table_predicts_every_figure_in_proportion(actions):
 def test_advice_charges_recomputation_and_overhead():
     costs = table(overhead_s=0.004)
     budget = no_checkpoint_peak(costs) // 2
-    advice = advise(costs, batch_size=4, device_memory=budget, state_bytes=0, reserve_fraction=0.0)
+    advice = advise_costs(costs, batch_size=4, device_memory=budget, state_bytes=0, reserve_fraction=0.0)
     assert advice.needs_checkpointing and advice.plan is not None
     checkpointed = sum(a == "checkpoint" for a in advice.plan.actions.values())
     assert checkpointed > 0
@@ -59,7 +59,7 @@ def test_advice_charges_recomputation_and_overhead():
 
 def test_advice_without_checkpointing_costs_nothing():
     costs = table(overhead_s=0.004)
-    advice = advise(costs, batch_size=4, device_memory=64 * no_checkpoint_peak(costs), state_bytes=0)
+    advice = advise_costs(costs, batch_size=4, device_memory=64 * no_checkpoint_peak(costs), state_bytes=0)
     assert not advice.needs_checkpointing
     assert advice.plan_time_cost_s == 0.0 and advice.overhead == 0.0
     assert isinstance(advice.plan, Plan) and set(advice.plan.actions.values()) == {"keep"}

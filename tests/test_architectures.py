@@ -83,7 +83,7 @@ def test_exact_like_a_plain_step(name: str) -> None:
     assert result.planned and set(result.actions) == set(result.planned)
     assert any(action != "keep" for action in result.actions.values()), "the plan must recompute something"
     if len(by_name(name).stacks) > 1:
-        assert "blocks=remat.find_chains(model)" in result.profile_refusal
+        assert result.default_chains == len(by_name(name).stacks)  # no blocks=: every chain, one budget
         assert set(result.planned) == {fqn for chain in remat.find_chains(by_name(name).build()) for fqn, _ in chain}
     if result.plan_refusal:
         assert "minimum feasible peak" in result.plan_refusal
@@ -381,26 +381,30 @@ def test_the_chain_of_a_mixture_of_experts_model_is_its_layers() -> None:
 # ---------------------------------------------------------------- (c) towers, (b) encoder-decoders
 
 
-def test_towers_are_separate_chains_and_the_integration_asks_which() -> None:
+def test_towers_are_separate_chains_and_the_integration_plans_both_by_default() -> None:
     model = by_name("clip").build()
     text, vision = remat.find_chains(model)
     assert [f for f, _ in text] == [f"text_model.encoder.layers.{i}" for i in range(LAYERS)]
     assert [f for f, _ in vision] == [f"vision_model.encoder.layers.{i}" for i in range(LAYERS)]
-    with pytest.raises(ValueError, match=r"CLIPModel has 2 chains .*text_model.encoder.layers \(3 blocks\)"):
-        hf.enable(model, "full")
+    session = hf.enable(model, "full")
+    assert sorted(session.plan.actions) == sorted(f for f, _ in text + vision)
+    session.remove()
     assert not model._forward_pre_hooks
-    hf.enable(model, "full", blocks=vision).remove()
+    session = hf.enable(model, "full", blocks=vision)
+    assert list(session.plan.actions) == [f for f, _ in vision]
+    session.remove()
 
 
-def test_an_encoder_decoder_profile_asks_for_a_chain_and_profiles_the_one_given() -> None:
+def test_an_encoder_decoder_is_profiled_whole_by_default_and_one_chain_when_named() -> None:
     arch = by_name("t5")
     model = arch.build()
     batch = arch.batch()
-    with pytest.raises(ValueError, match=r"2 chains.*blocks=remat.find_chains\(model\).*\[i\].*blocks=chain"):
-        remat.profile(model, batch, repeats=1)
-    with pytest.raises(ValueError, match="2 chains"):
-        remat.apply(model, remat.Plan({"encoder.block.0": "checkpoint"}))
     encoder, decoder = remat.find_chains(model)
+    costs = remat.profile(model, batch, repeats=1)  # no blocks=: both chains, under one budget
+    assert sorted(costs.fqns) == sorted(f for f, _ in encoder + decoder) and len(costs.chain_lengths) == 2
+    handle = remat.apply(model, remat.plan(costs, "optimal", 0.6))
+    assert sorted(handle.plan.actions) == sorted(costs.fqns)
+    handle.remove()
     for chain in (encoder, decoder):  # each takes the other's arguments (position bias, encoder states)
         costs = remat.profile(model, batch, blocks=chain, repeats=1)
         assert costs.fqns == [fqn for fqn, _ in chain]

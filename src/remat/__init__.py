@@ -30,7 +30,13 @@ __version__ = "0.1.0"
 # `remat.policies` is the public namespace of the per-operator policies: importable by its own path too.
 sys.modules[__name__ + ".policies"] = policies
 
-_LAZY = {"PGAC": "remat.dynamic", "PGACQ": "remat.dynamic", "DTR": "remat.dynamic"}
+_LAZY = {
+    "PGAC": "remat.dynamic",
+    "PGACQ": "remat.dynamic",
+    "DTR": "remat.dynamic",
+    "fit": "remat.integrations",
+    "advise": "remat.fitting",
+}
 _LAZY_MODULES = {"integrations": "remat.integrations", "bench": "remat.bench", "dynamic": "remat.dynamic"}
 
 # Where the modules of remat's first layout live now (one folder per stage of the data flow). Importing an old
@@ -159,12 +165,14 @@ __all__ = [
     "STRATEGIES",
     "Simulation",
     "StepSpec",
+    "advise",
     "apply",
     "checkpoint",
     "checkpoint_fn",
     "checkpointed",
     "find_blocks",
     "find_chains",
+    "fit",
     "format_bytes",
     "measure",
     "parse_budget",

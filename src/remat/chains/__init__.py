@@ -20,6 +20,7 @@ from .blocks import (
     block_ios,
     main_input_slot,
     main_tensor,
+    profiled_blocks,
     replace_slot,
     resolve_blocks,
     resolve_chains,
@@ -27,7 +28,7 @@ from .blocks import (
     slot_value,
     without_caches,
 )
-from .chain import chain_name, find_blocks, find_chains, several_chains_error
+from .chain import chain_name, find_blocks, find_chains, model_chains
 from .hf_guards import cache_configs, profiled_step, refuse_hf_checkpointing, training_forward_guards
 from .model_state import detached_from_step, extra_run
 from .training_step import (
@@ -55,6 +56,7 @@ __all__ = [
     "extra_run",
     "find_blocks",
     "find_chains",
+    "model_chains",
     "interleaved_rounds",
     "main_input_slot",
     "main_tensor",
@@ -65,10 +67,10 @@ __all__ = [
     "refuse_hf_checkpointing",
     "replace_slot",
     "resolve_blocks",
+    "profiled_blocks",
     "resolve_chains",
     "run_step",
     "several_chains",
-    "several_chains_error",
     "slot_value",
     "timed_step",
     "training_forward_guards",

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..core import BlocksArg, InputName, OutputName
-from .chain import find_blocks, only_chain
+from .chain import find_blocks, model_chains
 
 InputSlot = tuple[str, Any]
 """Where a call's main input sits: ``("arg", position)`` or ``("kw", keyword)``."""
@@ -262,6 +262,8 @@ def resolve_chains(model: nn.Module, blocks: Any) -> list[list[tuple[str, nn.Mod
     """The chains a ``blocks=`` argument names: several when it is a list of chains (each as
     :func:`resolve_blocks` reads one), else the one chain :func:`resolve_blocks` reads. A block in two chains
     is refused."""
+    if blocks is None:
+        return model_chains(model)
     chains = [resolve_blocks(model, c) for c in blocks] if several_chains(blocks) else [resolve_blocks(model, blocks)]
     seen: set[str] = set()
     for chain in chains:
@@ -272,13 +274,19 @@ def resolve_chains(model: nn.Module, blocks: Any) -> list[list[tuple[str, nn.Mod
     return chains
 
 
+def profiled_blocks(model: nn.Module, blocks: Any) -> Any:
+    """What a profiler of the chains ``blocks`` names is given: the list of chains where there are several (they
+    are profiled, and planned, together), else the one chain."""
+    chains = resolve_chains(model, blocks)
+    return chains if len(chains) > 1 else chains[0]
+
+
 def resolve_blocks(model: nn.Module, blocks: BlocksArg) -> list[tuple[str, nn.Module]]:
-    """The chain a ``blocks=`` argument names: ``None`` for the model's one chain
-    (:func:`~remat.chains.chain.only_chain` refuses a model with several and says how to choose), a list of FQNs, or
-    ``(fqn, module)`` pairs taken as given. Several chains (a list of chains) are joined one after the other, in the
-    order given."""
+    """The chain a ``blocks=`` argument names: ``None`` for every chain of the model
+    (:func:`~remat.chains.chain.model_chains`, joined), a list of FQNs, or ``(fqn, module)`` pairs taken as given.
+    Several chains (a list of chains) are joined one after the other, in the order given."""
     if blocks is None:
-        return only_chain(model)
+        return [pair for chain in model_chains(model) for pair in chain]
     if several_chains(blocks):
         return [pair for chain in resolve_chains(model, blocks) for pair in chain]
     blocks = list(blocks)

@@ -10,9 +10,8 @@ mixture-of-experts layer, the layers of a ResNet stage) is part of that block, n
 A model may have several chains: an encoder and a decoder, the text and vision towers of CLIP.
 :func:`find_chains` returns all of them in module order, each on its own (towers are never merged into one
 chain). :func:`find_blocks` returns one: the longest (on a tie, the first in module order), or the modules
-the user names. Several chains are planned together under one budget when they are named:
-``blocks=find_chains(model)`` in ``profile``, ``apply`` and the integrations. :func:`only_chain` is what those use
-when no blocks are given, and it refuses a model with several chains, saying how to name them.
+the user names. With no blocks given, ``profile``, ``apply``, ``remat.fit`` and the integrations plan every
+chain of the model together under one budget (:func:`model_chains`); ``blocks=find_chains(model)[i]`` plans one.
 """
 
 from __future__ import annotations
@@ -120,21 +119,13 @@ def find_blocks(model: nn.Module, names: Sequence[str] | None = None) -> Chain:
     return max(find_chains(model), key=len)
 
 
-def only_chain(model: nn.Module) -> Chain:
-    """The model's chain when it has exactly one; with several, a ``ValueError`` that names them and says how
-    to name them all or one (guessing would put the budget on the wrong blocks)."""
+def model_chains(model: nn.Module) -> list[Chain]:
+    """Every chain of ``model`` (what no ``blocks=`` argument means); a ``ValueError`` saying how to name blocks
+    where it has none."""
     chains = find_chains(model)
-    if len(chains) == 1:
-        return chains[0]
-    raise several_chains_error(model, chains)
-
-
-def several_chains_error(model: nn.Module, chains: Sequence[Chain]) -> ValueError:
-    """The error for a model whose chain must be chosen by the user: it names the chains and how to choose."""
-    listed = ", ".join(f"{chain_name(c) or '<model>'} ({len(c)} blocks)" for c in chains)
-    return ValueError(
-        f"{type(model).__name__} has {len(chains)} chains of repeated blocks: {listed}. Plan them together under "
-        "one budget with blocks=remat.find_chains(model), or choose one with chain = remat.find_chains(model)[i] "
-        "and pass blocks=chain (the rest of the model then counts as the stem and head of that chain), to "
-        "remat.profile, remat.apply and the integrations."
-    )
+    if not chains:
+        raise ValueError(
+            f"{type(model).__name__} has no chain of repeated blocks (a ModuleList, ModuleDict or a run of one "
+            "class in a Sequential): name the blocks to plan with blocks=[<module names>]"
+        )
+    return chains

@@ -240,40 +240,36 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _time_step(spec: Any, batch: dict[str, torch.Tensor], repeats: int = 3) -> float:
-    from ..chains import run_step
-
-    times = []
-    for _ in range(repeats + 1):
-        if batch["labels"].is_cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run_step(spec.module, batch, spec.loss_fn)
-        if batch["labels"].is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        spec.module.zero_grad(set_to_none=True)
-    return sorted(times[1:])[len(times[1:]) // 2]
-
-
 def cmd_advise(args: argparse.Namespace) -> int:
-    from ..fitting import advise, model_state_bytes
+    from ..fitting import advise, advise_costs, model_state_bytes
 
     if args.stages:
         return cli_parallel.advise_stages(args, *model_costs(args, batch_size=args.micro_batch), _write_json)
+    if args.device != "meta":  # measured on the model: remat.advise
+        spec = _build(args)
+        batch = example_batch(spec, args.batch_size, args.seq_len, args.device)
+        make = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+        optimizer = make(spec.module.parameters(), lr=1e-4)
+        measured = advise(spec.module, batch, args.device_memory, optimizer=optimizer, step=spec.step)
+        print(_label(spec, args))
+        print(measured.text())
+        _write_json(
+            args.json,
+            {
+                "fits_without_checkpointing": measured.fits_plain,
+                "whole_peaks": measured.whole_peaks,
+                "step_seconds": measured.step_seconds,
+                "plan": json.loads(measured.fit.plan.to_json()) if measured.fit else None,
+                "planned_ratios": list(measured.planned_ratios),
+                "largest_plain_batch": measured.largest_plain_batch,
+                "largest_planned_batch": measured.largest_planned_batch,
+                "refusal": measured.refusal,
+            },
+        )
+        return 0
     spec, batch, costs = model_costs(args)
     state = model_state_bytes(spec.num_params, args.optimizer, args.dtype != "float32")
-    step_times = None
-    if args.device != "meta":
-        double = example_batch(spec, 2 * args.batch_size, args.seq_len, args.device)
-        step_times = {args.batch_size: _time_step(spec, batch), 2 * args.batch_size: _time_step(spec, double)}
-    result = advise(
-        costs,
-        batch_size=args.batch_size,
-        device_memory=args.device_memory,
-        state_bytes=state,
-        step_time_at=step_times,
-    )
+    result = advise_costs(costs, batch_size=args.batch_size, device_memory=args.device_memory, state_bytes=state)
     print(_label(spec, args))
     print(result.text())
     _write_json(

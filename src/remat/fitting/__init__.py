@@ -6,31 +6,48 @@
 * :mod:`.compile_budget`: torch.compile's whole-model ``activation_memory_budget`` fitted to bytes
   (:class:`CompileBudgetFit`); :mod:`.compiled_blocks`: compiling a chain's blocks in place;
 * :mod:`.compiled_choice`: :func:`fit_compiled`, the faster compiled route that fits (:class:`CompiledFit`);
-* :mod:`.advice`: :func:`advise`, whether the model fits, which plan fits, and whether the memory freed buys a
+* :mod:`.whole_step`: the device's memory for a whole training step, what is fixed in it (parameters, gradients,
+  optimizer state, buffers) and a step's measured peak; :mod:`.device_fit`: :func:`fit_memory`, the plan whose
+  whole step fits that memory (``remat.fit``'s work);
+* :mod:`.advice`: :func:`advise` (``remat.advise``, measured on the model) and :func:`advise_costs` (from a cost
+  table): whether the model fits, which plan fits, and whether the memory freed buys a
   larger batch.
 """
 
 from __future__ import annotations
 
-from .advice import advise, model_state_bytes
+from .advice import ModelAdvice, advise, advise_costs, model_state_bytes
 from .compile_budget import DEFAULT_BUDGETS, CompileBudgetFit, fit_compile_budget
 from .compiled_blocks import compile_blocks, uncompile_blocks
 from .compiled_choice import CompiledFit, fit_compiled
+from .device_fit import MemoryFit, MemoryFitError, activation_budget, fit_memory
 from .measured_fit import PlanFit, fit
 from .trial import Fit, Trial
+from .whole_step import FixedMemory, StepPeak, device_memory, fixed_memory, whole_step_peak
 
 __all__ = [
     "DEFAULT_BUDGETS",
     "CompileBudgetFit",
     "CompiledFit",
     "Fit",
+    "FixedMemory",
+    "MemoryFit",
+    "MemoryFitError",
+    "ModelAdvice",
     "PlanFit",
+    "StepPeak",
     "Trial",
+    "activation_budget",
     "advise",
+    "advise_costs",
     "compile_blocks",
+    "device_memory",
     "fit_compile_budget",
     "fit",
     "fit_compiled",
+    "fit_memory",
+    "fixed_memory",
     "model_state_bytes",
     "uncompile_blocks",
+    "whole_step_peak",
 ]

@@ -1,17 +1,34 @@
 """Advice on whether and how to checkpoint: does the model fit without it, which plan fits, what it costs,
 and whether the memory freed would buy a larger batch that raises throughput (the judgement of seed 003).
 
-Inputs are a CostTable at one batch size, the device memory, the bytes of model state (parameters, gradients,
-optimizer state) and optionally the measured step time at two batch sizes, which gives a time model
-``step(b) = fixed + per_item * b``. Activation bytes and block times scale linearly with the batch.
+:func:`advise` (``remat.advise``) measures it on the model: the plain step's whole peak and seconds at two
+batch sizes (the batch and its half, or 1 and 2), a line through each (``fixed + per_sample * b``, fitted as
+measured, never clamped), the fastest plan that fits (:func:`~remat.fitting.device_fit.fit_memory`) with its
+predicted cost and its step measured against the plain one, and the largest batch that fits with a plan.
+:func:`advise_costs` is the same judgement from a CostTable at one batch size, the device memory and the bytes
+of model state given (the CLI's ``--device meta`` estimates): activation bytes and block times scale linearly
+with the batch, and the step time is the chain's or a line through two measured step times.
 """
 
 from __future__ import annotations
 
+import statistics
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..core import BudgetError, CostTable, format_bytes
+import torch
+from torch import nn
+
+from ..chains import interleaved_rounds, timed_step
+from ..core import Batch, BudgetError, CostTable, StepSpec, autocast_spec, format_bytes
+from ..meters import model_device
 from ..planning import Plan, make_plan, minimum_peak_bytes, no_checkpoint_peak, simulate
+from ..profiling import GradsRestored, profile
+from .device_fit import MemoryFit, MemoryFitError, applied, fit_memory
+from .trial import head_to_head
+from .whole_step import FixedMemory, MemoryArg, device_memory, fixed_memory, whole_step_peak
 
 _STATE_BYTES_PER_PARAM = {
     ("adam", False): 16,  # fp32 weights 4 + grads 4 + two moments 8
@@ -142,7 +159,7 @@ def _best_plan(costs: CostTable, budget: int) -> Plan | None:
         return None
 
 
-def advise(
+def advise_costs(
     costs: CostTable,
     *,
     batch_size: int,
@@ -193,3 +210,192 @@ def advise(
         time_model=time_model,
         plan_time_cost_s=chosen_cost_s,
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# remat.advise: the same judgement, measured on the model.
+
+
+@dataclass(frozen=True)
+class Line:
+    """``fixed + per_sample * b`` through measured points (a negative ``fixed`` is kept as measured)."""
+
+    fixed: float
+    per_sample: float
+
+    @classmethod
+    def through(cls, points: dict[int, float]) -> Line:
+        sizes = sorted(points)
+        mean_b = statistics.fmean(sizes)
+        mean_y = statistics.fmean(points[b] for b in sizes)
+        spread = sum((b - mean_b) ** 2 for b in sizes)
+        slope = sum((b - mean_b) * (points[b] - mean_y) for b in sizes) / spread
+        return cls(mean_y - slope * mean_b, slope)
+
+    def at(self, size: float) -> float:
+        return self.fixed + self.per_sample * size
+
+
+@dataclass(frozen=True)
+class ModelAdvice:
+    """What :func:`advise` measured and concluded (bytes, seconds)."""
+
+    memory: int
+    batch_size: int
+    fixed: FixedMemory
+    whole_peaks: dict[int, int]  # the plain step's whole peak per batch size, measured
+    step_seconds: dict[int, float]  # the plain step's median seconds per batch size, measured
+    fit: MemoryFit | None  # the fastest plan that fits at batch_size (None: the plain step fits, or nothing does)
+    refusal: str = ""  # why nothing fits at batch_size
+    planned_ratios: tuple[float, ...] = ()  # the plan's step over the plain step, round by round
+    largest_plain_batch: int = 0
+    largest_planned_batch: int = 0
+    seconds: float = 0.0
+
+    @property
+    def fits_plain(self) -> bool:
+        return self.whole_peaks[self.batch_size] <= self.memory
+
+    @property
+    def time_line(self) -> Line:
+        return Line.through(self.step_seconds)
+
+    @property
+    def memory_line(self) -> Line:
+        return Line.through({b: float(p) for b, p in self.whole_peaks.items()})
+
+    def text(self) -> str:
+        peak = self.whole_peaks[self.batch_size]
+        lines = [
+            f"memory {format_bytes(self.memory)} for the whole step; fixed: {self.fixed.describe()}",
+            f"plain step at batch {self.batch_size}: {format_bytes(peak)} measured whole, "
+            f"{self.step_seconds[self.batch_size] * 1e3:.1f} ms",
+        ]
+        if self.fits_plain:
+            lines.append("checkpointing is not needed: the plain step fits; checkpointing would only cost time.")
+        elif self.fit is None:
+            lines.append(f"no plan fits at this batch: {self.refusal}")
+        else:
+            costs = self.fit.costs
+            assert costs is not None
+            predicted = simulate(costs, self.fit.plan.actions).time_cost_s
+            measured = statistics.median(self.planned_ratios) if self.planned_ratios else float("nan")
+            lines.append(
+                f"checkpointing is needed: plan {self.fit.plan.action_counts()} measured "
+                f"{format_bytes(self.fit.measured.whole if self.fit.measured else 0)} whole; predicted "
+                f"+{predicted * 1e3:.1f} ms a step, measured {measured:.3f}x the plain step"
+            )
+        time_line, memory_line = self.time_line, self.memory_line
+        note = " (a negative fixed part: the measurements' noise)" if time_line.fixed < 0 else ""
+        lines.append(
+            f"measured at batches {sorted(self.step_seconds)}: step = {time_line.fixed * 1e3:.1f} ms + "
+            f"{time_line.per_sample * 1e3:.3f} ms per sample{note}; whole peak = "
+            f"{format_bytes(int(memory_line.fixed))} + {format_bytes(int(memory_line.per_sample))} per sample"
+        )
+        lines.append(
+            f"largest batch that fits: {self.largest_plain_batch} without checkpointing, "
+            f"{self.largest_planned_batch} with a plan (by the measured lines and the least plan's activations)"
+        )
+        lines.append(f"advice took {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+def resized(batch: Batch, size: int, like: int) -> Batch:
+    """``batch`` with every tensor whose leading dimension is ``like`` cut or repeated to ``size`` rows."""
+    if torch.is_tensor(batch):
+        if batch.dim() == 0 or batch.shape[0] != like:
+            return batch
+        repeats = -(-size // like)
+        return batch.repeat(repeats, *([1] * (batch.dim() - 1)))[:size] if repeats > 1 else batch[:size]
+    if isinstance(batch, dict):
+        return {k: resized(v, size, like) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(resized(v, size, like) for v in batch)
+    return batch
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def advise(
+    model: nn.Module,
+    batch: Batch,
+    memory: MemoryArg,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: StepSpec | None = None,
+    rounds: int = 3,
+    progress: Callable[[str], None] | None = _stderr,
+) -> ModelAdvice:
+    """Does ``model``'s step on ``batch`` fit ``memory`` (the device's, for the whole step) without
+    checkpointing; the fastest plan that fits, its predicted and measured cost; the largest batch that fits with
+    a plan (module docstring). ``progress`` hears what is measured and about how long it will take."""
+    from .device_fit import batch_size as size_of
+
+    started = time.perf_counter()
+    spec = step or StepSpec()
+    device = model_device(model)
+    limit = device_memory(memory, device)
+    size = size_of(batch)
+    if size is None:
+        raise ValueError("advise needs a batch whose tensors have a leading batch dimension")
+    sizes = [size // 2, size] if size >= 2 else [1, 2]
+    fixed = fixed_memory(model, optimizer)
+    setting = autocast_spec(spec.autocast, device.type)
+    say = progress or (lambda _: None)
+    samples = {b: resized(batch, b, size) for b in sizes}
+
+    def plain(b: int) -> float:
+        with GradsRestored(model), torch.random.fork_rng(devices=[] if device.type == "cpu" else None,
+                                                         device_type=device.type):  # fmt: skip
+            return timed_step(model, samples[b], spec.loss_fn, setting, holds_output=spec.holds_output)
+
+    first = sum(plain(b) for b in sizes)  # untimed: one warm step each
+    say(f"remat.advise: plain steps at batches {sizes}, {rounds} rounds (about {first * (rounds + 1):.1f} s)")
+    peaks = {b: whole_step_peak(model, lambda b=b: plain(b), fixed).whole for b in sizes}
+    timed = interleaved_rounds(sizes, plain, rounds)
+    seconds = {b: statistics.median(timed[b]) for b in sizes}
+    memory_line = Line.through({b: float(p) for b, p in peaks.items()})
+    per_sample = max(memory_line.per_sample, 1.0)
+    room = limit - memory_line.fixed
+    fixed_fits = fixed.total + fixed.optimizer_step_bytes <= limit
+    largest_plain = max(0, int(room // per_sample)) if fixed_fits else 0
+    fit: MemoryFit | None = None
+    refusal = ""
+    ratios: tuple[float, ...] = ()
+    say("remat.advise: profiling the step and fitting a plan (tens of plain steps)")
+    costs: CostTable | None = None
+    if peaks[size] <= limit:
+        costs = profile(model, batch, step=spec)
+    else:
+        try:
+            fit = fit_memory(model, batch, limit, optimizer=optimizer, step=spec)
+            costs = fit.costs
+        except MemoryFitError as err:
+            refusal, costs = str(err), err.costs
+    largest_planned = largest_plain
+    if costs is not None and fixed_fits:
+        saved_per_sample = (no_checkpoint_peak(costs) - minimum_peak_bytes(costs)) / size
+        largest_planned = max(largest_plain, int(room // max(per_sample - saved_per_sample, 1.0)))
+    if fit is not None and fit.activation_budget is not None:
+        planned = fit.plan
+        handle = applied(model, planned, spec)
+        try:
+
+            def run(name: str) -> float:
+                handle.set_plan(planned if name == "plan" else _keep_all(planned))
+                with GradsRestored(model):
+                    return timed_step(model, batch, spec.loss_fn, setting, holds_output=spec.holds_output)
+
+            ratios = head_to_head(["plain", "plan"], run, rounds)["plan"]
+        finally:
+            handle.remove()
+    return ModelAdvice(
+        limit, size, fixed, peaks, seconds, fit, refusal, ratios, largest_plain, largest_planned,
+        time.perf_counter() - started,
+    )  # fmt: skip
+
+
+def _keep_all(plan: Plan) -> Plan:
+    return Plan(dict.fromkeys(plan.actions, "keep"), strategy="keep")

@@ -115,9 +115,9 @@ def fit(
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: at least one timed step per plan is needed")
     chain = resolve_blocks(model, spec.blocks)
-    spec = replace(spec, blocks=chain)
-    if costs is None:
+    if costs is None:  # several chains are profiled as such (one joined list would be read as one chain)
         costs = profile(model, batch, step=spec, policies=policies, clock=clock)
+    spec = replace(spec, blocks=chain)
     limit = resolve_budget(max_bytes, costs)
     if limit is None:
         raise ValueError("max_bytes is None: give bytes, a string like '2GiB' or a fraction in (0, 1]")

@@ -3,6 +3,8 @@
 Each submodule is imported on first use, so ``import remat`` never imports Hugging Face, Lightning or
 DeepSpeed:
 
+* :mod:`remat.integrations.front_door`: ``fit(model, "22GiB")``, ``remat.fit``: the one call, which picks the
+  door below that the model needs and returns the same handle.
 * :mod:`remat.integrations.hf`: ``enable(model, strategy, budget)`` for Hugging Face models whose layers are
   ``GradientCheckpointingLayer`` (GPT-2, BERT, Llama, ViT...); works with the ``Trainer``.
 * :mod:`remat.integrations.distributed`: plans for DDP and FSDP2, applied before wrapping or sharding, the
@@ -24,9 +26,9 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-_SUBMODULES = ("compile", "deepspeed", "distributed", "hf", "lightning", "pipeline", "session")
+_SUBMODULES = ("compile", "deepspeed", "distributed", "front_door", "hf", "lightning", "pipeline", "session")
 # Names taken from a submodule, imported with it on first use.
-_NAMES = {"RematSession": "session", "Stage": "pipeline", "split_chain": "pipeline"}
+_NAMES = {"fit": "front_door", "RematSession": "session", "Stage": "pipeline", "split_chain": "pipeline"}
 
 __all__ = [*_SUBMODULES, *_NAMES]
 

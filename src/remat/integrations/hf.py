@@ -45,7 +45,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..chains import several_chains_error
 from ..checkpointing import PolicyLike, checkpoint_fn
 from ..core import AutocastSpec, CostTable, StepSpec
 from ..planning import Plan
@@ -65,12 +64,10 @@ def _layer_class() -> type:
     return GradientCheckpointingLayer
 
 
-def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's ``GradientCheckpointingLayer`` modules in module order, as ``(fqn, module)`` (outermost only).
-
-    The layers must form one chain (one layer list): an encoder-decoder or a model with several towers raises,
-    naming its chains; pass ``blocks=remat.find_chains(model)`` to :func:`enable` to plan them together under one
-    budget, or one of them to plan that one.
+def layers(model: nn.Module) -> Any:
+    """The model's ``GradientCheckpointingLayer`` modules in module order, as ``(fqn, module)`` (outermost only):
+    one chain, or a list of chains (one per layer list) for an encoder-decoder or a model with several towers,
+    planned together under one budget (pass ``blocks=`` one of them to plan that one).
     """
     layer_class = _layer_class()
     found: list[tuple[str, nn.Module]] = []
@@ -86,7 +83,7 @@ def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for fqn, module in found:
         by_container.setdefault(fqn.rsplit(".", 1)[0] if "." in fqn else "", []).append((fqn, module))
     if len(by_container) > 1:
-        raise several_chains_error(model, list(by_container.values()))
+        return list(by_container.values())
     return found
 
 

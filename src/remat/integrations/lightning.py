@@ -102,7 +102,8 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
         **options: Any,
     ) -> None:
         super().__init__()
-        check_strategy(strategy, budget)
+        if options.get("memory") is None:  # memory= (the whole step) is checked by the session
+            check_strategy(strategy, budget)
         spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks)
         self.strategy, self.budget = strategy, budget
         self.blocks = list(spec.blocks) if spec.blocks is not None else None
@@ -137,8 +138,10 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
 
     def on_train_start(self, trainer: Any, pl_module: nn.Module) -> None:
         session = self.session
+        optimizers = list(getattr(trainer, "optimizers", []) or [])
+        if session is not None and session.optimizer is None and optimizers:
+            session.optimizer = optimizers[0]  # its state counts in memory=
         if session is not None and session.pgac is not None and not session.attached:
-            optimizers = list(getattr(trainer, "optimizers", []) or [])
             if not optimizers:
                 raise RuntimeError(
                     "RematCallback(strategy='pgac') needs the trainer's optimizer; configure_optimizers returned none"

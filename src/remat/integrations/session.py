@@ -39,9 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..chains import resolve_blocks, several_chains
+from ..chains import profiled_blocks, resolve_blocks
 from ..core import CHECKPOINT, AutocastArg, AutocastSpec, CostTable, StepSpec, normalize_budget, precision_mismatch
 from ..dynamic import PGAC
+from ..fitting import MemoryFit, activation_budget, device_memory, fit_memory, fixed_memory
 from ..meters import model_device
 from ..planning import STRATEGIES, Plan, make_plan
 from ..profiling import BlockProfiler, profile
@@ -111,12 +112,24 @@ class RematSession:
         main_output: Any = None,
         autocast: AutocastArg = None,
         step: StepSpec | None = None,
+        memory: int | str | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         **options: Any,
     ) -> None:
         spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, main_input=main_input, main_output=main_output,
                            autocast=autocast)  # fmt: skip
         blocks = spec.blocks
-        check_strategy(strategy, budget)
+        if memory is not None:
+            if strategy != "optimal":
+                raise ValueError(
+                    f"memory= (the whole step's device memory) plans with strategy 'optimal', not {strategy!r}; "
+                    "other strategies take budget= (activation bytes or a fraction)"
+                )
+            if budget is not None:
+                raise ValueError("give memory= (the whole step's device memory) or an activation budget, not both")
+            device_memory(memory, model_device(model))  # a malformed memory fails here, not after the first step
+        else:
+            check_strategy(strategy, budget)
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be None (automatic), 'local' (a plan per rank) or 'global', got {sync!r}")
         if sync is None:
@@ -124,6 +137,9 @@ class RematSession:
         self.model = model
         self.strategy = strategy
         self.budget = budget
+        self.memory = memory
+        self.optimizer = optimizer
+        self.fitted: MemoryFit | None = None  # how the plan was fitted to memory= (None without memory=)
         self.options = dict(options)
         self.sync = sync
         self.process_group = process_group
@@ -137,7 +153,8 @@ class RematSession:
         self._removed = False
         chain = resolve_blocks(model, blocks)
         # What profiles see: several chains stay several (planned together), else the chain; the hooks go on the chain.
-        self._profiled: Any = blocks if several_chains(blocks) else chain
+        self._profiled: Any = profiled_blocks(model, blocks)
+        self._warned_eval = False
         profiled_step, hooked_step = replace(spec, blocks=self._profiled), replace(spec, blocks=chain)
 
         if strategy == "pgac":
@@ -162,6 +179,11 @@ class RematSession:
             self.handle: RematHandle = self.pgac.handle
             self._waiting = False
         else:
+            if plan is None and memory is not None and self.costs is None and batch is not None:
+                _refuse_compiled(chain)
+                self.fitted = fit_memory(model, batch, memory, optimizer=optimizer, step=profiled_step, **options)
+                self.costs = self.fitted.costs
+                plan = self._shared_plan(self.fitted.plan)
             if plan is None:
                 if self.costs is None and batch is not None:
                     _refuse_compiled(chain)
@@ -250,6 +272,17 @@ class RematSession:
             # Removed here, outside the optimizer's loop over its hooks, which must not change while it runs.
             self._remove_global_hooks()
         training = torch.is_grad_enabled() and self.model.training
+        if self._waiting and torch.is_grad_enabled() and not self.model.training:
+            # A model in eval mode (what from_pretrained returns) would otherwise never end its profiling.
+            if not self._warned_eval:
+                self._warned_eval = True
+                warnings.warn(
+                    f"remat: {type(self.model).__name__} is in eval mode but its forward records gradients: remat "
+                    "profiles this step as the training step. Call model.train() before training, so that dropout "
+                    "and normalisation run as they will train",
+                    stacklevel=3,
+                )
+            training = True
         if training and self.step_autocast is None:
             self._check_precision()
         if not self._waiting:
@@ -283,6 +316,8 @@ class RematSession:
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._removed or self._global_done or not self._owns(optimizer):
             return
+        if self.optimizer is None:
+            self.optimizer = optimizer  # its state counts in memory=
         if self.pgac is not None:
             # Attached from inside the step's pre-hooks: PGAC's own pre- and post-hooks run in this same step.
             if not self.attached:
@@ -312,7 +347,63 @@ class RematSession:
         log.info("remat: profiled the first step; from now on\n%s", plan.table(costs))
 
     def _plan_for(self, costs: CostTable) -> Plan:
-        return make_plan(costs, self.strategy, self.budget, **self.options)
+        if self.memory is None:
+            return make_plan(costs, self.strategy, self.budget, **self.options)
+        # No step to measure: the activations get what the fixed memory leaves, every gradient counted.
+        device = model_device(self.model)
+        limit = device_memory(self.memory, device)
+        fixed = fixed_memory(self.model, self.optimizer)
+        budget = activation_budget(limit, fixed, costs, device=device)
+        plan = make_plan(costs, self.strategy, budget, **self.options)
+        self.fitted = MemoryFit(limit, fixed, plan, costs, None, None, budget, fixed.total)
+        return plan
+
+    def _shared_plan(self, plan: Plan) -> Plan:
+        """Rank 0's plan on every rank under ``sync="global"`` (each rank's measured fit could differ)."""
+        if self.sync != "global":
+            return plan
+        import torch.distributed as dist
+
+        group = self.process_group
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        box = [(dict(plan.actions), plan.strategy) if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        actions, strategy = box[0]
+        return Plan(actions, strategy=strategy)
+
+    # ----- the front door's handle -----
+    def set_memory(self, memory: int | str) -> Plan:
+        """Plan again for ``memory`` (the whole step's device memory) from the costs and the step's measured
+        bytes beyond activations; the new plan applies from the next step. Raises ``remat.BudgetError`` (naming
+        the least memory) where no plan fits."""
+        self._check_live()
+        if self.pgac is not None or self._waiting:
+            raise RuntimeError("set_memory needs a plan made from costs: after the first profiled step, not with PGAC")
+        if self.costs is None:
+            raise RuntimeError(
+                "the plan was made without a profile (the plain step fitted the memory): call remat.fit again with "
+                "the new memory"
+            )
+        device = model_device(self.model)
+        limit = device_memory(memory, device)
+        fixed = fixed_memory(self.model, self.optimizer)
+        non_activation = self.fitted.non_activation if self.fitted is not None else fixed.total
+        budget = activation_budget(limit, fixed, self.costs, non_activation=non_activation, device=device)
+        plan = self._shared_plan(make_plan(self.costs, "optimal", budget, **self.options))
+        self.handle.set_plan(plan)
+        self.memory, self.strategy, self.budget = memory, "optimal", None
+        self.fitted = MemoryFit(limit, fixed, plan, self.costs, None, None, budget, non_activation)
+        return plan
+
+    def describe(self) -> str:
+        """What the session runs: the plan per block (with the costs' predictions) and, with ``memory=``, the
+        memory, what is fixed and what was measured."""
+        if self._waiting:
+            return f"{self!r}: the plan is made at the end of the first training step"
+        parts = [self.plan.table(self.costs) if self.costs is not None else repr(self.plan)]
+        if self.fitted is not None:
+            parts.append(self.fitted.describe())
+        return "\n".join(parts)
 
     def _shared(self, costs: CostTable) -> CostTable:
         """Rank 0's cost table on every rank under ``sync="global"``, so every rank makes the same plan."""
@@ -360,7 +451,8 @@ class RematSession:
 
     def __repr__(self) -> str:
         state = "profiling the first step" if self._waiting else f"{sum(self.mask.values())} of {len(self.mask)} kept"
-        return f"{type(self).__name__}(strategy={self.strategy!r}, budget={self.budget!r}, {state})"
+        limit = f"memory={self.memory!r}" if self.memory is not None else f"budget={self.budget!r}"
+        return f"{type(self).__name__}(strategy={self.strategy!r}, {limit}, {state})"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ Nothing here knows plans or checkpoints: profiles, fits and tests read their fig
 from __future__ import annotations
 
 from .alloc_tracker import AllocationTracker, is_compiled
-from .memory import CompiledCodeIgnoringTracker, LiveTensorTracker, MemoryReport, measure, model_device
+from .memory import CompiledCodeIgnoringTracker, LiveTensorTracker, MemoryReport, measure, model_device, storage_key
 from .process import CHILD_ENV, ProcessPeakMeter, peak_rss_bytes, process_meter_problem, reset_peak_rss
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "is_compiled",
     "measure",
     "model_device",
+    "storage_key",
 ]

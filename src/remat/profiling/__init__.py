@@ -10,7 +10,9 @@ estimated on the ``meta`` device (:mod:`.estimate`).
   error);
 * the step around the blocks: :mod:`.chain_bounds` (stem, head, held arguments), :mod:`.outside_time` (seconds
   outside the blocks), :mod:`.action_steps` (each action's time read within whole steps, which runs plans through
-  :mod:`remat.runtime`: the reason this stage sits above it).
+  :mod:`remat.runtime`: the reason this stage sits above it);
+* :mod:`.profile_cache`: :func:`cached_profile`, a machine's profiles kept on disk per model, batch shape and
+  precision, so that a restarted run plans at once.
 """
 
 from __future__ import annotations
@@ -25,9 +27,13 @@ from .estimate import (
     shard_costs,
     transformer_layer_activation_bytes,
 )
+from .profile_cache import cache_directory, cached_profile, profile_key
 from .profiler import BlockProfiler, profile
 
 __all__ = [
+    "cache_directory",
+    "cached_profile",
+    "profile_key",
     "BlockProfiler",
     "TimedCalls",
     "GradsRestored",

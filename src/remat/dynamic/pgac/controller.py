@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...chains import resolve_blocks, several_chains
+from ...chains import profiled_blocks, resolve_blocks
 from ...core import CHECKPOINT, KEEP, CostTable, StepSpec, normalize_budget
 from ...meters import MemoryReport, measure, model_device
 from ...planning import Plan, resolve_budget
@@ -109,7 +109,7 @@ class PGAC:
         self._fitter: Any = None  # a MaskFitter (PGAC-Q: a QuantizedMaskFitter)
 
         chain = resolve_blocks(model, blocks)
-        self._profiled: Any = blocks if several_chains(blocks) else chain  # several chains: profiled together
+        self._profiled: Any = profiled_blocks(model, blocks)  # several chains: profiled together
         initial = Plan({fqn: CHECKPOINT for fqn, _ in chain}, strategy="pgac")
         self.handle: RematHandle = apply(model, initial, chain, main_input=main_input, main_output=main_output)
         self.fqns: list[str] = list(self.handle.fqns)

@@ -1,0 +1,258 @@
+"""A plan whose whole training step fits the device's memory, found by measuring: ``remat.fit``'s work.
+
+:func:`fit_memory` (a sample batch at hand) measures the plain step whole first (:mod:`.whole_step`, rule 3
+there): where it fits, every block is kept and nothing is profiled. Otherwise it profiles, takes the measured
+bytes beyond the predicted activations (parameters, gradients in flight, optimizer state, buffers, the loss's
+temporaries) from the plain step, plans the activations within what is left by :func:`~.measured_fit.fit`
+(the measured-step choice between near-ties), and measures the chosen plan's whole step; a plan that
+measures over the memory lowers the activation budget by its overshoot and is planned again.
+:func:`activation_budget` is the same arithmetic from a first training step already profiled, where no step
+can be re-run (``remat.fit`` without a batch): gradients are then counted in full.
+
+Invariants, enforced here:
+
+1. The plan returned measured a whole step within ``memory`` (with a batch), or was predicted to with every
+   gradient counted (without one); nothing over ``memory`` is returned silently.
+2. Where no plan fits, :class:`MemoryFitError` is raised before any training step: it names the least device
+   memory any plan reaches at this batch, the fixed parts by name and size, what the plans can change, and the
+   levers (a smaller batch, computed; ``allow_lossy=True``; offload where the device has a host).
+3. The model ends with no hooks of the fit's (the caller applies the plan) and its gradients and RNG state as
+   they were.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..chains import resolve_blocks, run_step
+from ..checkpointing import PROFILED_BY_DEFAULT
+from ..core import KEEP, Batch, BudgetError, CostTable, StepSpec, autocast_spec, format_bytes
+from ..meters import model_device
+from ..planning import Plan, make_plan, minimum_peak_bytes, no_checkpoint_peak, simulate
+from ..profiling import cached_profile
+from .measured_fit import fit as fit_activations
+from .whole_step import FixedMemory, MemoryArg, StepPeak, device_memory, fixed_memory, whole_step_peak
+
+ATTEMPTS = 4  # plans measured over the memory before giving up (each lowers the budget by its overshoot)
+
+
+class MemoryFitError(BudgetError):
+    """Rule 2: no plan makes the whole step fit the memory; the message says what is fixed and what to do.
+    ``costs``: the profile the plans were made from (None where the fixed memory alone is too large)."""
+
+    costs: CostTable | None = None
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """The plan for ``memory`` and the figures it was chosen by (bytes; seconds in ``seconds``)."""
+
+    memory: int
+    fixed: FixedMemory
+    plan: Plan
+    costs: CostTable | None
+    plain: StepPeak | None  # the plain step measured whole (None without a batch)
+    measured: StepPeak | None  # the plan's step measured whole (None without a batch)
+    activation_budget: int | None  # what the activations were planned within (None: the plain step fits)
+    non_activation: int  # the step's bytes beyond the predicted activations
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """A few lines: the memory, what is fixed, the plan and what its step measured."""
+        lines = [f"memory {format_bytes(self.memory)} for the whole step; fixed: {self.fixed.describe()}"]
+        if self.activation_budget is None:
+            lines.append("the plain step fits: every block kept, nothing profiled")
+        else:
+            lines.append(
+                f"activations planned within {format_bytes(self.activation_budget)} "
+                f"(the step's other bytes: {format_bytes(self.non_activation)})"
+            )
+        if self.plain is not None:
+            lines.append(f"plain step measured {format_bytes(self.plain.whole)}")
+        if self.measured is not None and self.activation_budget is not None:
+            lines.append(f"planned step measured {format_bytes(self.measured.whole)}")
+        lines.append(f"plan: {self.plan.action_counts()}")
+        if self.seconds:
+            lines.append("time to plan: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items()))
+        return "\n".join(lines)
+
+
+def batch_size(batch: Batch) -> int | None:
+    """The leading dimension of the batch's first tensor (None where it has none)."""
+    if torch.is_tensor(batch):
+        return int(batch.shape[0]) if batch.dim() else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, list | tuple) else ()
+    for value in values:
+        size = batch_size(value)
+        if size is not None:
+            return size
+    return None
+
+
+def keep_all(model: nn.Module, blocks: Any) -> Plan:
+    """Every block of the chain kept."""
+    return Plan({fqn: KEEP for fqn, _ in resolve_blocks(model, blocks)}, strategy="keep")
+
+
+def fit_memory(
+    model: nn.Module,
+    batch: Batch,
+    memory: MemoryArg,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: StepSpec | None = None,
+    costs: CostTable | None = None,
+    policies: str | tuple[str, ...] = PROFILED_BY_DEFAULT,
+    rounds: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+    **options: Any,
+) -> MemoryFit:
+    """The fastest plan whose whole step on ``batch`` measures within ``memory`` (module docstring).
+
+    ``options`` go to :func:`remat.plan` (``allow_lossy=True``...); with options the measured choice between
+    the two ``optimal`` plans is skipped. Raises :class:`MemoryFitError` where nothing fits."""
+    spec = step or StepSpec()
+    device = model_device(model)
+    limit = device_memory(memory, device)
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    fixed = fixed_memory(model, optimizer)
+    if fixed.total + fixed.optimizer_step_bytes > limit:
+        raise _fixed_too_large(limit, fixed)
+    setting = autocast_spec(spec.autocast, device.type)
+
+    def run() -> None:
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type):
+            run_step(model, batch, spec.loss_fn, autocast=setting, holds_output=spec.holds_output)
+
+    plain = whole_step_peak(model, run, fixed)
+    seconds["plain step"] = time.perf_counter() - start
+    if plain.whole <= limit and costs is None:
+        plan = keep_all(model, spec.blocks)
+        return MemoryFit(limit, fixed, plan, None, plain, plain, None, plain.whole, seconds)
+    if costs is None:
+        begun = time.perf_counter()
+        costs = cached_profile(model, batch, step=spec, policies=policies)
+        seconds["profile"] = time.perf_counter() - begun
+    non_activation = max(plain.forward_backward - no_checkpoint_peak(costs), fixed.total - fixed.gradients)
+    if plain.whole <= limit:
+        plan = keep_all(model, spec.blocks)
+        return MemoryFit(limit, fixed, plan, costs, plain, plain, None, non_activation, seconds)
+    floor = minimum_peak_bytes(costs)
+    begun = time.perf_counter()
+    for _ in range(ATTEMPTS):
+        budget = limit - non_activation
+        if budget < floor:
+            break
+        plan = _plan_within(model, batch, budget, costs, spec, rounds, clock, options)
+        if plan is None:  # every candidate measured over the activation budget
+            non_activation += max(1, budget // 32)
+            continue
+        handle = applied(model, plan, spec)
+        try:
+            measured = whole_step_peak(model, run, fixed)
+        finally:
+            handle.remove()
+        if measured.whole <= limit:
+            seconds["fit"] = time.perf_counter() - begun
+            return MemoryFit(limit, fixed, plan, costs, plain, measured, budget, non_activation, seconds)
+        # The plan's peak came where more of the step's other bytes were live (gradients later in the backward):
+        # what it measured beyond its predicted activations is the figure to plan with.
+        beyond = measured.forward_backward - simulate(costs, plan.actions).peak_bytes
+        non_activation = max(beyond, non_activation + measured.whole - limit)
+    raise _infeasible(limit, fixed, costs, non_activation, batch_size(batch), device)
+
+
+def _plan_within(
+    model: nn.Module,
+    batch: Batch,
+    budget: int,
+    costs: CostTable,
+    spec: StepSpec,
+    rounds: int,
+    clock: Callable[[], float],
+    options: dict[str, Any],
+) -> Plan | None:
+    if options:
+        return make_plan(costs, "optimal", budget, **options)
+    try:
+        chosen = fit_activations(model, batch, budget, costs=costs, step=spec, rounds=rounds, clock=clock)
+    except BudgetError:
+        return None
+    chosen.handle.remove()
+    return chosen.plan
+
+
+def applied(model: nn.Module, plan: Plan, spec: StepSpec) -> Any:
+    from ..runtime import apply
+
+    return apply(model, plan, step=replace(spec, blocks=resolve_blocks(model, spec.blocks)))
+
+
+def activation_budget(
+    memory: int,
+    fixed: FixedMemory,
+    costs: CostTable,
+    *,
+    non_activation: int | None = None,
+    batch: int | None = None,
+    device: torch.device | None = None,
+) -> int:
+    """Rule 1 without a batch to measure: the activations' share of ``memory`` beyond ``non_activation`` (a
+    measured figure, or by default the fixed memory with every gradient counted), or :class:`MemoryFitError`
+    where no plan reaches it."""
+    if non_activation is None:
+        non_activation = fixed.total
+    if fixed.total + fixed.optimizer_step_bytes > memory:
+        raise _fixed_too_large(memory, fixed)
+    budget = memory - non_activation
+    if budget < minimum_peak_bytes(costs):
+        raise _infeasible(memory, fixed, costs, non_activation, batch, device or torch.device(costs.device))
+    return budget
+
+
+def _fixed_too_large(limit: int, fixed: FixedMemory) -> MemoryFitError:
+    least = fixed.total + fixed.optimizer_step_bytes
+    return MemoryFitError(
+        f"remat.fit: the fixed memory of the step alone is {format_bytes(least)} ({fixed.describe()}), above the "
+        f"memory of {format_bytes(limit)}; no checkpointing plan changes it. Shard the parameters and optimizer "
+        "state (FSDP2's fully_shard, DeepSpeed ZeRO), train in lower precision, or use an optimizer with less "
+        "state",
+        floor=least,
+    )
+
+
+def _infeasible(
+    limit: int, fixed: FixedMemory, costs: CostTable, non_activation: int, size: int | None, device: torch.device
+) -> MemoryFitError:
+    least_activations = minimum_peak_bytes(costs)
+    least = non_activation + least_activations
+    levers = []
+    room = limit - non_activation
+    if size and room > 0:
+        fitting = math.floor(size * room / least_activations)
+        if 0 < fitting < size:
+            levers.append(f"a batch of {fitting} (activations scale with the batch: about {format_bytes(room)} left)")
+        elif fitting < 1:
+            levers.append("not even a batch of 1 fits by these figures")
+    levers.append("allow_lossy=True (compressed activations; gradients no longer exact)")
+    if device.type == "cuda":
+        levers.append("the 'offload' action (saved tensors in host memory) where the plan may be slower")
+    error = MemoryFitError(
+        f"remat.fit: no plan fits {format_bytes(limit)} at this batch"
+        + (f" of {size}" if size else "")
+        + f"; the least any plan reaches is {format_bytes(least)}. Fixed: {fixed.describe()}; the step's other "
+        f"bytes beyond activations: {format_bytes(non_activation)}. The plans change the activations only: "
+        f"{format_bytes(no_checkpoint_peak(costs))} with every block kept, {format_bytes(least_activations)} at the "
+        f"least. Next: {'; '.join(levers)}",
+        floor=least,
+    )
+    error.costs = costs
+    return error

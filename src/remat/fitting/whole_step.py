@@ -1,0 +1,211 @@
+"""The device's memory for a whole training step: what is fixed, what a memory figure leaves for activations,
+and what one step measured whole takes.
+
+``remat.fit(model, "22GiB")`` promises the whole step, not the activations of one profiled batch: parameters,
+gradients, optimizer state, buffers, whatever else the device holds (on CUDA: wrapper buckets, caches) and the
+step's activations and temporaries. This module owns that accounting; :mod:`.device_fit` fits a plan to it.
+
+Invariants, enforced here:
+
+1. A memory figure is bytes, a size string (``"22GiB"``) or a percentage of the device's free memory
+   (``"90%"``: ``torch.cuda.mem_get_info`` on CUDA, ``MemAvailable`` of ``/proc/meminfo`` on the CPU). A float is
+   refused: a fraction of activations is ``activations=``.
+2. The fixed memory is measured from the live objects, each storage counted once (tied weights share one):
+   parameters, buffers and optimizer state on the model's device, and one gradient per trainable parameter (its
+   size and dtype). State an optimizer has not made yet (before its first step) and the temporaries of its step
+   are measured by running its ``step`` on ``meta`` copies of the parameters under the live-tensor tracker
+   (foreach where the real step would use it); nothing is assumed per optimizer. On CUDA whatever else is
+   allocated on the device when the fit starts is counted too, as ``other tensors on the device``.
+3. A whole step's peak is the larger of its two phases, each measured: forward and backward (what is resident
+   with the gradients cleared, plus the state the optimizer will make, plus the measured peak of what the phase
+   creates, gradients included) and the optimizer step (the fixed memory plus the step's temporaries).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core import format_bytes, parse_bytes
+from ..meters import LiveTensorTracker, measure, model_device, storage_key
+from ..profiling import GradsRestored
+
+MemoryArg = int | str
+
+
+def device_memory(memory: MemoryArg, device: torch.device) -> int:
+    """Rule 1: ``memory`` in bytes on ``device``."""
+    if isinstance(memory, bool) or not isinstance(memory, int | str):
+        hint = " (a fraction of the activations is activations=)" if isinstance(memory, float) else ""
+        raise TypeError(f"memory={memory!r}: give bytes, a size like '22GiB' or a share of free memory, '90%'{hint}")
+    if isinstance(memory, int):
+        if memory <= 0:
+            raise ValueError(f"memory={memory}: the device's memory for the step must be positive")
+        return memory
+    text = memory.strip()
+    if not text.endswith("%"):
+        return parse_bytes(text)
+    share = float(text[:-1]) / 100
+    if not 0 < share <= 1:
+        raise ValueError(f"memory={memory!r}: a share of the free memory is a percentage in (0, 100]")
+    return int(share * free_bytes(device))
+
+
+def free_bytes(device: torch.device) -> int:
+    """The memory ``device`` has free now: the CUDA driver's figure, or the host's ``MemAvailable``."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free) + torch.cuda.memory_allocated(device)  # what this process holds is the step's to use
+    if device.type == "cpu":
+        match = re.search(r"^MemAvailable:\s+(\d+)\s+kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
+        if match:
+            return int(match.group(1)) * 1024
+    raise ValueError(f"cannot read the free memory of {device}: give memory in bytes or as a size like '22GiB'")
+
+
+def _storage_bytes(tensors: Iterable[Any], device: torch.device, seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if not torch.is_tensor(t) or t.device != device:
+            continue
+        key = storage_key(t)
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+@dataclass(frozen=True)
+class FixedMemory:
+    """Rule 2: the step's memory that no plan changes, by part, in bytes."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    buffers: int
+    other: int = 0  # CUDA: what else was allocated on the device
+    state_to_make: int = 0  # the part of optimizer_state its first step has yet to allocate
+    optimizer_step_bytes: int = 0  # temporaries of the optimizer's step, above the fixed memory
+    optimizer: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state + self.buffers + self.other
+
+    def parts(self) -> dict[str, int]:
+        """Each fixed part by name (parts of 0 bytes left out)."""
+        state = f"optimizer state ({self.optimizer})" if self.optimizer else "optimizer state"
+        named = {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            state: self.optimizer_state,
+            "buffers": self.buffers,
+            "other tensors on the device": self.other,
+            "optimizer step temporaries": self.optimizer_step_bytes,
+        }
+        return {name: size for name, size in named.items() if size}
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {format_bytes(size)}" for name, size in self.parts().items()) or "nothing"
+
+
+def fixed_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> FixedMemory:
+    """Rule 2: the fixed memory of a training step of ``model`` with ``optimizer`` (None: no optimizer state)."""
+    device = model_device(model)
+    seen: set[int] = set()
+    parameters = _storage_bytes(model.parameters(), device, seen)
+    buffers = _storage_bytes(model.buffers(), device, seen)
+    trainable = {id(p): p for p in model.parameters() if p.requires_grad and p.device == device}
+    gradients = sum(p.numel() * p.element_size() for p in trainable.values())
+    state = to_make = step_bytes = 0
+    name = ""
+    if optimizer is not None:
+        name = type(optimizer).__name__
+        state = _storage_bytes((t for s in optimizer.state.values() for t in s.values()), device, seen)
+        made, step_bytes = optimizer_dry_run(optimizer, device)
+        if made > state:
+            to_make = made - state
+            state = made
+    other = 0
+    if device.type == "cuda":
+        grads_held = _storage_bytes((p.grad for p in trainable.values()), device, set())
+        known = parameters + buffers + (state - to_make) + grads_held
+        other = max(0, torch.cuda.memory_allocated(device) - known)
+    return FixedMemory(parameters, gradients, state, buffers, other, to_make, step_bytes, name)
+
+
+def optimizer_dry_run(optimizer: torch.optim.Optimizer, device: torch.device) -> tuple[int, int]:
+    """Rule 2: the bytes of state ``optimizer`` holds after a step for its parameters on ``device``, and the peak
+    of its step's temporaries, from its ``step`` run on ``meta`` copies under the live-tensor tracker."""
+    copies: dict[int, torch.Tensor] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        options = {k: v for k, v in group.items() if k != "params"}
+        if options.get("fused"):
+            options["fused"] = False  # no fused kernels on meta; foreach allocates alike
+            options["foreach"] = True
+        elif options.get("foreach") is None and "foreach" in options:
+            options["foreach"] = device.type == "cuda"  # what torch picks for the real parameters
+        params = []
+        for p in group["params"]:
+            if p.device != device:
+                continue
+            if id(p) not in copies:
+                copy = torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
+                copy.grad = torch.empty_like(copy)
+                copies[id(p)] = copy
+            params.append(copies[id(p)])
+        if params:
+            groups.append({**options, "params": params})
+    if not groups:
+        return 0, 0
+    try:
+        dry = type(optimizer)(groups)
+        with LiveTensorTracker("meta") as tracker:
+            dry.step()
+        tracker.close()
+    except Exception as err:  # an optimizer that cannot step on meta: say what to do rather than guess
+        raise RuntimeError(
+            f"cannot measure {type(optimizer).__name__}'s state by a step on meta tensors ({type(err).__name__}: "
+            f"{err}); take one optimizer step before remat.fit, so that its state exists and is counted"
+        ) from err
+    state = [t for s in dry.state.values() for t in s.values()]
+    made = _storage_bytes(state, torch.device("meta"), set())
+    if device.type == "cpu":  # scalar state (Adam's step) is made on the CPU, whatever the parameters' device
+        made += _storage_bytes(state, device, set())
+    return made, tracker.peak(exclude_survivors=True)
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """Rule 3: a whole step's measured peak, by phase, in bytes."""
+
+    forward_backward: int
+    optimizer_step: int
+
+    @property
+    def whole(self) -> int:
+        return max(self.forward_backward, self.optimizer_step)
+
+
+def whole_step_peak(model: nn.Module, run: Callable[[], Any], fixed: FixedMemory) -> StepPeak:
+    """Rule 3: the peak of a training step whose forward and backward ``run()`` does (gradients start cleared
+    and are put back afterwards; ``run`` restores the RNG if it cares)."""
+    device = model_device(model)
+    with GradsRestored(model):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            resident = torch.cuda.memory_allocated(device)
+        else:
+            resident = fixed.parameters + fixed.buffers + fixed.optimizer_state - fixed.state_to_make + fixed.other
+        with measure(device) as meter:
+            run()
+    forward_backward = resident + fixed.state_to_make + meter.peak_bytes
+    return StepPeak(forward_backward, fixed.total + fixed.optimizer_step_bytes)

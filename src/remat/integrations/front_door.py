@@ -1,0 +1,75 @@
+"""``remat.fit(model, "22GiB")``: the one call that makes a training step fit the device's memory.
+
+:func:`fit` returns a :class:`~remat.integrations.session.RematSession` (on a Hugging Face model the
+:class:`~remat.integrations.hf.HFSession`, which also switches Hugging Face's own checkpointing flag off with
+one warning). ``memory`` is the device's memory for the whole step (:mod:`remat.fitting.whole_step`);
+``activations=`` is a budget of activation bytes or a fraction of the no-checkpoint activations instead. With a
+``batch`` the plan is fitted by measuring whole steps and applies from the first step
+(:mod:`remat.fitting.device_fit`); without one, the first training step runs with every block checkpointed and
+is profiled, and the plan applies from the second. The other doors (``hf.enable``, the Lightning callback,
+``distributed.prepare``) take the same ``memory=`` and ``optimizer=`` and return the same handle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core import AutocastArg, BlocksArg, CostTable, StepSpec
+from ..planning import Plan
+from .session import RematSession
+
+
+def is_hugging_face(model: nn.Module) -> bool:
+    """Whether ``model`` is (or holds) a Hugging Face ``transformers`` model."""
+    return any(type(m).__module__.startswith("transformers.") for m in model.modules())
+
+
+def fit(
+    model: nn.Module,
+    memory: int | str | None = None,
+    *,
+    batch: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: StepSpec | None = None,
+    activations: int | float | str | None = None,
+    strategy: str = "optimal",
+    costs: CostTable | None = None,
+    plan: Plan | None = None,
+    blocks: BlocksArg = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    autocast: AutocastArg = None,
+    **options: Any,
+) -> RematSession:
+    """Make ``model``'s training step fit ``memory`` at the smallest time cost, and return the handle.
+
+    ``memory``: the device's memory for the whole step (parameters, gradients, optimizer state, buffers,
+    activations and temporaries): bytes, ``"22GiB"``, or ``"90%"`` of the device's free memory. ``optimizer``:
+    the optimizer that will step the model (its state is counted; without it, the first optimizer that steps
+    the model's parameters is used). ``batch``: a sample batch, to plan before the first step; without it the
+    first training step is profiled. ``activations``: a budget of activations instead of ``memory`` (bytes or a
+    fraction of the no-checkpoint activations). ``step`` (or ``loss_fn``, ``blocks``, ``autocast``) describes the
+    training step; every chain of the model is planned under one budget unless ``blocks=`` names others.
+    ``strategy`` and ``options`` are :func:`remat.plan`'s (``allow_lossy=True``...) or PGAC's
+    (``strategy="pgac"`` with ``activations=``).
+
+    The handle has ``plan``, ``costs``, ``stats``, ``describe()``, ``set_memory(...)`` and ``remove()``. Raises
+    :class:`remat.BudgetError` where no plan fits, naming the least memory and what to do.
+    """
+    if memory is None and activations is None and strategy in ("optimal", "pgac") and plan is None:
+        raise ValueError(
+            "remat.fit needs the device's memory for the step (remat.fit(model, '22GiB')) or activations= (bytes "
+            "or a fraction of the no-checkpoint activations)"
+        )
+    if memory is not None and activations is not None:
+        raise ValueError("give memory (the whole step) or activations= (the activations alone), not both")
+    spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, autocast=autocast)
+    arguments = dict(costs=costs, batch=batch, plan=plan, memory=memory, optimizer=optimizer, **options)
+    if is_hugging_face(model):
+        from .hf import enable
+
+        return enable(model, strategy, activations, step=spec, **arguments)
+    return RematSession(model, strategy, activations, step=spec, **arguments)

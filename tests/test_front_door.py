@@ -1,0 +1,268 @@
+"""``remat.fit(model, memory)``: the whole step's measured peak within the device memory given, gradients equal
+to no checkpointing, a clear refusal where nothing fits, and the doors that share it."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.fitting import MemoryFitError, device_memory, fixed_memory
+from remat.integrations.session import RematSession
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def make_model(seed: int = 0, blocks: int = 6, width: int = 128) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, width), *[Block(width) for _ in range(blocks)], nn.Linear(width, 4))
+
+
+BATCH = torch.randn(1024, 32, generator=torch.Generator().manual_seed(1))
+
+
+def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """What lives on the device between steps: parameters, buffers and optimizer state (each storage once)."""
+    seen: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    for t in tensors:
+        seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> tuple[int, list]:
+    """One whole step measured by the live-tensor tracker (forward, backward, optimizer step, zero_grad): the
+    peak of every tensor of the step, resident ones included, and the gradients it made."""
+    resident = resident_bytes(model, optimizer)
+    with remat.measure() as meter:
+        model(batch).square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return resident + meter.peak_bytes, grads
+
+
+def plain_peak() -> int:
+    """The plain step's whole peak once the optimizer's state exists (from the second step on)."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    training_step(model, optimizer, BATCH)
+    return training_step(model, optimizer, BATCH)[0]
+
+
+@pytest.fixture(scope="module")
+def plain() -> int:
+    return plain_peak()
+
+
+@pytest.mark.parametrize("share", [1.05, 0.85, 0.7])
+def test_fit_keeps_the_whole_step_within_memory_with_exact_gradients(plain: int, share: float) -> None:
+    memory = int(plain * share)
+    model, reference = make_model(), make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    reference_optimizer = torch.optim.AdamW(reference.parameters())
+    session = remat.fit(model, memory, batch=BATCH, optimizer=optimizer, loss_fn=lambda out: out.square().mean())
+    kept = session.plan.action_counts()
+    assert (kept == "6 keep") == (share > 1), kept
+    for _ in range(2):  # the first step makes the optimizer's state; the second runs with it resident
+        peak, grads = training_step(model, optimizer, BATCH)
+        _, expected = training_step(reference, reference_optimizer, BATCH)
+        assert peak <= memory * 1.02, (peak, memory, session.describe())
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+    assert session.fitted is not None and session.fitted.measured is not None
+    assert abs(session.fitted.measured.whole - peak) <= 0.01 * peak  # what the fit measured is what the step takes
+    session.remove()
+
+
+def test_without_a_batch_the_first_step_is_profiled_and_the_second_fits(plain: int) -> None:
+    memory = int(plain * 0.75)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    session = remat.fit(model, memory)  # the optimizer is the first one that steps the model
+    assert session.profiling
+    training_step(model, optimizer, BATCH)
+    assert not session.profiling and session.optimizer is optimizer
+    assert session.plan.action_counts() != "6 keep"
+    peak, _ = training_step(model, optimizer, BATCH)
+    assert peak <= memory * 1.02
+    assert "optimizer state (AdamW)" in session.describe()
+    session.remove()
+
+
+def test_an_infeasible_memory_is_refused_before_any_step_naming_the_least_and_what_is_fixed() -> None:
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fixed = fixed_memory(model, optimizer)
+    memory = fixed.total + fixed.optimizer_step_bytes + 2**20
+    with pytest.raises(MemoryFitError) as caught:
+        remat.fit(model, memory, batch=BATCH, optimizer=optimizer)
+    text = str(caught.value)
+    assert "no plan fits" in text and "the least any plan reaches is" in text
+    assert re.search(r"parameters [\d.]+ KiB|parameters [\d.]+ MiB", text) and "optimizer state (AdamW)" in text
+    assert re.search(r"a batch of \d+", text) and "allow_lossy=True" in text
+    assert caught.value.floor > memory
+    assert not model[1]._forward_pre_hooks and all(p.grad is None for p in model.parameters())
+    assert not optimizer.state  # no step was taken
+
+    with pytest.raises(MemoryFitError, match="fixed memory of the step alone .* no checkpointing plan changes it"):
+        remat.fit(model, fixed.parameters, batch=BATCH, optimizer=optimizer)
+
+
+def test_the_optimizer_state_is_measured_before_its_first_step() -> None:
+    for make in (
+        lambda ps: torch.optim.AdamW(ps),
+        lambda ps: torch.optim.Adam(ps, foreach=False),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+    ):
+        model = make_model(blocks=2)
+        optimizer = make(model.parameters())
+        before = fixed_memory(model, optimizer)
+        training_step(model, optimizer, BATCH)
+        made = resident_bytes(model, optimizer) - before.parameters
+        assert before.optimizer_state == made == fixed_memory(model, optimizer).optimizer_state
+
+
+def test_memory_is_bytes_a_size_or_a_share_of_free_memory() -> None:
+    cpu = torch.device("cpu")
+    assert device_memory("2GiB", cpu) == 2 * 2**30 and device_memory(1234, cpu) == 1234
+    assert 0 < device_memory("50%", cpu) < device_memory("100%", cpu)
+    with pytest.raises(TypeError, match="activations="):
+        device_memory(0.5, cpu)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\(0, 100\]"):
+        device_memory("0%", cpu)
+    with pytest.raises(ValueError, match="memory.*or activations="):
+        remat.fit(make_model())
+    with pytest.raises(ValueError, match="not both"):
+        remat.fit(make_model(), "1GiB", activations=0.5)
+
+
+def test_set_memory_plans_again_for_less(plain: int) -> None:
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    session = remat.fit(model, int(plain * 0.9), batch=BATCH, optimizer=optimizer)
+    before = session.plan.action_counts()
+    memory = int(plain * 0.65)
+    session.set_memory(memory)
+    assert session.plan.action_counts() != before
+    peak, _ = training_step(model, optimizer, BATCH)
+    assert peak <= memory * 1.02
+    with pytest.raises(remat.BudgetError, match="least any plan reaches"):
+        session.set_memory(int(plain * 0.5))
+    session.remove()
+
+
+def test_a_model_in_eval_mode_is_profiled_with_a_warning_not_left_profiling() -> None:
+    model = make_model().eval()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = remat.fit(model, activations=0.5)
+    with pytest.warns(UserWarning, match=r"eval mode.*model\.train\(\)"):
+        model(BATCH).sum().backward()
+    optimizer.step()
+    assert not session.profiling and session.plan.action_counts() != "6 keep"
+    session.remove()
+
+
+def test_hugging_face_models_go_through_the_hf_door_flag_off_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("transformers")
+    from remat.integrations.hf import HFSession
+    from tests.toy_models import tiny_gpt2
+
+    model = tiny_gpt2(n_layer=4, seed=0)
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        session = remat.fit(model, "4GiB", batch=batch, optimizer=torch.optim.AdamW(model.parameters()))
+    assert isinstance(session, HFSession)
+    assert [r.message for r in caplog.records].count(
+        "remat: Hugging Face gradient checkpointing was on; remat switched it off (its plan decides what is "
+        "recomputed). remove() switches it back on."
+    ) == 1
+    assert session.plan.action_counts() == "4 keep"  # 4 GiB holds the plain step: nothing profiled
+    assert session.costs is None
+    session.remove()
+    assert model.transformer.h[0].gradient_checkpointing
+
+
+def test_the_handle_describes_the_plan_and_remove_gives_back_the_plain_model() -> None:
+    model, reference = make_model(), make_model()
+    session = remat.fit(model, activations=0.5, batch=BATCH)
+    assert isinstance(session, RematSession) and session.costs is not None
+    described = session.describe()
+    assert all(re.search(rf"^{i}\s+(keep|checkpoint|selective)", described, re.MULTILINE) for i in range(1, 7))
+    session.remove()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert torch.equal(model(BATCH), reference(BATCH))
+
+
+def test_advise_measures_whether_it_fits_the_plan_and_the_largest_batch(plain: int) -> None:
+    heard: list[str] = []
+    model = make_model()
+    step = remat.StepSpec(loss_fn=lambda out: out.square().mean())
+    roomy = remat.advise(model, BATCH, int(plain * 1.2), optimizer=torch.optim.AdamW(model.parameters()),
+                         step=step, progress=heard.append, rounds=1)  # fmt: skip
+    assert roomy.fits_plain and roomy.fit is None and roomy.largest_plain_batch >= 1024
+    assert roomy.whole_peaks[512] < roomy.whole_peaks[1024] == pytest.approx(plain, rel=0.01)
+    assert any("plain steps at batches [512, 1024]" in h for h in heard)
+
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    tight = remat.advise(model, BATCH, int(plain * 0.75), optimizer=optimizer, progress=None, rounds=1)
+    assert not tight.fits_plain and tight.fit is not None and tight.fit.measured is not None
+    assert tight.fit.measured.whole <= int(plain * 0.75) and len(tight.planned_ratios) == 1
+    assert tight.largest_plain_batch < 1024 < tight.largest_planned_batch
+    assert "checkpointing is needed" in tight.text() and not optimizer.state
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+    fixed = fixed_memory(model, optimizer)
+    refused = remat.advise(model, BATCH, fixed.parameters, optimizer=optimizer, progress=None, rounds=1)
+    assert "fixed memory of the step alone" in refused.refusal and refused.largest_planned_batch == 0
+
+
+def test_the_time_line_is_fitted_as_measured_never_clamped() -> None:
+    from remat.fitting.advice import Line
+
+    line = Line.through({2: 1.0, 4: 0.5})
+    assert line.fixed == pytest.approx(1.5) and line.per_sample == pytest.approx(-0.25)
+    assert Line.through({1: 1.0, 2: 2.0, 3: 3.0}).fixed == pytest.approx(0.0)
+
+
+def test_a_restarted_run_reads_its_profile_from_the_machines_cache(
+    plain: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from remat.profiling import cached_profile, profile_key
+
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    memory = int(plain * 0.6)  # no optimizer: its state is not counted, so the plain step needs less than plain
+    first = remat.fit(make_model(), memory, batch=BATCH)
+    assert first.costs is not None and "cached_from" not in first.costs.info
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    first.remove()
+    again = remat.fit(make_model(seed=5), memory, batch=BATCH)  # other values, same shapes: the same profile
+    assert again.costs is not None and again.costs.info["cached_from"].startswith(str(tmp_path))
+    assert again.costs.to_dict()["blocks"] == first.costs.to_dict()["blocks"]
+    assert again.plan.actions == first.plan.actions
+    again.remove()
+
+    step = remat.StepSpec()
+    assert profile_key(make_model(), BATCH, step, "menu") != profile_key(make_model(), BATCH[:512], step, "menu")
+    assert profile_key(make_model(), BATCH, step, "menu") != profile_key(make_model(width=64), BATCH, step, "menu")
+    for path in tmp_path.glob("*.json"):
+        path.write_text("{not json")
+    costs = cached_profile(make_model(), BATCH, step=step, policies="menu")
+    assert "cached_from" not in costs.info
