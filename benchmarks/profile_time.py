@@ -49,7 +49,7 @@ def main() -> None:
     for layers in [int(n) for n in args.layers.split(",")]:
         spec = build_model(
             "gpt2",
-            "small",
+            "mini",
             seed=0,
             dropout=0.1,
             vocab_size=args.vocab,

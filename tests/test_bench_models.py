@@ -32,7 +32,7 @@ def _batch(spec, batch_size: int = 4, seq_len: int = 32) -> dict[str, torch.Tens
 
 def test_lists():
     assert list_models() == ["gpt2", "bert", "vit", "mlp"]
-    assert list_presets("gpt2")[:3] == ["tiny", "small", "medium"]
+    assert list_presets("gpt2")[:3] == ["tiny", "mini", "medium"]
     assert "base" in list_presets("bert") and "base" in list_presets("vit")
 
 
@@ -97,7 +97,7 @@ def test_tiny_presets_are_small_and_eager():
 def test_unknown_names_list_the_known_ones():
     with pytest.raises(ValueError, match="known models: gpt2, bert, vit, mlp"):
         build_model("resnet")
-    with pytest.raises(ValueError, match="known presets: tiny, small, base, large"):
+    with pytest.raises(ValueError, match="known presets: tiny, mini, base, large"):
         build_model("bert", "medium")
     with pytest.raises(ValueError, match="unknown configuration field 'n_wings'"):
         build_model("gpt2", n_wings=2)

@@ -87,13 +87,23 @@ def test_profile_and_advise_run_on_a_small_model(tmp_path, capsys):
     ("args", "message"),
     [
         (["plan", "--model", "mlp", "--strategy", "nonsense"], "known strategies"),
-        (["plan", "--model", "mlp", "--budget", "1KiB"], "minimum feasible"),
+        (["plan", "--model", "mlp", "--budget", "1KiB"], "no exact plan fits --budget 1.00KiB: the least any plan"),
         (["plan", "--model", "resnet"], "resnet"),
     ],
 )
 def test_bad_input_fails_with_a_clear_message(args, message, capsys):
     assert main(args) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert "remat.profile(" not in err  # the command's options are named, not Python calls
+
+
+def test_an_infeasible_budget_names_the_budgets_the_command_can_take(capsys):
+    assert main(["plan", "--model", "mlp", "--batch-size", "16", "--budget", "0.01"]) == 2
+    err = capsys.readouterr().err
+    share = float(err.split("--budget ")[-1].split(" or more")[0])
+    assert "of the activations without checkpointing" in err and "--batch-size" in err
+    assert main(["plan", "--model", "mlp", "--batch-size", "16", "--budget", str(share)]) == 0
 
 
 def test_profile_prints_a_policy_a_block_cannot_run_and_why(capsys, monkeypatch):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import remat
 from remat.integrations import distributed
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch was built without torch.distributed")
@@ -102,30 +103,105 @@ def _scenario(rank: int, wrapper: str, strategy: str, options: dict[str, Any], s
     return result
 
 
+# remat.fit's memory= on every rank: name -> (wrapper, a sample batch before wrapping)
+MEMORY_SCENARIOS = {"ddp-memory-first-step": ("ddp", False), "fsdp-memory": ("fsdp", True)}
+MEMORY_SHARE = 0.8  # of the plain step's whole peak
+
+
+def wide_net() -> Net:
+    return Net(n=4, d=64)
+
+
+def wide_data(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(512, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def momentum(parameters: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.01, momentum=0.9)
+
+
+def resident(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Parameters, gradients and optimizer state on this rank, each storage once (local shards under FSDP2)."""
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in local}.values())
+
+
+def plain_whole_peak(rank: int) -> int:
+    """The whole peak of a plain step on this rank's batch, once the optimizer's state exists."""
+    torch.manual_seed(0)
+    model = wide_net()
+    optimizer = momentum(model.parameters())
+    peaks = []
+    for step in range(2):
+        start = resident(model, optimizer)
+        with remat.measure() as meter:
+            model(wide_data(rank, step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        peaks.append(start + meter.peak_bytes)
+    return peaks[-1]
+
+
+def _memory_scenario(rank: int, wrapper: str, sample: bool) -> dict[str, Any]:
+    memory = int(plain_whole_peak(0) * MEMORY_SHARE)  # the same figure on every rank
+    torch.manual_seed(0)
+    model = wide_net()
+    batch = (wide_data(rank, 99),) if sample else None
+    if wrapper == "ddp":
+        session = distributed.prepare(model, memory=memory, batch=batch)
+        trained: nn.Module = nn.parallel.DistributedDataParallel(model)
+        optimizer = momentum(trained.parameters())
+    else:
+        session = distributed.prepare(model, memory=memory, batch=batch, optimizer=momentum(model.parameters()))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        trained = distributed.fully_shard_blocks(model, session, mesh=init_device_mesh("cpu", (WORLD,)))
+        optimizer = momentum(trained.parameters())
+    grads, peaks = [], []
+    for step in range(STEPS):
+        torch.manual_seed(10 * step + rank)
+        start = resident(trained, optimizer)
+        with remat.measure() as meter:
+            trained(wide_data(rank, step)).backward()
+            grads.append(distributed.full_gradients(trained))
+            optimizer.step()
+            optimizer.zero_grad()
+        peaks.append(start + meter.peak_bytes)
+    result = {"grads": grads, "actions": dict(session.plan.actions), "peaks": peaks, "memory": memory,
+              "profiling": session.profiling, "sync": session.sync}  # fmt: skip
+    session.remove()
+    return result
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         results = {name: _scenario(rank, *spec) for name, spec in SCENARIOS.items()}
+        results |= {name: _memory_scenario(rank, *spec) for name, spec in MEMORY_SCENARIOS.items()}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def reference() -> list[dict[str, torch.Tensor]]:
+def reference(
+    make: Callable[[], Net] = Net, batch: Callable[[int, int], torch.Tensor] = data, optimizer: Any = None
+) -> list[dict[str, torch.Tensor]]:
     """The unsharded model without checkpointing: each step's gradient is the mean over the ranks' batches."""
     torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = make()
+    opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(model.parameters())
     out = []
     for step in range(STEPS):
         mean: dict[str, torch.Tensor] = {}
         for rank in range(WORLD):
             torch.manual_seed(10 * step + rank)
             model.zero_grad()
-            model(data(rank, step)).backward()
+            model(batch(rank, step)).backward()
             for name, p in model.named_parameters():
                 mean[name] = mean.get(name, 0) + p.grad / WORLD
         out.append(mean)
@@ -156,6 +232,21 @@ def test_gradients_equal_unsharded_run_without_checkpointing(runs: list[dict[str
                 )
         assert not got["profiling"] and got["sync"] == "global"
     assert runs[0][name]["actions"] == runs[1][name]["actions"]  # every rank runs the same plan
+
+
+@pytest.mark.parametrize("name", list(MEMORY_SCENARIOS))
+def test_memory_holds_the_whole_step_on_every_rank_with_exact_gradients(runs: list[dict[str, Any]], name: str) -> None:
+    ref = reference(wide_net, wide_data, momentum)
+    for rank, run in enumerate(runs):
+        got = run[name]
+        assert not got["profiling"] and got["sync"] == "global"
+        assert any(a != "keep" for a in got["actions"].values()), got["actions"]
+        planned = got["peaks"][1:] if name.endswith("first-step") else got["peaks"]  # step 1 may be profiled
+        assert max(planned) <= got["memory"] * 1.02, (rank, got["peaks"], got["memory"])
+        for step in range(STEPS):
+            for param, g in ref[step].items():
+                torch.testing.assert_close(got["grads"][step][param], g, rtol=1e-5, atol=1e-6, msg=f"{name} {param}")
+    assert runs[0][name]["actions"] == runs[1][name]["actions"]
 
 
 def test_plans_recompute_what_they_say(runs: list[dict[str, Any]]) -> None:

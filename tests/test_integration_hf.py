@@ -230,3 +230,51 @@ def test_trainer_profiles_first_step_then_runs_the_plan(tmp_path: Any) -> None:
     assert not session.profiling and session.plan.strategy == "optimal" and session.plan.fits
     assert session.stats.total_calls >= 2  # the profiled step recomputed both layers
     session.remove()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="the HF Trainer needs accelerate")
+def test_remat_fit_keeps_the_trainers_whole_step_within_memory(tmp_path: Any) -> None:
+    """``remat.fit(model, memory)`` before ``Trainer.train()``: the first step is profiled, and from the second
+    on every step's whole peak (parameters, gradients, AdamW's state, activations) is within ``memory``; the
+    weights are those of training without checkpointing."""
+    from remat.meters import LiveTensorTracker
+
+    class StepMeter(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.peaks: list[int] = []
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                          **kwargs: Any) -> None:  # fmt: skip
+            tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
+            tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+            self.resident = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+            self.tracker = LiveTensorTracker("cpu").__enter__()
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            self.tracker.exit_anywhere()
+            self.tracker.close()
+            self.peaks.append(self.resident + self.tracker.peak(exclude_survivors=False))
+
+    def run(memory: int | None) -> tuple[torch.nn.Module, list[int], Any]:
+        torch.manual_seed(0)
+        model = tiny_gpt2(4, n_embd=64, vocab=VOCAB, n_positions=128, use_cache=False)
+        session = remat.fit(model, memory) if memory is not None else None
+        data = [{k: v[0] for k, v in batch(i).items()} for i in range(8)]
+        data = [{k: torch.cat([v] * 8) for k, v in item.items()} for item in data]  # sequences of 8 * SEQ
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, use_cpu=True, report_to=[],
+            save_strategy="no", disable_tqdm=True,
+        )  # fmt: skip
+        meter = StepMeter()
+        transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[meter]).train()
+        return model, meter.peaks, session
+
+    reference, plain_peaks, _ = run(None)
+    memory = int(max(plain_peaks[1:]) * 0.85)
+    trained, peaks, session = run(memory)
+    assert not session.profiling and session.plan.action_counts() != "4 keep", session.describe()
+    assert "AdamW" in session.fitted.fixed.optimizer
+    assert max(peaks[1:]) <= memory * 1.02, (peaks, memory)
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    session.remove()

@@ -133,3 +133,73 @@ def test_trainer_fit_with_remat_callback_matches_plain_training(strategy: str, o
         assert isinstance(session.pgac, remat.PGAC) and session.pgac.step_count == STEPS
     else:
         assert session.plan.strategy == "optimal" and session.plan.fits
+
+
+class StepMeter(L.Callback if LIGHTNING is not None else object):  # type: ignore[misc]
+    """Each training step's whole peak: what is resident when it starts (parameters, gradients, optimizer state)
+    plus the live-tensor tracker's peak over the step, optimizer step included."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self._tracker: Any = None
+        self._resident = 0
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        from remat.meters import LiveTensorTracker
+
+        tensors = [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None)]
+        for optimizer in trainer.optimizers:
+            tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        self._resident = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+        self._tracker = LiveTensorTracker("cpu").__enter__()
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._tracker.exit_anywhere()
+        self._tracker.close()
+        self.peaks.append(self._resident + self._tracker.peak(exclude_survivors=False))
+
+
+WIDE_DATA = [torch.randn(512, 8, generator=torch.Generator().manual_seed(i)) for i in range(STEPS + 1)]
+
+
+if LIGHTNING is not None:
+
+    class WideNet(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(8, 64), *[Block(64) for _ in range(6)], nn.Linear(64, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            torch.manual_seed(batch_idx)
+            return self.model(batch).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(WIDE_DATA, batch_size=None, shuffle=False)
+
+
+def fit_wide(callbacks: list[Any]) -> nn.Module:
+    torch.manual_seed(0)
+    module = WideNet()
+    trainer = L.Trainer(max_steps=STEPS + 1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+    trainer.fit(module)
+    return module
+
+
+@pytest.mark.skipif(LIGHTNING is None, reason="lightning is not installed (pip install lightning)")
+def test_the_callback_keeps_lightnings_whole_step_within_memory() -> None:
+    plain_meter = StepMeter()
+    reference = fit_wide([plain_meter])
+    memory = int(max(plain_meter.peaks[1:]) * 0.8)  # from the second step on, the optimizer's state is resident
+    meter = StepMeter()
+    callback = RematCallback(memory=memory)
+    trained = fit_wide([callback, meter])
+    session = callback.session
+    assert session is not None and session.fitted is not None and session.optimizer is not None
+    assert session.plan.action_counts() != "6 keep"
+    assert max(meter.peaks[1:]) <= memory * 1.02, (meter.peaks, memory)  # the plan runs from the second step
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name

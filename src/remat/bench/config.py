@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``remat bench`` (also ``python -m remat.bench``)."""
     d = BenchConfig()
     parser.add_argument("--model", default=d.model, help="gpt2, bert, vit or mlp (default: %(default)s)")
-    parser.add_argument("--preset", default=d.preset, help="tiny, small, base, medium... (default: %(default)s)")
+    parser.add_argument("--preset", default=d.preset, help="tiny, mini, base, medium... (default: %(default)s)")
     parser.add_argument(
         "--layers",
         default=None,

@@ -30,14 +30,14 @@ from .mlp_chain import MLPChain
 _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {
         "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, max_positions=256),
-        "small": dict(num_layers=6, hidden_size=256, num_heads=8, max_positions=512),
+        "mini": dict(num_layers=6, hidden_size=256, num_heads=8, max_positions=512),  # not GPT-2 small (12x768)
         "medium": dict(num_layers=24, hidden_size=1024, num_heads=16, max_positions=1024),
         "large": dict(num_layers=36, hidden_size=1280, num_heads=20, max_positions=1024),
         "xl": dict(num_layers=48, hidden_size=1600, num_heads=25, max_positions=1024),
     },
     "bert": {
         "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, intermediate_size=256, max_positions=256),
-        "small": dict(num_layers=4, hidden_size=256, num_heads=4, intermediate_size=1024, max_positions=512),
+        "mini": dict(num_layers=4, hidden_size=256, num_heads=4, intermediate_size=1024, max_positions=512),
         "base": dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072, max_positions=512),
         "large": dict(num_layers=24, hidden_size=1024, num_heads=16, intermediate_size=4096, max_positions=512),
     },
@@ -55,7 +55,7 @@ _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             num_channels=1,
             num_labels=10,
         ),
-        "small": dict(
+        "mini": dict(
             num_layers=6,
             hidden_size=256,
             num_heads=8,
@@ -88,7 +88,7 @@ _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "mlp": {
         "tiny": dict(num_layers=4, hidden_size=64, intermediate_size=256, image_size=28, num_channels=1, num_labels=10),
-        "small": dict(
+        "mini": dict(
             num_layers=8, hidden_size=512, intermediate_size=2048, image_size=28, num_channels=1, num_labels=10
         ),
         "base": dict(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..checkpointing import PROFILED_BY_DEFAULT
-from ..core import KEEP, CostTable, format_bytes, profile_summary
+from ..core import KEEP, BudgetError, CostTable, format_bytes, profile_summary
 from . import args as cli_args
 from . import parallel as cli_parallel
 
@@ -32,7 +32,7 @@ def _write_json(path: str | None, payload: Any) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2", help="gpt2, bert, vit or mlp (or e.g. gpt2-medium)")
-    p.add_argument("--preset", default=None, help="tiny, small, medium, base... (default tiny)")
+    p.add_argument("--preset", default=None, help="tiny, mini (6x256), medium, base... (default tiny)")
     p.add_argument("--batch-size", type=cli_args.positive_int, default=8)
     p.add_argument("--seq-len", type=cli_args.positive_int, default=128, help="tokens per sample (text models)")
     p.add_argument("--layers", type=cli_args.positive_int, default=None, help="override the number of layers")
@@ -184,7 +184,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options["k"] = args.k
     if args.fraction is not None:
         options["fraction"] = args.fraction
-    result = plan(costs, args.strategy, args.budget, **options)
+    try:
+        result = plan(costs, args.strategy, args.budget, **options)
+    except BudgetError as error:  # the planner's hint speaks Python; say it in this command's options
+        from ..planning import no_checkpoint_peak
+
+        if error.floor is None:
+            raise
+        share = error.floor / max(no_checkpoint_peak(costs), 1)
+        given = format_bytes(args.budget).replace(" ", "") if isinstance(args.budget, int) else args.budget
+        least = format_bytes(error.floor).replace(" ", "")
+        raise ValueError(
+            f"no exact plan fits --budget {given}: the least any plan reaches is {least}, "
+            f"{share:.2f} of the activations without checkpointing. Give --budget {least} or "
+            f"--budget {min(1.0, share + 0.005):.2f} or more, or a smaller --batch-size or --seq-len"
+        ) from None
     print(f"{_label(spec, args)}, costs from {costs.source} ({costs.device})")
     print(result.table(costs))
     print(f"planned in {time.perf_counter() - start:.1f} s")

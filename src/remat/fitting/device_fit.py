@@ -233,7 +233,7 @@ def _infeasible(
     limit: int, fixed: FixedMemory, costs: CostTable, non_activation: int, size: int | None, device: torch.device
 ) -> MemoryFitError:
     least_activations = minimum_peak_bytes(costs)
-    least = non_activation + least_activations
+    least = max(non_activation + least_activations, fixed.total + fixed.optimizer_step_bytes)
     levers = []
     room = limit - non_activation
     if size and room > 0:

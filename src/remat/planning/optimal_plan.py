@@ -20,6 +20,14 @@ see :mod:`remat.planning.unit_terms`), then to the lower peak. Time terms lie on
 (invariant 1 of :mod:`remat.planning.unit_terms`), so a tie is a real one: unpriced, a segment and checkpoints of its
 blocks cost the same, and the checkpoints win where both fit.
 
+Noise (invariant 1, enforced here): a measured table records how much its time costs move from profile to
+profile (``costs.info["time_noise_s"]``, :mod:`remat.profiling.action_steps`). The search reads every block's
+recomputation and overhead on a grid of that width, so two actions whose costs differ by less than the noise
+are a tie and the fixed order above decides, not the noise: the same model, batch, budget and machine give the
+same plan. The plan's predictions are then made on the table as measured, and ``Plan.options["time_noise_s"]``
+records the width assumed (0 where the table records none, as a table written by hand; ``time_noise_s=``
+overrides it).
+
 Exactness and long chains: the search is exact under the simulator unless a front had to be thinned or
 group lengths were capped (``Plan.options["exact"]`` says which). Thinning rounds the memory axis: partial
 plans whose prefix bytes fall in the same bucket are merged, keeping per bucket the fastest one and the
@@ -34,6 +42,8 @@ them.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from ..core import KEEP, BudgetError, CostTable, current_action, format_bytes, is_legacy, warn_legacy
 from .chain_units import ChainUnits, allowed_actions, holding_arguments
@@ -70,6 +80,7 @@ def optimal(
     actions: list[str] | None = None,
     resolution: int | None = None,
     max_segment: int | None = None,
+    time_noise_s: float | None = None,
 ) -> Plan:
     """The plan of least predicted step time (recomputation plus overheads) whose predicted peak is at most
     ``budget`` bytes.
@@ -98,6 +109,11 @@ def optimal(
         warn_legacy(f"actions={actions!r}", stacklevel=2)
         actions = [current_action(a) for a in actions]
     budget = int(budget)
+    noise = float(costs.info.get(NOISE_KEY, 0.0) if time_noise_s is None else time_noise_s)
+    if noise > 0:  # invariant 1
+        searched = optimal(on_noise_grid(costs, noise), budget, actions=actions, resolution=resolution,
+                           max_segment=max_segment, time_noise_s=0.0)  # fmt: skip
+        return Plan.from_actions(costs, searched.actions, "optimal", budget, **{**searched.options, NOISE_KEY: noise})
     keep_everything: Plan | None = None
     if costs.held_args_bytes and KEEP in allowed_actions(costs, actions)[0]:
         keep_everything = Plan.from_actions(
@@ -116,6 +132,27 @@ def optimal(
     if keep_everything is not None and keep_everything.fits and _rank(costs, keep_everything) <= _rank(costs, plan):
         return keep_everything
     return plan
+
+
+NOISE_KEY = "time_noise_s"
+
+
+def on_noise_grid(costs: CostTable, noise_s: float) -> CostTable:
+    """Invariant 1: ``costs`` with every block's recomputation, overhead and no-grad forward rounded to the
+    nearest multiple of ``noise_s`` seconds."""
+
+    def grid(seconds: float) -> float:
+        return round(seconds / noise_s) * noise_s
+
+    def block(b):  # noqa: ANN001, ANN202
+        return dataclasses.replace(
+            b,
+            recompute_s={a: grid(v) for a, v in b.recompute_s.items()},
+            overhead_s={a: grid(v) for a, v in b.overhead_s.items()},
+            nograd_fwd_s=None if b.nograd_fwd_s is None else grid(b.nograd_fwd_s),
+        )
+
+    return dataclasses.replace(costs, blocks=[block(b) for b in costs.blocks])
 
 
 def _rank(costs: CostTable, plan: Plan) -> tuple[float, int, int, int]:

@@ -34,6 +34,10 @@ pair's nine steps take the profile of the peers' GPT-2 from 4.8-5.0 s to 5.3-5.5
 to 3.9-4.1 s; where the head outweighs the blocks (``remat profile --model gpt2-tiny``: 27 ms of blocks in a
 384 ms step) they cost the most, 10.0 s to 12.2-12.4 s.
 
+How far each action's figure moved from round to round (its range over the square root of the rounds, the median
+over actions and groups of blocks) is ``info["time_noise_s"]``: the optimal planner takes differences below it
+for ties (:mod:`remat.planning.optimal_plan`), so that profiles of the same step give the same plan.
+
 This needs the blocks timed within plain steps (``costs.info["times_from"] == "plain steps"``: one chain of
 blocks each called once, on the CPU) and no other plan on the model; the table says in
 ``info["action_times_from"]`` which figures it holds (``"steps"``, or ``"isolated runs"`` and why).
@@ -202,6 +206,7 @@ def time_actions_in_steps(
         costs.deferred_s_per_byte = deferral_rate(costs, blocks_s[ONE_SEGMENT], blocks_s[CHECKPOINT])
     windows_by = {name: [w for _, w in results] for name, results in steps.items()}
     timed = []
+    errors = []  # per action and group of blocks: how far the round-by-round figures spread, per round's root
     for action in actions:
         pairs = [(run, keep) for run, keep in zip(windows_by[action], windows_by[KEEP], strict=True) if run and keep]
         if not pairs:
@@ -210,9 +215,16 @@ def time_actions_in_steps(
         for rows in same_cost_groups(costs):
             rows = [i for i in rows if action in costs.blocks[i].actions]
             if rows:
+                by_round = [
+                    statistics.median(run[0][i] + run[1][i] - keep[0][i] - keep[1][i] for i in rows)
+                    for run, keep in pairs
+                ]
+                errors.append((max(by_round) - min(by_round)) / len(by_round) ** 0.5)
                 fwd_shift = statistics.median(run[0][i] - keep[0][i] for run, keep in pairs for i in rows)
                 bwd_shift = statistics.median(run[1][i] - keep[1][i] for run, keep in pairs for i in rows)
                 for i in rows:
                     costs.blocks[i] = in_step_block(costs.blocks[i], action, fwd_shift, bwd_shift)
+    if errors:  # the width the optimal planner reads time costs on (remat.planning.optimal_plan, invariant 1)
+        costs.info["time_noise_s"] = statistics.median(errors)
     untimed = [a for a in actions if a not in timed]
     costs.info["action_times_from"] = STEPS if not untimed else f"{STEPS}, {ISOLATED} for {untimed}"

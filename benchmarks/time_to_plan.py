@@ -1,0 +1,140 @@
+"""Time to the first planned step, and whether fresh profiles give the same plan.
+
+For each model (Hugging Face's GPT-2 and Llama built from their configs, random weights, eager attention) at
+each depth, the benchmark measures the plain training step (median of three after one warm-up), then takes
+``--profiles`` fresh profiles (``remat.profile``, the profile cache off) and plans each at ``--budget`` of the
+no-checkpoint activations with ``remat.plan(costs, "optimal", ...)``. It reports profile + plan seconds over
+the plain step (the target is at most 10) and the number of distinct plans over the fresh profiles, with the
+noise grid the profiles recorded (``costs.info["time_noise_s"]``, the default) and without it
+(``time_noise_s=0``): the target is one.
+
+Each setting's row is appended to ``--out`` (JSON lines) as soon as it is measured; a rerun skips the settings
+already there, so an interrupted run resumes.
+
+    .venv/bin/python -m benchmarks.time_to_plan [--models gpt2,llama] [--layers 12,24] [--hidden 384]
+        [--batch 2] [--seq 256] [--profiles 5] [--budget 0.5] [--out docs/results/time-to-plan.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import remat
+from remat.chains import run_step
+
+os.environ.setdefault("REMAT_CACHE_DIR", "off")  # every profile here is a fresh one
+
+
+def build(name: str, layers: int, hidden: int, seq: int, vocab: int) -> nn.Module:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    heads = max(1, hidden // 64)
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
+                                         n_positions=seq, use_cache=False, attn_implementation="eager")  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_attention_heads=heads,
+        num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=seq, use_cache=False,
+        attn_implementation="eager",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def plain_step_s(model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        run_step(model, batch)
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def measure(name: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
+    model = build(name, layers, args.hidden, args.seq, args.vocab)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    step = plain_step_s(model, batch)
+    ratios, noise, with_grid, without_grid = [], [], Counter(), Counter()
+    for _ in range(args.profiles):
+        start = time.perf_counter()
+        costs = remat.profile(model, batch)
+        plan = remat.plan(costs, "optimal", args.budget)
+        ratios.append((time.perf_counter() - start) / step)
+        noise.append(costs.info.get("time_noise_s", 0.0))
+        with_grid[json.dumps(plan.actions)] += 1
+        without_grid[json.dumps(remat.plan(costs, "optimal", args.budget, time_noise_s=0.0).actions)] += 1
+        print(f"  {name} {layers}: profile + plan {ratios[-1]:.1f} plain steps, {plan.action_counts()}", flush=True)
+    return {
+        "model": name,
+        "layers": layers,
+        "hidden": args.hidden,
+        "batch": f"{args.batch}x{args.seq}",
+        "threads": torch.get_num_threads(),
+        "plain_step_s": step,
+        "profile_and_plan_steps": ratios,
+        "time_noise_ms": [n * 1e3 for n in noise],
+        "distinct_plans": len(with_grid),
+        "distinct_plans_without_noise_grid": len(without_grid),
+        "plans": [json.loads(p) for p in with_grid],
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | blocks | plain step | profile + plan, in plain steps (median [min-max]) | distinct plans / "
+        "profiles (noise grid) | without the grid |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        steps = r["profile_and_plan_steps"]
+        lines.append(
+            f"| {r['model']} | {r['layers']} | {r['plain_step_s']:.2f} s | {statistics.median(steps):.1f} "
+            f"[{min(steps):.1f}-{max(steps):.1f}] | {r['distinct_plans']} / {len(steps)} | "
+            f"{r['distinct_plans_without_noise_grid']} / {len(steps)} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gpt2,llama")
+    parser.add_argument("--layers", default="12,24")
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--profiles", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("docs/results/time-to-plan.jsonl"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    done = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
+    for name in args.models.split(","):
+        for layers in [int(n) for n in args.layers.split(",")]:
+            if any(r["model"] == name and r["layers"] == layers for r in done):
+                continue
+            row = measure(name, layers, args)
+            done.append(row)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    print(table(done))
+
+
+if __name__ == "__main__":
+    main()
