@@ -123,3 +123,35 @@ def test_profile_prints_a_policy_a_block_cannot_run_and_why(capsys, monkeypatch)
             f"{fqn}: selective:refuses_all cannot run here, left out of its plans: this policy refuses every operator"
         )
         assert line in printed
+
+
+def readme_commands() -> list[list[str]]:
+    """Each ``remat ...`` line of the README's command-line block, as arguments (continuations joined)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("## Command line", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [shlex.split(line.split("#", 1)[0])[1:] for line in joined.splitlines() if line.startswith("remat ")]
+
+
+def test_the_readmes_commands_parse_and_the_quick_ones_run(tmp_path, monkeypatch, capsys):
+    """Every command the README shows names real options and models; those that run in seconds (the ``meta``
+    device, ``estimate``, a tiny profile) run here. The GPT-2 ``mini`` plan and advice take a minute each and
+    are run by hand (their output is in the README's figures); ``remat bench`` is ``make demo``."""
+    from remat.bench.models import model_config
+    from remat.cli.commands import build_parser
+
+    commands = readme_commands()
+    assert len(commands) >= 6 and commands[0] == ["bench"]
+    monkeypatch.chdir(tmp_path)
+    for argv in commands:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "model", None):
+            name, preset = (args.model.split("-", 1) + [None])[:2] if "-" in args.model else (args.model, args.preset)
+            model_config(name, preset or "tiny")  # the preset exists
+        quick = argv[0] == "estimate" or "meta" in argv or "tiny" in argv
+        if quick:
+            assert main(argv) == 0, (argv, capsys.readouterr().err)

@@ -249,11 +249,13 @@ def test_a_restarted_run_reads_its_profile_from_the_machines_cache(
 
     monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
     memory = int(plain * 0.6)  # no optimizer: its state is not counted, so the plain step needs less than plain
-    first = remat.fit(make_model(), memory, batch=BATCH)
+    with pytest.warns(UserWarning, match="optimizer.*state is not counted"):
+        first = remat.fit(make_model(), memory, batch=BATCH)
     assert first.costs is not None and "cached_from" not in first.costs.info
     assert len(list(tmp_path.glob("*.json"))) == 1
     first.remove()
-    again = remat.fit(make_model(seed=5), memory, batch=BATCH)  # other values, same shapes: the same profile
+    with pytest.warns(UserWarning, match="not counted"):
+        again = remat.fit(make_model(seed=5), memory, batch=BATCH)  # other values, same shapes: the same profile
     assert again.costs is not None and again.costs.info["cached_from"].startswith(str(tmp_path))
     assert again.costs.to_dict()["blocks"] == first.costs.to_dict()["blocks"]
     assert again.plan.actions == first.plan.actions
@@ -266,3 +268,31 @@ def test_a_restarted_run_reads_its_profile_from_the_machines_cache(
         path.write_text("{not json")
     costs = cached_profile(make_model(), BATCH, step=step, policies="menu")
     assert "cached_from" not in costs.info
+
+
+def test_whisper_plans_its_encoder_and_decoder_under_one_budget_with_exact_gradients() -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.WhisperConfig(
+        d_model=64, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=32, max_target_positions=32,
+        vocab_size=256, use_cache=False, dropout=0.1, pad_token_id=0, decoder_start_token_id=1, eos_token_id=2,
+        bos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config)
+    torch.manual_seed(0)
+    reference = transformers.WhisperForConditionalGeneration(config)
+    generator = torch.Generator().manual_seed(0)
+    batch = {"input_features": torch.randn(2, 16, 64, generator=generator),
+             "labels": torch.randint(3, 256, (2, 16), generator=generator)}  # fmt: skip
+    session = remat.fit(model, activations=0.5, batch=batch)  # no blocks=: both chains
+    planned = set(session.plan.actions)
+    assert planned == {f"model.{side}.layers.{i}" for side in ("encoder", "decoder") for i in range(3)}
+    assert session.costs is not None and len(session.costs.chain_lengths) == 2
+    for m in (model, reference):
+        torch.manual_seed(1)  # dropout on: the recomputed blocks replay the same masks
+        m(**batch).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+    session.remove()

@@ -328,3 +328,31 @@ def test_bad_arguments_say_what_to_do() -> None:
         optimal(costs, 10**9, actions=["segment"])
     with pytest.raises(ValueError, match="resolution"):
         optimal(costs, 10**9, resolution=0)
+
+
+def _profiled_twice(policy_s: float, noise_s: float | None) -> remat.Plan:
+    """Four blocks where a policy saving more than checkpointing costs ``policy_s`` against checkpointing's
+    1 ms: two profiles that read it a little above and a little below."""
+    from remat.core import BlockCost, CostTable
+
+    rows = [
+        BlockCost(f"b{i}", 1e-3, 2e-3, 100, 100,
+                  saved_bytes={"keep": 1000, "checkpoint": 100, "selective:dots_saveable": 300},
+                  recompute_s={"keep": 0.0, "checkpoint": 1e-3, "selective:dots_saveable": policy_s})  # fmt: skip
+        for i in range(4)
+    ]
+    info = {} if noise_s is None else {"time_noise_s": noise_s}
+    costs = CostTable(rows, stem_bytes=100, head_bytes=100, info=info)
+    return remat.plan(costs, "optimal", 1400)
+
+
+def test_actions_within_the_profiles_noise_plan_alike_profile_after_profile() -> None:
+    # Without a recorded noise the planner takes the faster reading, which flips between the two profiles.
+    assert _profiled_twice(0.95e-3, None).actions != _profiled_twice(1.05e-3, None).actions
+    # With the noise the profiles measured (0.2 ms), the policy saves no time beyond it and holds more: both
+    # profiles give the same plan, and it says the width it assumed.
+    first, second = _profiled_twice(0.95e-3, 2e-4), _profiled_twice(1.05e-3, 2e-4)
+    assert first.actions == second.actions and set(first.actions.values()) <= {"keep", "checkpoint"}
+    assert first.options["time_noise_s"] == 2e-4
+    # A saving well beyond the noise is still taken.
+    assert "selective:dots_saveable" in _profiled_twice(0.5e-3, 2e-4).actions.values()

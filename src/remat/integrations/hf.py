@@ -87,10 +87,6 @@ def layers(model: nn.Module) -> Any:
     return found
 
 
-def _hf_flagged(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-
-
 class HFSession(RematSession):
     """A :class:`~remat.integrations.session.RematSession` on a Hugging Face model; made by :func:`enable`."""
 
@@ -99,14 +95,6 @@ class HFSession(RematSession):
         self._config = config
         self._use_cache = getattr(config, "use_cache", None)
         self._flag_modules = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
-        self._hf_flags = _hf_flagged(model)
-        if self._hf_flags:
-            log.warning(
-                "remat: Hugging Face gradient checkpointing was on; remat switched it off (its plan decides what is "
-                "recomputed). remove() switches it back on."
-            )
-        for module in self._hf_flags:
-            module.gradient_checkpointing = False
         if config is not None and getattr(config, "use_cache", None):
             config.use_cache = False
         self._warned: set[str] = set()
@@ -159,8 +147,6 @@ class HFSession(RematSession):
         self._guard.remove()
         if self._config is not None and self._use_cache is not None:
             self._config.use_cache = self._use_cache
-        for module in self._hf_flags:
-            module.gradient_checkpointing = True
 
     def remove(self) -> None:
         """Remove remat's hooks and restore ``config.use_cache`` and Hugging Face's checkpointing flags."""

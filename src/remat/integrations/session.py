@@ -50,6 +50,10 @@ from ..runtime import RecomputeStats, RematHandle, apply
 
 log = logging.getLogger("remat.integrations")
 
+HF_FLAG_OFF = (
+    "remat: Hugging Face gradient checkpointing was on; remat switched it off (its plan decides what is "
+    "recomputed). remove() switches it back on."
+)
 PGAC_OPTIONS = frozenset(
     {"alpha", "q", "gamma", "every", "total_steps", "measure", "overshoot_penalty", "history_limit"}
 )
@@ -135,6 +139,36 @@ class RematSession:
         if sync is None:
             sync = "global" if distributed_world(process_group) > 1 else None
         self.model = model
+        # Hugging Face's own checkpointing flag, on any door: switched off with one warning, back on at remove().
+        self._hf_flags = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+        if self._hf_flags:
+            log.warning(HF_FLAG_OFF)
+        for module in self._hf_flags:
+            module.gradient_checkpointing = False
+        try:
+            self._start(model, strategy, budget, costs, batch, plan, spec, sync, process_group, auto_step, memory,
+                        optimizer, options)  # fmt: skip
+        except BaseException:
+            self._restore_hf_flags()
+            raise
+
+    def _start(
+        self,
+        model: nn.Module,
+        strategy: str,
+        budget: int | float | str | None,
+        costs: CostTable | None,
+        batch: Any,
+        plan: Plan | None,
+        spec: StepSpec,
+        sync: str | None,
+        process_group: Any,
+        auto_step: bool,
+        memory: int | str | None,
+        optimizer: torch.optim.Optimizer | None,
+        options: dict[str, Any],
+    ) -> None:
+        blocks = spec.blocks
         self.strategy = strategy
         self.budget = budget
         self.memory = memory
@@ -181,6 +215,7 @@ class RematSession:
         else:
             if plan is None and memory is not None and self.costs is None and batch is not None:
                 _refuse_compiled(chain)
+                self._warn_without_optimizer()
                 self.fitted = fit_memory(model, batch, memory, optimizer=optimizer, step=profiled_step, **options)
                 self.costs = self.fitted.costs
                 plan = self._shared_plan(self.fitted.plan)
@@ -350,6 +385,7 @@ class RematSession:
         if self.memory is None:
             return make_plan(costs, self.strategy, self.budget, **self.options)
         # No step to measure: the activations get what the fixed memory leaves, every gradient counted.
+        self._warn_without_optimizer()
         device = model_device(self.model)
         limit = device_memory(self.memory, device)
         fixed = fixed_memory(self.model, self.optimizer)
@@ -357,6 +393,14 @@ class RematSession:
         plan = make_plan(costs, self.strategy, budget, **self.options)
         self.fitted = MemoryFit(limit, fixed, plan, costs, None, None, budget, fixed.total)
         return plan
+
+    def _warn_without_optimizer(self) -> None:
+        if self.optimizer is None:
+            warnings.warn(
+                "remat.fit: no optimizer given or seen yet, so its state is not counted in memory= (AdamW's is "
+                "twice the parameters): pass optimizer=",
+                stacklevel=4,
+            )
 
     def _shared_plan(self, plan: Plan) -> Plan:
         """Rank 0's plan on every rank under ``sync="global"`` (each rank's measured fit could differ)."""
@@ -443,7 +487,13 @@ class RematSession:
             self.handle.remove()
         if getattr(self.model, "_remat_session", None) is self:
             del self.model._remat_session
+        self._restore_hf_flags()
         self._removed = True
+
+    def _restore_hf_flags(self) -> None:
+        for module in self._hf_flags:
+            module.gradient_checkpointing = True
+        self._hf_flags = []
 
     def _check_live(self) -> None:
         if self._removed:

@@ -21,12 +21,13 @@ see :mod:`remat.planning.unit_terms`), then to the lower peak. Time terms lie on
 blocks cost the same, and the checkpoints win where both fit.
 
 Noise (invariant 1, enforced here): a measured table records how much its time costs move from profile to
-profile (``costs.info["time_noise_s"]``, :mod:`remat.profiling.action_steps`). The search reads every block's
-recomputation and overhead on a grid of that width, so two actions whose costs differ by less than the noise
-are a tie and the fixed order above decides, not the noise: the same model, batch, budget and machine give the
-same plan. The plan's predictions are then made on the table as measured, and ``Plan.options["time_noise_s"]``
-records the width assumed (0 where the table records none, as a table written by hand; ``time_noise_s=``
-overrides it).
+profile (``costs.info["time_noise_s"]``, :mod:`remat.profiling.action_steps`). The search leaves out, per block,
+an action that holds more memory than another for a time saving within the noise (:func:`noise_dominated`), and
+reads every block's recomputation and overhead on a grid of that width, so two actions whose costs differ by
+less than the noise are a tie and the fixed order above decides, not the noise: the same model, batch, budget
+and machine give the same plan. The plan's predictions are then made on the table as measured, and
+``Plan.options["time_noise_s"]`` records the width assumed (0 where the table records none, as a table written by
+hand; ``time_noise_s=`` overrides it).
 
 Exactness and long chains: the search is exact under the simulator unless a front had to be thinned or
 group lengths were capped (``Plan.options["exact"]`` says which). Thinning rounds the memory axis: partial
@@ -45,7 +46,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..core import KEEP, BudgetError, CostTable, current_action, format_bytes, is_legacy, warn_legacy
+from ..core import (
+    CHECKPOINT,
+    KEEP,
+    BlockCost,
+    BudgetError,
+    CostTable,
+    current_action,
+    format_bytes,
+    is_legacy,
+    warn_legacy,
+)
 from .chain_units import ChainUnits, allowed_actions, holding_arguments
 from .plan import Plan
 from .search import Search, default_max_segment, front_limit, suffix_need
@@ -111,8 +122,12 @@ def optimal(
     budget = int(budget)
     noise = float(costs.info.get(NOISE_KEY, 0.0) if time_noise_s is None else time_noise_s)
     if noise > 0:  # invariant 1
-        searched = optimal(on_noise_grid(costs, noise), budget, actions=actions, resolution=resolution,
-                           max_segment=max_segment, time_noise_s=0.0)  # fmt: skip
+        gridded = on_noise_grid(costs, noise)
+        if actions is not None:  # those the grid left out on every block are left out of the choices
+            actions = [a for a in actions if any(a in b.actions for b in gridded.blocks)
+                       or not any(a in b.actions for b in costs.blocks)]  # fmt: skip
+        searched = optimal(gridded, budget, actions=actions, resolution=resolution, max_segment=max_segment,
+                           time_noise_s=0.0)  # fmt: skip
         return Plan.from_actions(costs, searched.actions, "optimal", budget, **{**searched.options, NOISE_KEY: noise})
     keep_everything: Plan | None = None
     if costs.held_args_bytes and KEEP in allowed_actions(costs, actions)[0]:
@@ -139,20 +154,45 @@ NOISE_KEY = "time_noise_s"
 
 def on_noise_grid(costs: CostTable, noise_s: float) -> CostTable:
     """Invariant 1: ``costs`` with every block's recomputation, overhead and no-grad forward rounded to the
-    nearest multiple of ``noise_s`` seconds."""
+    nearest multiple of ``noise_s`` seconds, and without the actions a block holds more memory under for no
+    time saving beyond the noise (:func:`noise_dominated`)."""
 
     def grid(seconds: float) -> float:
         return round(seconds / noise_s) * noise_s
 
     def block(b):  # noqa: ANN001, ANN202
+        dropped = noise_dominated(b, noise_s)
         return dataclasses.replace(
             b,
-            recompute_s={a: grid(v) for a, v in b.recompute_s.items()},
-            overhead_s={a: grid(v) for a, v in b.overhead_s.items()},
+            saved_bytes={a: v for a, v in b.saved_bytes.items() if a not in dropped},
+            recompute_s={a: grid(v) for a, v in b.recompute_s.items() if a not in dropped},
+            overhead_s={a: grid(v) for a, v in b.overhead_s.items() if a not in dropped},
             nograd_fwd_s=None if b.nograd_fwd_s is None else grid(b.nograd_fwd_s),
+            unavailable=b.unavailable | dict.fromkeys(dropped, "within the noise of an action holding less"),
         )
 
     return dataclasses.replace(costs, blocks=[block(b) for b in costs.blocks])
+
+
+def noise_dominated(block: BlockCost, noise_s: float) -> set[str]:
+    """The single-block actions of ``block`` that another of its actions matches in memory (no more bytes saved,
+    no higher backward peak) within ``noise_s`` of its time cost: a choice between them would be the noise's.
+    ``keep`` and ``checkpoint`` always stay (groups are built from them)."""
+    actions = block.actions
+    dropped = set()
+    for b in actions:
+        if b in (KEEP, CHECKPOINT):
+            continue
+        for a in actions:
+            if a == b or a in dropped:
+                continue
+            leaner = block.saved(a) <= block.saved(b) and block.bwd_extra_bytes.get(a, 0) <= block.bwd_extra_bytes.get(
+                b, 0
+            )
+            if leaner and block.time_cost(a) <= block.time_cost(b) + noise_s:
+                dropped.add(b)
+                break
+    return dropped
 
 
 def _rank(costs: CostTable, plan: Plan) -> tuple[float, int, int, int]:
