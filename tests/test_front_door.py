@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from toy_models import resident_bytes
 
 import remat
 from remat.fitting import MemoryFitError, device_memory, fixed_memory
@@ -32,16 +33,6 @@ def make_model(seed: int = 0, blocks: int = 6, width: int = 128) -> nn.Module:
 
 
 BATCH = torch.randn(1024, 32, generator=torch.Generator().manual_seed(1))
-
-
-def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """What lives on the device between steps: parameters, buffers and optimizer state (each storage once)."""
-    seen: dict[int, int] = {}
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    for t in tensors:
-        seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> tuple[int, list]:

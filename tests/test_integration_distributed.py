@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from toy_models import resident_bytes
 
 import remat
 from remat.integrations import distributed
@@ -120,14 +121,6 @@ def momentum(parameters: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameters, lr=0.01, momentum=0.9)
 
 
-def resident(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Parameters, gradients and optimizer state on this rank, each storage once (local shards under FSDP2)."""
-    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
-    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in local}.values())
-
-
 def plain_whole_peak(rank: int) -> int:
     """The whole peak of a plain step on this rank's batch, once the optimizer's state exists."""
     torch.manual_seed(0)
@@ -135,7 +128,7 @@ def plain_whole_peak(rank: int) -> int:
     optimizer = momentum(model.parameters())
     peaks = []
     for step in range(2):
-        start = resident(model, optimizer)
+        start = resident_bytes(model, optimizer)
         with remat.measure() as meter:
             model(wide_data(rank, step)).backward()
             optimizer.step()
@@ -162,7 +155,7 @@ def _memory_scenario(rank: int, wrapper: str, sample: bool) -> dict[str, Any]:
     grads, peaks = [], []
     for step in range(STEPS):
         torch.manual_seed(10 * step + rank)
-        start = resident(trained, optimizer)
+        start = resident_bytes(trained, optimizer)
         with remat.measure() as meter:
             trained(wide_data(rank, step)).backward()
             grads.append(distributed.full_gradients(trained))

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from toy_models import tiny_gpt2
+from toy_models import resident_bytes, tiny_gpt2
 
 import remat
 
@@ -245,9 +245,7 @@ def test_remat_fit_keeps_the_trainers_whole_step_within_memory(tmp_path: Any) ->
 
         def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                           **kwargs: Any) -> None:  # fmt: skip
-            tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
-            tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-            self.resident = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+            self.resident = resident_bytes(model, optimizer)
             self.tracker = LiveTensorTracker("cpu").__enter__()
 
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:

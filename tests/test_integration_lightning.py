@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from toy_models import resident_bytes
 
 import remat
 from remat.integrations.lightning import LIGHTNING, RematCallback, forward_root
@@ -147,10 +148,7 @@ class StepMeter(L.Callback if LIGHTNING is not None else object):  # type: ignor
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         from remat.meters import LiveTensorTracker
 
-        tensors = [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None)]
-        for optimizer in trainer.optimizers:
-            tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-        self._resident = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+        self._resident = resident_bytes(module, *trainer.optimizers)
         self._tracker = LiveTensorTracker("cpu").__enter__()
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

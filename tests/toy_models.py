@@ -230,3 +230,13 @@ def planned_lm_step(
     finally:
         handle.remove()
     return result, measured.activation_bytes, plan
+
+
+def resident_bytes(model: nn.Module, *optimizers: torch.optim.Optimizer) -> int:
+    """What a training step starts with on the device: parameters, their gradients where they exist, and the
+    optimizers' state, each storage once (a sharded tensor's local shard)."""
+    tensors: list[Any] = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    for optimizer in optimizers:
+        tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in local}.values())

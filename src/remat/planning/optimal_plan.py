@@ -22,8 +22,9 @@ blocks cost the same, and the checkpoints win where both fit.
 
 Noise (invariant 1, enforced here): a measured table records how much its time costs move from profile to
 profile (``costs.info["time_noise_s"]``, :mod:`remat.profiling.action_steps`). The search leaves out, per block,
-an action that holds more memory than another for a time saving within the noise (:func:`noise_dominated`), and
-reads every block's recomputation and overhead on a grid of that width, so two actions whose costs differ by
+an action that holds more memory than another for a time saving within the noise (:func:`noise_dominated`),
+takes a per-operator policy or offload over keeping or checkpointing only where it saves more than the noise,
+and reads every block's recomputation and overhead on a grid of that width, so two actions whose costs differ by
 less than the noise are a tie and the fixed order above decides, not the noise: the same model, batch, budget
 and machine give the same plan. The plan's predictions are then made on the table as measured, and
 ``Plan.options["time_noise_s"]`` records the width assumed (0 where the table records none, as a table written by
@@ -122,7 +123,7 @@ def optimal(
     budget = int(budget)
     noise = float(costs.info.get(NOISE_KEY, 0.0) if time_noise_s is None else time_noise_s)
     if noise > 0:  # invariant 1
-        gridded = on_noise_grid(costs, noise)
+        gridded = on_noise_grid(costs, noise, actions)
         if actions is not None:  # those the grid left out on every block are left out of the choices
             actions = [a for a in actions if any(a in b.actions for b in gridded.blocks)
                        or not any(a in b.actions for b in costs.blocks)]  # fmt: skip
@@ -152,21 +153,24 @@ def optimal(
 NOISE_KEY = "time_noise_s"
 
 
-def on_noise_grid(costs: CostTable, noise_s: float) -> CostTable:
+def on_noise_grid(costs: CostTable, noise_s: float, actions: list[str] | None = None) -> CostTable:
     """Invariant 1: ``costs`` with every block's recomputation, overhead and no-grad forward rounded to the
-    nearest multiple of ``noise_s`` seconds, and without the actions a block holds more memory under for no
-    time saving beyond the noise (:func:`noise_dominated`)."""
+    nearest multiple of ``noise_s`` seconds, every action but keep and checkpoint ``noise_s`` dearer (a
+    per-operator policy or offload is taken where it saves more than the noise), and without the actions a block
+    holds more memory under for no time saving beyond the noise (:func:`noise_dominated`)."""
 
     def grid(seconds: float) -> float:
         return round(seconds / noise_s) * noise_s
 
     def block(b):  # noqa: ANN001, ANN202
-        dropped = noise_dominated(b, noise_s)
+        dropped = noise_dominated(b, noise_s, actions)
+        # Keeping and checkpointing are the default; any other action must save more than the noise to be taken.
+        surcharge = {a: 0.0 if a in (KEEP, CHECKPOINT) else noise_s for a in b.recompute_s}
         return dataclasses.replace(
             b,
             saved_bytes={a: v for a, v in b.saved_bytes.items() if a not in dropped},
             recompute_s={a: grid(v) for a, v in b.recompute_s.items() if a not in dropped},
-            overhead_s={a: grid(v) for a, v in b.overhead_s.items() if a not in dropped},
+            overhead_s={a: grid(b.overhead_s.get(a, 0.0) + surcharge[a]) for a in b.recompute_s if a not in dropped},
             nograd_fwd_s=None if b.nograd_fwd_s is None else grid(b.nograd_fwd_s),
             unavailable=b.unavailable | dict.fromkeys(dropped, "within the noise of an action holding less"),
         )
@@ -174,17 +178,18 @@ def on_noise_grid(costs: CostTable, noise_s: float) -> CostTable:
     return dataclasses.replace(costs, blocks=[block(b) for b in costs.blocks])
 
 
-def noise_dominated(block: BlockCost, noise_s: float) -> set[str]:
-    """The single-block actions of ``block`` that another of its actions matches in memory (no more bytes saved,
-    no higher backward peak) within ``noise_s`` of its time cost: a choice between them would be the noise's.
-    ``keep`` and ``checkpoint`` always stay (groups are built from them)."""
+def noise_dominated(block: BlockCost, noise_s: float, allowed: list[str] | None = None) -> set[str]:
+    """The single-block actions of ``block`` that another of its actions (one of ``allowed``, default any)
+    matches in memory (no more bytes saved, no higher backward peak) within ``noise_s`` of its time cost: a
+    choice between them would be the noise's. ``keep`` and ``checkpoint`` always stay (groups are built from
+    them)."""
     actions = block.actions
     dropped = set()
     for b in actions:
         if b in (KEEP, CHECKPOINT):
             continue
         for a in actions:
-            if a == b or a in dropped:
+            if a == b or a in dropped or (allowed is not None and a not in allowed):
                 continue
             leaner = block.saved(a) <= block.saved(b) and block.bwd_extra_bytes.get(a, 0) <= block.bwd_extra_bytes.get(
                 b, 0
