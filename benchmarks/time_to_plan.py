@@ -13,6 +13,7 @@ already there, so an interrupted run resumes.
 
     .venv/bin/python -m benchmarks.time_to_plan [--models gpt2,llama] [--layers 12,24] [--hidden 384]
         [--batch 2] [--seq 256] [--profiles 5] [--budget 0.5] [--out docs/results/time-to-plan.jsonl]
+        [--tables DIR]
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ def measure(name: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
     batch = {"input_ids": ids, "labels": ids}
     step = plain_step_s(model, batch)
     ratios, noise, with_grid, without_grid = [], [], Counter(), Counter()
-    for _ in range(args.profiles):
+    for i in range(args.profiles):
         start = time.perf_counter()
         costs = remat.profile(model, batch)
+        if args.tables is not None:
+            args.tables.mkdir(parents=True, exist_ok=True)
+            (args.tables / f"{name}-{layers}-{i}.json").write_text(costs.to_json())
         plan = remat.plan(costs, "optimal", args.budget)
         ratios.append((time.perf_counter() - start) / step)
         noise.append(costs.info.get("time_noise_s", 0.0))
@@ -121,6 +125,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("docs/results/time-to-plan.jsonl"))
+    parser.add_argument("--tables", type=Path, default=None, help="keep each profile's cost table here (JSON)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     done = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []

@@ -276,3 +276,39 @@ def test_remat_fit_keeps_the_trainers_whole_step_within_memory(tmp_path: Any) ->
     for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q), name
     session.remove()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs accelerate")
+def test_remat_fit_before_accelerate_keeps_the_whole_step_within_memory() -> None:
+    """``remat.fit(model, memory, batch=..., optimizer=...)`` then ``accelerator.prepare``: every step's whole
+    peak is within ``memory`` from the first step on, and the weights are those of training without
+    checkpointing."""
+    from accelerate import Accelerator
+
+    samples = [{k: torch.cat([v] * 4, dim=1) for k, v in batch(i).items()} for i in range(3)]
+
+    def train(memory: int | None) -> tuple[torch.nn.Module, list[int], Any]:
+        torch.manual_seed(0)
+        model = tiny_gpt2(4, n_embd=64, vocab=VOCAB, n_positions=128, use_cache=False)
+        optimizer = torch.optim.AdamW(model.parameters())
+        session = remat.fit(model, memory, batch=samples[0], optimizer=optimizer) if memory else None
+        prepared, optimizer = Accelerator(cpu=True).prepare(model, optimizer)
+        peaks = []
+        for step, sample in enumerate(samples):
+            start = resident_bytes(model, optimizer)
+            torch.manual_seed(step)
+            with remat.measure() as meter:
+                prepared(**sample).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            peaks.append(start + meter.peak_bytes)
+        return model, peaks, session
+
+    reference, plain_peaks, _ = train(None)
+    memory = int(max(plain_peaks[1:]) * 0.85)
+    trained, peaks, session = train(memory)
+    assert session.plan.action_counts() != "4 keep" and session.fitted.measured.whole <= memory
+    assert max(peaks) <= memory * 1.02, (peaks, memory)
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    session.remove()

@@ -22,13 +22,13 @@ blocks cost the same, and the checkpoints win where both fit.
 
 Noise (invariant 1, enforced here): a measured table records how much its time costs move from profile to
 profile (``costs.info["time_noise_s"]``, :mod:`remat.profiling.action_steps`). The search leaves out, per block,
-an action that holds more memory than another for a time saving within the noise (:func:`noise_dominated`),
-takes a per-operator policy or offload over keeping or checkpointing only where it saves more than the noise,
-and reads every block's recomputation and overhead on a grid of that width, so two actions whose costs differ by
-less than the noise are a tie and the fixed order above decides, not the noise: the same model, batch, budget
-and machine give the same plan. The plan's predictions are then made on the table as measured, and
-``Plan.options["time_noise_s"]`` records the width assumed (0 where the table records none, as a table written by
-hand; ``time_noise_s=`` overrides it).
+an action that holds more memory than another for a time saving within twice the noise (:func:`noise_dominated`),
+and takes a per-operator policy or offload over keeping or checkpointing only where it saves more than the
+noise (:func:`within_noise`). A choice the noise could flip is made by that fixed order instead, so that the same
+model, batch, budget and machine give the same plan profile after profile (``benchmarks/time_to_plan.py``
+counts them). The plan's predictions are then made on the table as measured, and
+``Plan.options["time_noise_s"]`` records the noise assumed (0 where the table records none, as a table written
+by hand; ``time_noise_s=`` overrides it).
 
 Exactness and long chains: the search is exact under the simulator unless a front had to be thinned or
 group lengths were capped (``Plan.options["exact"]`` says which). Thinning rounds the memory axis: partial
@@ -123,11 +123,11 @@ def optimal(
     budget = int(budget)
     noise = float(costs.info.get(NOISE_KEY, 0.0) if time_noise_s is None else time_noise_s)
     if noise > 0:  # invariant 1
-        gridded = on_noise_grid(costs, noise, actions)
-        if actions is not None:  # those the grid left out on every block are left out of the choices
-            actions = [a for a in actions if any(a in b.actions for b in gridded.blocks)
+        read = within_noise(costs, noise, actions)
+        if actions is not None:  # those left out on every block are left out of the choices
+            actions = [a for a in actions if any(a in b.actions for b in read.blocks)
                        or not any(a in b.actions for b in costs.blocks)]  # fmt: skip
-        searched = optimal(gridded, budget, actions=actions, resolution=resolution, max_segment=max_segment,
+        searched = optimal(read, budget, actions=actions, resolution=resolution, max_segment=max_segment,
                            time_noise_s=0.0)  # fmt: skip
         return Plan.from_actions(costs, searched.actions, "optimal", budget, **{**searched.options, NOISE_KEY: noise})
     keep_everything: Plan | None = None
@@ -153,25 +153,20 @@ def optimal(
 NOISE_KEY = "time_noise_s"
 
 
-def on_noise_grid(costs: CostTable, noise_s: float, actions: list[str] | None = None) -> CostTable:
-    """Invariant 1: ``costs`` with every block's recomputation, overhead and no-grad forward rounded to the
-    nearest multiple of ``noise_s`` seconds, every action but keep and checkpoint ``noise_s`` dearer (a
-    per-operator policy or offload is taken where it saves more than the noise), and without the actions a block
-    holds more memory under for no time saving beyond the noise (:func:`noise_dominated`)."""
-
-    def grid(seconds: float) -> float:
-        return round(seconds / noise_s) * noise_s
+def within_noise(costs: CostTable, noise_s: float, actions: list[str] | None = None) -> CostTable:
+    """Invariant 1: ``costs`` as the search reads it under a measured noise of ``noise_s`` seconds: every
+    action but keep and checkpoint ``noise_s`` dearer (a per-operator policy or offload is taken where it saves
+    more than the noise), and without the actions a block holds more memory under for a time saving within
+    twice the noise (:func:`noise_dominated`: the difference of two figures each off by up to the noise)."""
 
     def block(b):  # noqa: ANN001, ANN202
-        dropped = noise_dominated(b, noise_s, actions)
-        # Keeping and checkpointing are the default; any other action must save more than the noise to be taken.
+        dropped = noise_dominated(b, 2 * noise_s, actions)
         surcharge = {a: 0.0 if a in (KEEP, CHECKPOINT) else noise_s for a in b.recompute_s}
         return dataclasses.replace(
             b,
             saved_bytes={a: v for a, v in b.saved_bytes.items() if a not in dropped},
-            recompute_s={a: grid(v) for a, v in b.recompute_s.items() if a not in dropped},
-            overhead_s={a: grid(b.overhead_s.get(a, 0.0) + surcharge[a]) for a in b.recompute_s if a not in dropped},
-            nograd_fwd_s=None if b.nograd_fwd_s is None else grid(b.nograd_fwd_s),
+            recompute_s={a: v for a, v in b.recompute_s.items() if a not in dropped},
+            overhead_s={a: b.overhead_s.get(a, 0.0) + surcharge[a] for a in b.recompute_s if a not in dropped},
             unavailable=b.unavailable | dict.fromkeys(dropped, "within the noise of an action holding less"),
         )
 
