@@ -5,8 +5,9 @@ The plain step's whole peak (parameters, gradients, AdamW's state, activations; 
 what is resident when the step starts) is measured from the second step on. For each share of it, a fresh copy
 of the model is fitted with ``remat.fit(model, share * plain, batch=..., optimizer=...)``; then three training
 steps of it run, each measured whole, and its steps are timed against a plain copy's, interleaved round by
-round (order reversed every other round), beside an A/A pair of two plain copies. Gradients of the fitted model
-are compared bitwise with the plain copy's on the same batch and seed.
+round (order reversed every other round), beside an A/A pair of two plain copies. The loop keeps only the loss
+(``model(**batch).loss.backward()``), and the fit is told so (``StepSpec(holds_output=False)``). Gradients of the
+fitted model are compared bitwise with the plain copy's on the same batch and seed.
 
 Rows are appended to ``--out`` (JSON lines) as they are measured; a rerun skips the rows already there.
 
@@ -82,7 +83,8 @@ def measure(name: str, share: float, plain_peak: int, batch: dict[str, torch.Ten
     memory = int(share * plain_peak)
     began = time.perf_counter()
     try:
-        session = remat.fit(model, memory, batch=batch, optimizer=optimizer)
+        # The loop below keeps only the loss, as the Trainer does: the step is profiled that way.
+        session = remat.fit(model, memory, batch=batch, optimizer=optimizer, step=remat.StepSpec(holds_output=False))
     except remat.BudgetError as error:
         return {"model": name, "share": share, "memory": memory, "refused": str(error), "floor": error.floor}
     fit_s = time.perf_counter() - began

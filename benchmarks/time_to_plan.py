@@ -5,8 +5,8 @@ each depth, the benchmark measures the plain training step (median of three afte
 ``--profiles`` fresh profiles (``remat.profile``, the profile cache off) and plans each at ``--budget`` of the
 no-checkpoint activations with ``remat.plan(costs, "optimal", ...)``. It reports profile + plan seconds over
 the plain step (the target is at most 10) and the number of distinct plans over the fresh profiles, with the
-noise grid the profiles recorded (``costs.info["time_noise_s"]``, the default) and without it
-(``time_noise_s=0``): the target is one.
+optimal planner's noise rule on the noise each profile recorded (``costs.info["time_noise_s"]``, the default)
+and without it (``time_noise_s=0``): the target is one.
 
 Each setting's row is appended to ``--out`` (JSON lines) as soon as it is measured; a rerun skips the settings
 already there, so an interrupted run resumes.
@@ -69,7 +69,7 @@ def measure(name: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     step = plain_step_s(model, batch)
-    ratios, noise, with_grid, without_grid = [], [], Counter(), Counter()
+    ratios, noise, with_rule, without_rule = [], [], Counter(), Counter()
     for i in range(args.profiles):
         start = time.perf_counter()
         costs = remat.profile(model, batch)
@@ -79,8 +79,8 @@ def measure(name: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
         plan = remat.plan(costs, "optimal", args.budget)
         ratios.append((time.perf_counter() - start) / step)
         noise.append(costs.info.get("time_noise_s", 0.0))
-        with_grid[json.dumps(plan.actions)] += 1
-        without_grid[json.dumps(remat.plan(costs, "optimal", args.budget, time_noise_s=0.0).actions)] += 1
+        with_rule[json.dumps(plan.actions)] += 1
+        without_rule[json.dumps(remat.plan(costs, "optimal", args.budget, time_noise_s=0.0).actions)] += 1
         print(f"  {name} {layers}: profile + plan {ratios[-1]:.1f} plain steps, {plan.action_counts()}", flush=True)
     return {
         "model": name,
@@ -91,16 +91,16 @@ def measure(name: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
         "plain_step_s": step,
         "profile_and_plan_steps": ratios,
         "time_noise_ms": [n * 1e3 for n in noise],
-        "distinct_plans": len(with_grid),
-        "distinct_plans_without_noise_grid": len(without_grid),
-        "plans": [json.loads(p) for p in with_grid],
+        "distinct_plans": len(with_rule),
+        "distinct_plans_without_noise_rule": len(without_rule),
+        "plans": [json.loads(p) for p in with_rule],
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | blocks | plain step | profile + plan, in plain steps (median [min-max]) | distinct plans / "
-        "profiles (noise grid) | without the grid |",
+        "profiles (noise rule) | without it |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -108,7 +108,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['model']} | {r['layers']} | {r['plain_step_s']:.2f} s | {statistics.median(steps):.1f} "
             f"[{min(steps):.1f}-{max(steps):.1f}] | {r['distinct_plans']} / {len(steps)} | "
-            f"{r['distinct_plans_without_noise_grid']} / {len(steps)} |"
+            f"{r['distinct_plans_without_noise_rule']} / {len(steps)} |"
         )
     return "\n".join(lines)
 
