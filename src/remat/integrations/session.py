@@ -146,104 +146,84 @@ class RematSession:
         for module in self._hf_flags:
             module.gradient_checkpointing = False
         try:
-            self._start(model, strategy, budget, costs, batch, plan, spec, sync, process_group, auto_step, memory,
-                        optimizer, options)  # fmt: skip
+            self.strategy = strategy
+            self.budget = budget
+            self.memory = memory
+            self.optimizer = optimizer
+            self.fitted: MemoryFit | None = None  # how the plan was fitted to memory= (None without memory=)
+            self.options = dict(options)
+            self.sync = sync
+            self.process_group = process_group
+            self.costs: CostTable | None = costs
+            self.step_autocast: AutocastSpec | None = None  # seen in the first training forward
+            self.pgac: Any = None
+            self._profiler: BlockProfiler | None = None
+            self._hooks: list[Any] = []
+            self._global_hooks: list[Any] = []
+            self._owners: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+            self._removed = False
+            chain = resolve_blocks(model, blocks)
+            # What profiles see: several chains stay several (planned together), else the chain; hooks go on the chain.
+            self._profiled: Any = profiled_blocks(model, blocks)
+            self._warned_eval = False
+            profiled_step, hooked_step = replace(spec, blocks=self._profiled), replace(spec, blocks=chain)
+
+            if strategy == "pgac":
+                unknown = set(options) - PGAC_OPTIONS
+                if unknown:
+                    raise TypeError(f"unknown PGAC options {sorted(unknown)}; PGAC takes {sorted(PGAC_OPTIONS)}")
+                if plan is not None:
+                    raise ValueError("strategy='pgac' makes its own plans; pass costs= or nothing, not plan=")
+                if costs is None:
+                    _refuse_compiled(chain)  # PGAC would profile the first step
+                    if batch is not None:
+                        self.costs = profile(model, batch, step=profiled_step)
+                self.pgac = PGAC(
+                    model,
+                    budget,
+                    costs=self.costs,
+                    sync=sync,
+                    process_group=process_group,
+                    step=hooked_step,
+                    **options,
+                )
+                self.handle: RematHandle = self.pgac.handle
+                self._waiting = False
+            else:
+                if plan is None and memory is not None and self.costs is None and batch is not None:
+                    _refuse_compiled(chain)
+                    self._warn_without_optimizer()
+                    self.fitted = fit_memory(model, batch, memory, optimizer=optimizer, step=profiled_step, **options)
+                    self.costs = self.fitted.costs
+                    plan = self._shared_plan(self.fitted.plan)
+                if plan is None:
+                    if self.costs is None and batch is not None:
+                        _refuse_compiled(chain)
+                        self.costs = profile(model, batch, step=profiled_step)
+                    if self.costs is not None:
+                        self.costs = self._shared(self.costs)
+                        plan = self._plan_for(self.costs)
+                self._waiting = plan is None
+                initial = plan if plan is not None else Plan({f: CHECKPOINT for f, _ in chain}, strategy="profiling")
+                self.handle = apply(model, initial, step=hooked_step)
+            model._remat_session = self  # type: ignore[assignment]
+            self._global_done = not (auto_step and (self._waiting or self.pgac is not None))
+            self._hooks.append(model.register_forward_pre_hook(self._on_forward))  # removed once it has no more to do
+            if not self._global_done:
+                from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+                # A weak reference: a session that is dropped without remove() leaves a hook that does nothing.
+                ref = weakref.ref(self)
+
+                def on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                    session = ref()
+                    if session is not None:
+                        session._on_optimizer_step(optimizer)
+
+                self._global_hooks.append(register_optimizer_step_pre_hook(on_step))
         except BaseException:
             self._restore_hf_flags()
             raise
-
-    def _start(
-        self,
-        model: nn.Module,
-        strategy: str,
-        budget: int | float | str | None,
-        costs: CostTable | None,
-        batch: Any,
-        plan: Plan | None,
-        spec: StepSpec,
-        sync: str | None,
-        process_group: Any,
-        auto_step: bool,
-        memory: int | str | None,
-        optimizer: torch.optim.Optimizer | None,
-        options: dict[str, Any],
-    ) -> None:
-        blocks = spec.blocks
-        self.strategy = strategy
-        self.budget = budget
-        self.memory = memory
-        self.optimizer = optimizer
-        self.fitted: MemoryFit | None = None  # how the plan was fitted to memory= (None without memory=)
-        self.options = dict(options)
-        self.sync = sync
-        self.process_group = process_group
-        self.costs: CostTable | None = costs
-        self.step_autocast: AutocastSpec | None = None  # seen in the first training forward
-        self.pgac: Any = None
-        self._profiler: BlockProfiler | None = None
-        self._hooks: list[Any] = []
-        self._global_hooks: list[Any] = []
-        self._owners: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-        self._removed = False
-        chain = resolve_blocks(model, blocks)
-        # What profiles see: several chains stay several (planned together), else the chain; the hooks go on the chain.
-        self._profiled: Any = profiled_blocks(model, blocks)
-        self._warned_eval = False
-        profiled_step, hooked_step = replace(spec, blocks=self._profiled), replace(spec, blocks=chain)
-
-        if strategy == "pgac":
-            unknown = set(options) - PGAC_OPTIONS
-            if unknown:
-                raise TypeError(f"unknown PGAC options {sorted(unknown)}; PGAC takes {sorted(PGAC_OPTIONS)}")
-            if plan is not None:
-                raise ValueError("strategy='pgac' makes its own plans; pass costs= or nothing, not plan=")
-            if costs is None:
-                _refuse_compiled(chain)  # PGAC would profile the first step
-                if batch is not None:
-                    self.costs = profile(model, batch, step=profiled_step)
-            self.pgac = PGAC(
-                model,
-                budget,
-                costs=self.costs,
-                sync=sync,
-                process_group=process_group,
-                step=hooked_step,
-                **options,
-            )
-            self.handle: RematHandle = self.pgac.handle
-            self._waiting = False
-        else:
-            if plan is None and memory is not None and self.costs is None and batch is not None:
-                _refuse_compiled(chain)
-                self._warn_without_optimizer()
-                self.fitted = fit_memory(model, batch, memory, optimizer=optimizer, step=profiled_step, **options)
-                self.costs = self.fitted.costs
-                plan = self._shared_plan(self.fitted.plan)
-            if plan is None:
-                if self.costs is None and batch is not None:
-                    _refuse_compiled(chain)
-                    self.costs = profile(model, batch, step=profiled_step)
-                if self.costs is not None:
-                    self.costs = self._shared(self.costs)
-                    plan = self._plan_for(self.costs)
-            self._waiting = plan is None
-            initial = plan if plan is not None else Plan({f: CHECKPOINT for f, _ in chain}, strategy="profiling")
-            self.handle = apply(model, initial, step=hooked_step)
-        model._remat_session = self  # type: ignore[assignment]
-        self._global_done = not (auto_step and (self._waiting or self.pgac is not None))
-        self._hooks.append(model.register_forward_pre_hook(self._on_forward))  # removed once it has no more to do
-        if not self._global_done:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            # A weak reference: a session that is dropped without remove() leaves a hook that does nothing.
-            ref = weakref.ref(self)
-
-            def on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-                session = ref()
-                if session is not None:
-                    session._on_optimizer_step(optimizer)
-
-            self._global_hooks.append(register_optimizer_step_pre_hook(on_step))
 
     # ----- state -----
     @property
