@@ -287,3 +287,12 @@ def test_whisper_plans_its_encoder_and_decoder_under_one_budget_with_exact_gradi
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
     session.remove()
+
+
+def test_advice_reads_its_lines_only_so_far_past_the_batches_measured() -> None:
+    from remat.fitting import FixedMemory, ModelAdvice
+
+    advice = ModelAdvice(memory=2**30, batch_size=8, fixed=FixedMemory(1, 1, 1, 1), whole_peaks={4: 10, 8: 20},
+                         step_seconds={4: 0.1, 8: 0.2}, fit=None, largest_plain_batch=10**9,
+                         largest_planned_batch=100)  # fmt: skip
+    assert "largest batch that fits: more than 128 without checkpointing, 100 with a plan" in advice.text()

@@ -293,11 +293,22 @@ class ModelAdvice:
             f"{format_bytes(int(memory_line.fixed))} + {format_bytes(int(memory_line.per_sample))} per sample"
         )
         lines.append(
-            f"largest batch that fits: {self.largest_plain_batch} without checkpointing, "
-            f"{self.largest_planned_batch} with a plan (by the measured lines and the least plan's activations)"
+            f"largest batch that fits: {_batches(self.largest_plain_batch, self.batch_size)} without checkpointing, "
+            f"{_batches(self.largest_planned_batch, self.batch_size)} with a plan (by the measured lines and the least "
+            "plan's activations)"
         )
         lines.append(f"advice took {self.seconds:.1f} s")
         return "\n".join(lines)
+
+
+READ_LINES_TO = 16  # the lines through two measured batch sizes are read up to this many times the batch
+
+
+def _batches(largest: int, measured: int) -> str:
+    """A largest batch as the text says it: beyond :data:`READ_LINES_TO` times the batch measured, only that it
+    is more (a straight line through two points says little that far out)."""
+    reach = READ_LINES_TO * measured
+    return f"more than {reach}" if largest > reach else str(largest)
 
 
 def resized(batch: Batch, size: int, like: int) -> Batch:
