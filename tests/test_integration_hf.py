@@ -312,3 +312,17 @@ def test_remat_fit_before_accelerate_keeps_the_whole_step_within_memory() -> Non
     for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q), name
     session.remove()
+
+
+def test_a_model_in_eval_mode_is_profiled_with_a_warning_naming_train() -> None:
+    """What ``from_pretrained`` returns is in eval mode: the first step that records gradients is profiled as
+    the training step (with a warning naming ``model.train()``), and the plan follows; no silent stall."""
+    torch.manual_seed(0)
+    model = gpt2(2).eval()
+    session = hf.enable(model, "optimal", 0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"eval mode.*model\.train\(\)"):
+        model(**batch(0)).loss.backward()
+    optimizer.step()
+    assert not session.profiling and session.costs is not None and session.plan.strategy == "optimal"
+    session.remove()
