@@ -323,9 +323,10 @@ def test_a_plan_mixing_policies_is_exact_and_predicted(gpt2) -> None:
     chosen = remat.plan(costs, "optimal", budget=budget, actions=menu, time_noise_s=0.0)  # figures as measured
     assert chosen.predicted_peak_bytes <= budget
     chosen_time = remat.simulate(costs, list(chosen.actions.values())).time_cost_s
-    # With the profile's noise, choices within it go to the fixed order: at most twice the noise a block slower.
+    # With the profile's noise, choices within it go to the fixed order: a block's action may be one up to twice
+    # the noise slower (dominance), and a policy's figure is read one noise dearer, so at most three noises a block.
     noisy = remat.plan(costs, "optimal", budget=budget, actions=menu)
-    slack = 2 * len(costs) * costs.info.get("time_noise_s", 0.0)
+    slack = 3 * len(costs) * costs.info.get("time_noise_s", 0.0)
     noisy_time = remat.simulate(costs, list(noisy.actions.values())).time_cost_s
     for action in menu:
         uniform = remat.simulate(costs, [action] * len(costs))
