@@ -26,7 +26,8 @@ from ..core import Batch, BudgetError, CostTable, StepSpec, autocast_spec, forma
 from ..meters import model_device
 from ..planning import Plan, make_plan, minimum_peak_bytes, no_checkpoint_peak, simulate
 from ..profiling import GradsRestored, profile
-from .device_fit import MemoryFit, MemoryFitError, applied, fit_memory
+from .device_fit import MemoryFit, MemoryFitError, applied, fit_memory, keep_all
+from .device_fit import batch_size as leading_rows
 from .trial import head_to_head
 from .whole_step import FixedMemory, MemoryArg, device_memory, fixed_memory, whole_step_peak
 
@@ -342,13 +343,11 @@ def advise(
     """Does ``model``'s step on ``batch`` fit ``memory`` (the device's, for the whole step) without
     checkpointing; the fastest plan that fits, its predicted and measured cost; the largest batch that fits with
     a plan (module docstring). ``progress`` hears what is measured and about how long it will take."""
-    from .device_fit import batch_size as size_of
-
     started = time.perf_counter()
     spec = step or StepSpec()
     device = model_device(model)
     limit = device_memory(memory, device)
-    size = size_of(batch)
+    size = leading_rows(batch)
     if size is None:
         raise ValueError("advise needs a batch whose tensors have a leading batch dimension")
     sizes = [size // 2, size] if size >= 2 else [1, 2]
@@ -390,12 +389,12 @@ def advise(
         saved_per_sample = (no_checkpoint_peak(costs) - minimum_peak_bytes(costs)) / size
         largest_planned = max(largest_plain, int(room // max(per_sample - saved_per_sample, 1.0)))
     if fit is not None and fit.activation_budget is not None:
-        planned = fit.plan
+        planned, plain_plan = fit.plan, keep_all(model, spec.blocks)
         handle = applied(model, planned, spec)
         try:
 
             def run(name: str) -> float:
-                handle.set_plan(planned if name == "plan" else _keep_all(planned))
+                handle.set_plan(planned if name == "plan" else plain_plan)
                 with GradsRestored(model):
                     return timed_step(model, batch, spec.loss_fn, setting, holds_output=spec.holds_output)
 
@@ -407,6 +406,3 @@ def advise(
         time.perf_counter() - started,
     )  # fmt: skip
 
-
-def _keep_all(plan: Plan) -> Plan:
-    return Plan(dict.fromkeys(plan.actions, "keep"), strategy="keep")

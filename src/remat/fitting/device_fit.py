@@ -37,6 +37,7 @@ from ..core import KEEP, Batch, BudgetError, CostTable, StepSpec, autocast_spec,
 from ..meters import model_device
 from ..planning import Plan, make_plan, minimum_peak_bytes, no_checkpoint_peak, simulate
 from ..profiling import cached_profile
+from ..runtime import RematHandle, apply
 from .measured_fit import fit as fit_activations
 from .whole_step import FixedMemory, MemoryArg, StepPeak, device_memory, fixed_memory, whole_step_peak
 
@@ -134,17 +135,14 @@ def fit_memory(
 
     plain = whole_step_peak(model, run, fixed)
     seconds["plain step"] = time.perf_counter() - start
-    if plain.whole <= limit and costs is None:
-        plan = keep_all(model, spec.blocks)
-        return MemoryFit(limit, fixed, plan, None, plain, plain, None, plain.whole, seconds)
+    if plain.whole <= limit:  # every block kept; a profile given is kept with the plan, none is taken
+        beyond = plain.whole if costs is None else _beyond_activations(plain, fixed, costs)
+        return MemoryFit(limit, fixed, keep_all(model, spec.blocks), costs, plain, plain, None, beyond, seconds)
     if costs is None:
         begun = time.perf_counter()
         costs = cached_profile(model, batch, step=spec, policies=policies)
         seconds["profile"] = time.perf_counter() - begun
-    non_activation = max(plain.forward_backward - no_checkpoint_peak(costs), fixed.total - fixed.gradients)
-    if plain.whole <= limit:
-        plan = keep_all(model, spec.blocks)
-        return MemoryFit(limit, fixed, plan, costs, plain, plain, None, non_activation, seconds)
+    non_activation = _beyond_activations(plain, fixed, costs)
     floor = minimum_peak_bytes(costs)
     begun = time.perf_counter()
     for _ in range(ATTEMPTS):
@@ -170,6 +168,12 @@ def fit_memory(
     raise _infeasible(limit, fixed, costs, non_activation, batch_size(batch), device)
 
 
+def _beyond_activations(plain: StepPeak, fixed: FixedMemory, costs: CostTable) -> int:
+    """The plain step's measured bytes beyond its predicted activations (never less than what stays resident
+    through the forward and backward)."""
+    return max(plain.forward_backward - no_checkpoint_peak(costs), fixed.total - fixed.gradients)
+
+
 def _plan_within(
     model: nn.Module,
     batch: Batch,
@@ -190,9 +194,8 @@ def _plan_within(
     return chosen.plan
 
 
-def applied(model: nn.Module, plan: Plan, spec: StepSpec) -> Any:
-    from ..runtime import apply
-
+def applied(model: nn.Module, plan: Plan, spec: StepSpec) -> RematHandle:
+    """``plan`` applied to the chain ``spec`` names (several chains joined, as the runtime takes them)."""
     return apply(model, plan, step=replace(spec, blocks=resolve_blocks(model, spec.blocks)))
 
 
@@ -244,7 +247,7 @@ def _infeasible(
             levers.append("not even a batch of 1 fits by these figures")
     levers.append("allow_lossy=True (compressed activations; gradients no longer exact)")
     if device.type == "cuda":
-        levers.append("the 'offload' action (saved tensors in host memory) where the plan may be slower")
+        levers.append("the 'offload' action (saved tensors kept in host memory, at the cost of the copies)")
     error = MemoryFitError(
         f"remat.fit: no plan fits {format_bytes(limit)} at this batch"
         + (f" of {size}" if size else "")

@@ -174,7 +174,8 @@ def optimizer_dry_run(optimizer: torch.optim.Optimizer, device: torch.device) ->
     except Exception as err:  # an optimizer that cannot step on meta: say what to do rather than guess
         raise RuntimeError(
             f"cannot measure {type(optimizer).__name__}'s state by a step on meta tensors ({type(err).__name__}: "
-            f"{err}); take one optimizer step before remat.fit, so that its state exists and is counted"
+            f"{err}); give remat.fit no optimizer= and leave its state and its step's temporaries out of the memory "
+            "yourself"
         ) from err
     state = [t for s in dry.state.values() for t in s.values()]
     made = _storage_bytes(state, torch.device("meta"), set())

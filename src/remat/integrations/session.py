@@ -366,12 +366,18 @@ class RematSession:
             return make_plan(costs, self.strategy, self.budget, **self.options)
         # No step to measure: the activations get what the fixed memory leaves, every gradient counted.
         self._warn_without_optimizer()
+        return self._plan_for_memory(costs, self.memory)
+
+    def _plan_for_memory(self, costs: CostTable, memory: int | str, non_activation: int | None = None) -> Plan:
+        """The optimal plan for ``memory`` from ``costs``, with the step's bytes beyond activations as measured
+        (``non_activation``) or, by default, the fixed memory with every gradient counted; kept in ``fitted``."""
         device = model_device(self.model)
-        limit = device_memory(self.memory, device)
+        limit = device_memory(memory, device)
         fixed = fixed_memory(self.model, self.optimizer)
-        budget = activation_budget(limit, fixed, costs, device=device)
-        plan = make_plan(costs, self.strategy, budget, **self.options)
-        self.fitted = MemoryFit(limit, fixed, plan, costs, None, None, budget, fixed.total)
+        non_activation = fixed.total if non_activation is None else non_activation
+        budget = activation_budget(limit, fixed, costs, non_activation=non_activation, device=device)
+        plan = make_plan(costs, "optimal", budget, **self.options)
+        self.fitted = MemoryFit(limit, fixed, plan, costs, None, None, budget, non_activation)
         return plan
 
     def _warn_without_optimizer(self) -> None:
@@ -386,13 +392,7 @@ class RematSession:
         """Rank 0's plan on every rank under ``sync="global"`` (each rank's measured fit could differ)."""
         if self.sync != "global":
             return plan
-        import torch.distributed as dist
-
-        group = self.process_group
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        box = [(dict(plan.actions), plan.strategy) if dist.get_rank(group) == 0 else None]
-        dist.broadcast_object_list(box, src=src, group=group)
-        actions, strategy = box[0]
+        actions, strategy = self._from_rank0((dict(plan.actions), plan.strategy))
         return Plan(actions, strategy=strategy)
 
     # ----- the front door's handle -----
@@ -408,15 +408,10 @@ class RematSession:
                 "the plan was made without a profile (the plain step fitted the memory): call remat.fit again with "
                 "the new memory"
             )
-        device = model_device(self.model)
-        limit = device_memory(memory, device)
-        fixed = fixed_memory(self.model, self.optimizer)
-        non_activation = self.fitted.non_activation if self.fitted is not None else fixed.total
-        budget = activation_budget(limit, fixed, self.costs, non_activation=non_activation, device=device)
-        plan = self._shared_plan(make_plan(self.costs, "optimal", budget, **self.options))
+        non_activation = self.fitted.non_activation if self.fitted is not None else None
+        plan = self._shared_plan(self._plan_for_memory(self.costs, memory, non_activation))
         self.handle.set_plan(plan)
         self.memory, self.strategy, self.budget = memory, "optimal", None
-        self.fitted = MemoryFit(limit, fixed, plan, self.costs, None, None, budget, non_activation)
         return plan
 
     def describe(self) -> str:
@@ -433,13 +428,17 @@ class RematSession:
         """Rank 0's cost table on every rank under ``sync="global"``, so every rank makes the same plan."""
         if self.sync != "global":
             return costs
+        return CostTable.from_dict(self._from_rank0(costs.to_dict()))
+
+    def _from_rank0(self, value: Any) -> Any:
+        """Rank 0's ``value`` (picklable) on every rank of the session's process group."""
         import torch.distributed as dist
 
         group = self.process_group
         src = dist.get_global_rank(group, 0) if group is not None else 0
-        box = [costs.to_dict() if dist.get_rank(group) == 0 else None]
+        box = [value if dist.get_rank(group) == 0 else None]
         dist.broadcast_object_list(box, src=src, group=group)
-        return CostTable.from_dict(box[0])
+        return box[0]
 
     # ----- lifecycle -----
     def _remove_global_hooks(self) -> None:
