@@ -2,18 +2,23 @@
 
 For each model (Hugging Face's GPT-2 and Llama built from their configs, random weights, eager attention) at
 each depth, the benchmark measures the plain training step (median of three after one warm-up), then takes
-``--profiles`` fresh profiles (``remat.profile``, the profile cache off) and plans each at ``--budget`` of the
-no-checkpoint activations with ``remat.plan(costs, "optimal", ...)``. It reports profile + plan seconds over
-the plain step (the target is at most 10) and the number of distinct plans over the fresh profiles, with the
-optimal planner's noise rule on the noise each profile recorded (``costs.info["time_noise_s"]``, the default)
-and without it (``time_noise_s=0``): the target is one.
+``--profiles`` fresh profiles (the profile cache off) and plans each at ``--budget`` of the no-checkpoint
+activations with ``remat.plan(costs, "optimal", ...)``, as ``remat.fit`` does: ``remat.profile(...,
+price_segments=False)``, then ``remat.profiling.price_segments`` and a second plan only where the first holds a
+segment. It reports profile + plan seconds over the plain step (the target is at most 10), how many profiles
+priced segments, and the number of distinct plans over the fresh profiles, with the optimal planner's noise
+rules on the noise each profile recorded (``costs.info["time_noise_s"]``, the default) and without them
+(``time_noise_s=0``): the target is one.
 
 Each setting's row is appended to ``--out`` (JSON lines) as soon as it is measured; a rerun skips the settings
 already there, so an interrupted run resumes.
 
     .venv/bin/python -m benchmarks.time_to_plan [--models gpt2,llama] [--layers 12,24] [--hidden 384]
         [--batch 2] [--seq 256] [--profiles 5] [--budget 0.5] [--out docs/results/time-to-plan.jsonl]
-        [--tables DIR]
+        [--tables DIR] [--predict docs/results/time-to-plan-prediction.jsonl]
+
+With ``--predict FILE`` it instead takes one fresh profile per model and depth and sets plans' predicted steps
+against their measured ones (:func:`prediction_rows`): what the profile's fewer steps read, checked on the step.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch import nn
 
 import remat
 from remat.chains import run_step
+from remat.profiling import price_segments
 
 os.environ.setdefault("REMAT_CACHE_DIR", "off")  # every profile here is a fresh one
 
@@ -70,14 +76,18 @@ def measure(name: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
     batch = {"input_ids": ids, "labels": ids}
     step = plain_step_s(model, batch)
     ratios, noise, with_rule, without_rule = [], [], Counter(), Counter()
+    priced = 0
     for i in range(args.profiles):
         start = time.perf_counter()
-        costs = remat.profile(model, batch)
+        costs = remat.profile(model, batch, price_segments=False)
+        plan = remat.plan(costs, "optimal", args.budget)
+        if price_segments(model, batch, costs, plan=plan):
+            priced += 1
+            plan = remat.plan(costs, "optimal", args.budget)
+        ratios.append((time.perf_counter() - start) / step)
         if args.tables is not None:
             args.tables.mkdir(parents=True, exist_ok=True)
             (args.tables / f"{name}-{layers}-{i}.json").write_text(costs.to_json())
-        plan = remat.plan(costs, "optimal", args.budget)
-        ratios.append((time.perf_counter() - start) / step)
         noise.append(costs.info.get("time_noise_s", 0.0))
         with_rule[json.dumps(plan.actions)] += 1
         without_rule[json.dumps(remat.plan(costs, "optimal", args.budget, time_noise_s=0.0).actions)] += 1
@@ -91,23 +101,65 @@ def measure(name: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
         "plain_step_s": step,
         "profile_and_plan_steps": ratios,
         "time_noise_ms": [n * 1e3 for n in noise],
+        "segments_priced": priced,
         "distinct_plans": len(with_rule),
         "distinct_plans_without_noise_rule": len(without_rule),
         "plans": [json.loads(p) for p in with_rule],
     }
 
 
+def prediction_rows(name: str, layers: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One fresh profile (``remat.profile``, segments priced), then plans' predicted steps against their measured
+    ones: keep-all twice (the A/A pair), every block checkpointed, every block ``dots_saveable``, the chain as one
+    segment, ``optimal`` at 50% and 30%; six interleaved rounds through one handle, the median of the last five."""
+    model = build(name, layers, args.hidden, args.seq, args.vocab)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    plain_step_s(model, batch)
+    costs = remat.profile(model, batch)
+    n = len(costs)
+    plans = {
+        "keep": remat.Plan.from_actions(costs, ["keep"] * n),
+        "keep (A/A)": remat.Plan.from_actions(costs, ["keep"] * n),
+        "checkpoint every block": remat.Plan.from_actions(costs, ["checkpoint"] * n),
+        "dots_saveable every block": remat.Plan.from_actions(costs, ["selective:dots_saveable"] * n),
+        "one segment": remat.Plan.from_actions(costs, ["segment:0"] * n),
+        "optimal 50%": remat.plan(costs, "optimal", 0.5),
+        "optimal 30%": remat.plan(costs, "optimal", 0.3),
+    }
+    handle = remat.apply(model, plans["keep"])
+    seconds: dict[str, list[float]] = {label: [] for label in plans}
+    try:
+        for r in range(6):
+            for label in list(plans) if r % 2 == 0 else list(plans)[::-1]:
+                handle.set_plan(plans[label])
+                model.zero_grad(set_to_none=True)
+                start = time.perf_counter()
+                run_step(model, batch)
+                seconds[label].append(time.perf_counter() - start)
+    finally:
+        handle.remove()
+    rows = []
+    for label, plan in plans.items():
+        measured = statistics.median(seconds[label][1:])
+        rows.append({"model": name, "layers": layers, "plan": label, "actions": plan.action_counts(),
+                     "predicted_s": plan.predicted_step_s, "measured_s": measured})  # fmt: skip
+        print(f"  {name} {layers} {label}: predicted/measured {plan.predicted_step_s / measured:.3f}", flush=True)
+    return rows
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | blocks | plain step | profile + plan, in plain steps (median [min-max]) | distinct plans / "
-        "profiles (noise rule) | without it |",
-        "|---|---|---|---|---|---|",
+        "| model | blocks | plain step | profile + plan, in plain steps (median [min-max]) | segments priced | "
+        "distinct plans / profiles (noise rules) | without them |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         steps = r["profile_and_plan_steps"]
         lines.append(
             f"| {r['model']} | {r['layers']} | {r['plain_step_s']:.2f} s | {statistics.median(steps):.1f} "
-            f"[{min(steps):.1f}-{max(steps):.1f}] | {r['distinct_plans']} / {len(steps)} | "
+            f"[{min(steps):.1f}-{max(steps):.1f}] | {r.get('segments_priced', 0)} / {len(steps)} | "
+            f"{r['distinct_plans']} / {len(steps)} | "
             f"{r['distinct_plans_without_noise_rule']} / {len(steps)} |"
         )
     return "\n".join(lines)
@@ -126,8 +178,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("docs/results/time-to-plan.jsonl"))
     parser.add_argument("--tables", type=Path, default=None, help="keep each profile's cost table here (JSON)")
+    parser.add_argument(
+        "--predict", type=Path, default=None, help="instead: plans' predicted against measured steps, to this file"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.predict is not None:
+        rows = [row for name in args.models.split(",") for layers in [int(n) for n in args.layers.split(",")]
+                for row in prediction_rows(name, layers, args)]  # fmt: skip
+        args.predict.parent.mkdir(parents=True, exist_ok=True)
+        args.predict.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        for r in rows:
+            print(f"| {r['model']} {r['layers']} | {r['plan']} | {r['actions']} | {r['predicted_s'] * 1e3:.0f} | "
+                  f"{r['measured_s'] * 1e3:.0f} | {r['predicted_s'] / r['measured_s']:.3f} |")  # fmt: skip
+        return
     done = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
     for name in args.models.split(","):
         for layers in [int(n) for n in args.layers.split(",")]:

@@ -4,6 +4,7 @@ runs (so a recomputation shows where the step pays it), and the cases where the 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import remat
 from remat.chains import block_ios
 from remat.core import BlockCost, CostTable
 from remat.planning import simulate
-from remat.profiling.action_steps import deferral_rate, in_step_block, time_actions_in_steps
+from remat.profiling import price_segments
+from remat.profiling.action_steps import deferral_rate, in_step_block, mixed_schedule, time_actions_in_steps
 from remat.profiling.outside_time import plain_steps
 
 RUNS = [0]  # forward runs of any block so far: the clock of these tests
@@ -135,9 +137,21 @@ def test_blocks_the_profile_found_alike_share_one_figure_per_action(reuse: bool)
     costs = remat.profile(model, torch.randn(4, 8), blocks=chain_of(model), clock=runs, reuse_identical=reuse)
     assert costs.info["action_times_from"] == "steps"
     added = [b.recompute_s["checkpoint"] + b.overhead_s["checkpoint"] for b in costs.blocks]
-    if reuse:  # one block measured alone, its row copied; in the steps the median over the three: 2 runs
+    if reuse:  # one block measured alone, its row copied; in the steps one figure for the three, read against keep
         assert costs.info["same_costs_as"] == {"2": "1", "3": "1"}
-        assert added == [2.0, 2.0, 2.0]
+        # in each step, a checkpointed block of weight w runs w forward and re-runs w in backward, where the kept
+        # blocks of the step run a median k forward and nothing in backward: forward shift w - k, backward w; each
+        # the median over the rounds' steps (a step without a kept block reads the block's own keep figures)
+        weights, forward, backward = (1, 2, 3), [], []
+        actions = [a for a in costs.blocks[0].actions if a != "keep" and not a.startswith("compress")]
+        for steps in mixed_schedule(costs, actions, 3):
+            for step in steps:
+                kept = [weights[i] for i in range(3) if step[i] == "keep"]
+                for i in (i for i in range(3) if step[i] == "checkpoint"):
+                    forward.append(weights[i] - (statistics.median(kept) if kept else weights[i]))
+                    backward.append(weights[i])
+        shifts = [statistics.median(forward) + statistics.median(backward)]
+        assert len(set(added)) == 1 and added[0] == pytest.approx(shifts[0])
     else:  # each block re-runs its own forward in backward
         assert costs.info["same_costs_as"] == {}
         assert added == [1.0, 2.0, 3.0]
@@ -191,9 +205,55 @@ def test_a_segment_is_priced_at_what_its_waiting_blocks_cost_in_steps() -> None:
     )
 
 
-def test_deferral_rate_is_a_median_over_rounds_never_below_zero() -> None:
+def test_a_segments_price_is_measured_once_a_plan_holds_a_segment() -> None:
+    model = model_of([ColdBlock() for _ in range(3)])
+    chain = chain_of(model)
+    x = torch.randn(4, 8)
+    costs = remat.profile(model, x, blocks=chain, clock=runs, price_segments=False)
+    assert costs.info["segments_priced"] is False and costs.deferred_s_per_byte == 0.0
+    checkpoints = remat.Plan.from_actions(costs, ["checkpoint"] * 3)
+    step = remat.StepSpec(blocks=chain)
+    assert not price_segments(model, x, costs, plan=checkpoints, step=step, clock=runs)  # no segment: not needed
+    assert costs.deferred_s_per_byte == 0.0
+    state, before = torch.get_rng_state(), {k: v.clone() for k, v in model.state_dict().items()}
+    segment = remat.Plan.from_actions(costs, ["segment:0"] * 3)
+    assert price_segments(model, x, costs, plan=segment, step=step, clock=runs)
+    waiting = sum(b.saved("keep") for b in costs.blocks[:2])
+    assert costs.deferred_s_per_byte == pytest.approx(2 / waiting)  # as a full profile prices it
+    assert costs.info["segments_priced"] is True
+    assert not price_segments(model, x, costs, plan=segment, step=step, clock=runs)  # measured once
+    assert torch.equal(torch.get_rng_state(), state) and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert remat.runtime.applied.owner_of(model) is None
+
+
+def test_deferral_rate_is_a_median_over_pairs_never_below_zero() -> None:
     blocks = [BlockCost(f"b{i}", 1.0, 1.0, 1, 1, {"keep": 10, "checkpoint": 1}, {"keep": 0.0, "checkpoint": 1.0})
               for i in range(3)]  # fmt: skip
     costs = CostTable(blocks)
-    assert deferral_rate(costs, [5.0, 9.0, 4.0], [3.0, 3.0, 3.0]) == pytest.approx(2.0 / 20)
-    assert deferral_rate(costs, [2.0, 2.5, 9.0], [3.0, 3.0, 3.0]) == 0.0
+    assert deferral_rate(costs, [2.0, 6.0, 1.5]) == pytest.approx(2.0 / 20)  # two blocks wait
+    assert deferral_rate(costs, [-1.0, 0.5, -3.0]) == 0.0
+    assert deferral_rate(costs, []) == 0.0
+
+
+def _grouped_table(blocks: int, actions: list[str]) -> CostTable:
+    rows = [
+        BlockCost(f"b{i}", 1.0, 1.0, 1, 1, dict.fromkeys(["keep", *actions], 1), dict.fromkeys(["keep", *actions], 0.0))
+        for i in range(blocks)
+    ]
+    return CostTable(rows, info={"same_costs_as": {f"b{i}": "b0" for i in range(1, blocks)}})
+
+
+def test_mixed_schedule_runs_every_action_each_round_on_other_blocks_from_round_to_round() -> None:
+    actions = ["checkpoint", "selective:a", "selective:b"]
+    schedule = mixed_schedule(_grouped_table(8, actions), actions, 3)
+    assert [len(steps) for steps in schedule] == [1, 1, 1]  # eight blocks deal four actions in one step
+    for r, (step,) in enumerate(schedule):
+        assert sorted(set(step)) == sorted(["keep", *actions]) and step.count("checkpoint") == 2
+        assert step[0] == ["keep", *actions][r]  # the deal moves on by one block a round
+    # two blocks and four actions: two steps a round, every action once a round
+    schedule = mixed_schedule(_grouped_table(2, actions), actions, 2)
+    assert [len(steps) for steps in schedule] == [2, 2]
+    for steps in schedule:
+        assert sorted(a for step in steps for a in step) == sorted(["keep", *actions])
+    assert schedule[0][0] != schedule[1][0]

@@ -5,6 +5,8 @@ and charges a run inside a dispatch mode (a selective region's policy) ten times
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections import Counter
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import remat
-from remat.fitting.measured_fit import CHECKPOINTS, MENU, fit
+from remat.fitting.measured_fit import CHECKPOINTS, MENU, fit, near_tie
 
 POLICY = "selective:all_but_pointwise_saveable"
 TICKS = [0]
@@ -87,6 +89,29 @@ def test_where_the_profile_prices_a_policy_below_checkpointing_the_measured_step
     model.zero_grad()
     model(x).sum().backward()
     assert all(torch.equal(a, b) for a, b in zip(planned, grads(model), strict=True))
+
+
+def test_plans_the_profile_tells_apart_beyond_its_noise_are_not_run_head_to_head():
+    model, x = model_and_batch()
+    chain = chain_of(model)
+    costs = policy_looks_free(remat.profile(model, x, blocks=chain, policies=(POLICY[10:],), actions_in_steps=False))
+    budget = remat.Plan.from_actions(costs, [POLICY] * 4).predicted_peak_bytes
+    menu = remat.plan(costs, "optimal", budget)
+    checkpoints = remat.plan(costs, "optimal", budget, actions=["keep", "checkpoint", "segment", "memory_poor"])
+    gap = checkpoints.predicted_step_s - menu.predicted_step_s
+    # blocks each action has more in one plan than in the other: the root of their summed squares
+    more = Counter(menu.actions.values())
+    more.subtract(Counter(checkpoints.actions.values()))
+    distance = math.sqrt(sum(n * n for n in more.values()))
+    assert gap > 0 and distance > 0
+    assert near_tie(costs, menu, checkpoints)  # no noise recorded: nothing told apart
+    costs.info["time_noise_s"] = gap / distance / 2 * 1.01
+    assert near_tie(costs, menu, checkpoints) and near_tie(costs, checkpoints, menu)
+    costs.info["time_noise_s"] = gap / distance / 2 * 0.99
+    assert not near_tie(costs, menu, checkpoints)
+    result = fit(model, x, budget, costs=costs, blocks=chain, rounds=3, clock=ticks)
+    assert [t.name for t in result.trials] == [MENU] and result.plan.actions == menu.actions
+    result.handle.remove()
 
 
 def test_where_both_plans_are_the_same_its_peak_is_measured_and_no_rounds_run():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import remat
 from remat.core import BlockCost, BudgetError, CostTable, format_bytes, units_from_actions
-from remat.planning import Simulation, minimum_peak_bytes, no_checkpoint_peak, optimal, simulate, static
+from remat.planning import Simulation, minimum_peak_bytes, no_checkpoint_peak, optimal, plans_tied, simulate, static
 from remat.planning.optimal_plan import min_peak_bytes
 
 SELECTIVE = "selective:dots_saveable"
@@ -356,3 +356,86 @@ def test_actions_within_the_profiles_noise_plan_alike_profile_after_profile() ->
     assert first.options["time_noise_s"] == 2e-4
     # A saving well beyond the noise is still taken.
     assert "selective:dots_saveable" in _profiled_twice(0.5e-3, 2e-4).actions.values()
+
+
+def _mixes(checkpoint_ms: float, every_other_ms: float, dots_ms: float, noise_ms: float) -> remat.Plan:
+    """Twelve blocks alike (one row), whose actions save memory at about the same price per byte, as a Llama's
+    do: which mix meets the budget fastest follows the readings, which move by a few tenths of a millisecond
+    from profile to profile."""
+    from remat.core import BlockCost, CostTable
+
+    mib = 2**20
+    actions = {
+        "keep": (18.5, 0.0),
+        "checkpoint": (0.8, checkpoint_ms),
+        "selective:dots_every_other_saveable": (5.8, every_other_ms),
+        "selective:dots_saveable": (12.2, dots_ms),
+    }
+    rows = [
+        BlockCost(f"b{i}", 20e-3, 40e-3, mib, mib, saved_bytes={a: int(m * mib) for a, (m, _) in actions.items()},
+                  recompute_s={a: t * 1e-3 for a, (_, t) in actions.items()})  # fmt: skip
+        for i in range(12)
+    ]
+    costs = CostTable(rows, stem_bytes=mib, head_bytes=mib, info={"time_noise_s": noise_ms * 1e-3} if noise_ms else {})
+    budget = remat.Plan.from_actions(costs, ["checkpoint"] * 8 + ["selective:dots_saveable"] + ["keep"] * 3)
+    return remat.plan(costs, "optimal", budget.predicted_peak_bytes)
+
+
+READINGS = [(19.1, 14.4, 6.8), (19.4, 14.0, 7.1), (18.6, 14.7, 6.7), (19.0, 14.2, 7.0)]
+
+
+def test_plans_within_the_noise_of_the_fastest_are_ties_decided_by_a_fixed_order() -> None:
+    # Without a recorded noise each reading gets its fastest mix: the plans differ from reading to reading.
+    untied = [_mixes(*reading, noise_ms=0.0) for reading in READINGS]
+    assert len({tuple(p.actions.values()) for p in untied}) > 1
+    # With the noise the profiles measured (1 ms per block), mixes whose steps differ by less than that on each
+    # block where they differ are ties, decided by the fixed order: one plan for every reading.
+    tied = [_mixes(*reading, noise_ms=1.0) for reading in READINGS]
+    assert len({tuple(p.actions.values()) for p in tied}) == 1
+    for fastest, chosen in zip(untied, tied, strict=True):
+        differing = sum(fastest.actions[f] != chosen.actions[f] for f in fastest.actions)
+        assert 0 <= chosen.predicted_step_s - fastest.predicted_step_s <= 1e-3 * differing
+
+
+def _unpriced(priced: bool | None) -> CostTable:
+    """Eight blocks of the ``chain`` helper, the table saying whether a segment's price was measured (None: the
+    table does not say, as one written by hand or profiled on CUDA)."""
+    costs = chain(8)
+    costs.info["time_noise_s"] = 1e-4
+    if priced is not None:
+        costs.info["segments_priced"] = priced
+    return costs
+
+
+def test_an_unmeasured_segment_price_is_not_taken_for_a_zero_one() -> None:
+    actions = ["keep", "checkpoint", "segment"]
+
+    def planned(priced: bool | None, budget: int) -> remat.Plan:
+        return remat.plan(_unpriced(priced), "optimal", budget, actions=actions)
+
+    def holds_segment(plan: remat.Plan) -> bool:
+        return any(a.startswith("segment") for a in plan.actions.values())
+
+    costs = _unpriced(None)
+    least, without = minimum_peak_bytes(costs, actions), minimum_peak_bytes(costs, ["keep", "checkpoint"])
+    assert least < without
+    # Below what any plan without segments reaches, only a segment fits: it is planned (the caller measures its
+    # price, then plans again).
+    assert holds_segment(planned(False, (least + without) // 2))
+    # Above it, a plan with segments priced at nothing is within the noise of one without (a segment re-runs what
+    # checkpoints of its blocks re-run): the unmeasured price leaves segments out. A table that does not say, or
+    # that measured the price, plans as before.
+    budgets = [without + k * (no_checkpoint_peak(costs) - without) // 8 for k in range(8)]
+    free = [b for b in budgets if holds_segment(planned(None, b))]
+    assert free, "some budget takes a segment when its price is not asked about"
+    left_out = 0
+    for budget in free:
+        plan, free_plan = planned(False, budget), planned(None, budget)
+        best_without = remat.plan(_unpriced(False), "optimal", budget, actions=["keep", "checkpoint"])
+        tied = plans_tied(1e-4, free_plan.actions.values(), best_without.actions.values(),
+                          free_plan.predicted_step_s, best_without.predicted_step_s)  # fmt: skip
+        # segments only where they save more than the noise allows, even at no price
+        assert holds_segment(plan) == (not tied) and plan.predicted_peak_bytes <= budget
+        left_out += not holds_segment(plan)
+        assert planned(True, budget).actions == free_plan.actions
+    assert left_out > 0

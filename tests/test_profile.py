@@ -365,3 +365,22 @@ def test_profiling_fires_each_parameter_gradient_hook_once(how: str) -> None:
             assert fired == {name: 1 for name, _ in model.named_parameters()}
     finally:
         owner.remove()
+
+
+def test_the_warm_up_step_runs_only_where_no_step_of_the_model_on_such_a_batch_ran() -> None:
+    from remat.chains import stepped_before
+
+    model = uniform_chain(4, width=16)
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randn(8, 8)
+    assert not stepped_before(model, x)
+    remat.profile(model, x)
+    first = len(calls)
+    assert stepped_before(model, x) and not stepped_before(model, torch.randn(4, 8))
+    calls.clear()
+    remat.profile(model, torch.randn(8, 8))  # other values, the same structure: warm already
+    assert len(calls) == first - 1
+    calls.clear()
+    remat.profile(model, torch.randn(4, 8))  # another shape: warmed up again
+    assert len(calls) == first

@@ -1,5 +1,5 @@
-"""remat.profiling.profiler: a block's keep times come from the plain steps, its actions' differences from its paired
-isolated runs."""
+"""remat.profiling.outside_time.anchor_to_plain_steps: a block's keep times come from the plain steps, its actions'
+differences from its paired isolated runs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pytest
 
 from remat.core import CHECKPOINT, KEEP, BlockCost, CostTable
 from remat.planning import simulate
-from remat.profiling.outside_time import PlainSteps
-from remat.profiling.profiler import anchor_to_plain_steps
+from remat.profiling.outside_time import PlainSteps, anchor_to_plain_steps
 
 
 def _row(fqn: str) -> BlockCost:

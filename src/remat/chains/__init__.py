@@ -32,11 +32,13 @@ from .chain import chain_name, find_blocks, find_chains, model_chains
 from .hf_guards import cache_configs, profiled_step, refuse_hf_checkpointing, training_forward_guards
 from .model_state import detached_from_step, extra_run
 from .training_step import (
+    batch_structure,
     default_loss,
     interleaved_rounds,
     ratios_text,
     ratios_to_first,
     run_step,
+    stepped_before,
     timed_step,
     warn_if_evaluating,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "block_ios",
     "cache_configs",
     "chain_name",
+    "batch_structure",
     "default_loss",
     "detached_from_step",
     "extra_run",
@@ -70,6 +73,7 @@ __all__ = [
     "profiled_blocks",
     "resolve_chains",
     "run_step",
+    "stepped_before",
     "several_chains",
     "slot_value",
     "timed_step",

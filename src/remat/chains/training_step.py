@@ -11,14 +11,17 @@ logits) is then freed before the backward. :func:`timed_step` times one such ste
 :func:`interleaved_rounds` times several contenders' steps against each other (:func:`ratios_to_first`: as
 ratios; :func:`ratios_text` reads them). A step whose loss does not require grad is refused with the reason
 (:func:`untrainable_step_error`); :func:`warn_if_evaluating` warns that a model in eval mode is not measured as
-training runs it.
+training runs it. :func:`stepped_before` says whether this process already ran a step of the model on a batch of
+that structure (:func:`batch_structure`), so that a measurement can skip the warm-up a first step needs.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -30,6 +33,27 @@ from .blocks import main_tensor
 
 Name = TypeVar("Name", bound=Hashable)
 Result = TypeVar("Result")
+
+# model -> the batch structures a step of it ran on in this process (run_step)
+_STEPPED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def batch_structure(batch: Any) -> Any:
+    """The structure of ``batch`` as JSON: each tensor's shape, dtype and device type, containers kept, other
+    values by type name."""
+    if torch.is_tensor(batch):
+        return [list(batch.shape), str(batch.dtype), batch.device.type]
+    if isinstance(batch, dict):
+        return {str(k): batch_structure(v) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return [batch_structure(v) for v in batch]
+    return type(batch).__name__
+
+
+def stepped_before(model: nn.Module, batch: Batch) -> bool:
+    """Whether :func:`run_step` already ran a whole step of ``model`` on a batch of ``batch``'s structure in this
+    process: the allocator has grown and lazy initialisation is done, as a warm-up step would leave them."""
+    return json.dumps(batch_structure(batch), sort_keys=True) in _STEPPED.get(model, ())
 
 
 def run_step(
@@ -57,6 +81,7 @@ def run_step(
         del output
     with autocast_off():  # also inside the user's autocast context: a loop's backward runs outside it
         loss.backward()
+    _STEPPED.setdefault(model, set()).add(json.dumps(batch_structure(batch), sort_keys=True))
     return loss.detach()
 
 

@@ -1,7 +1,8 @@
 """A plan whose whole training step fits the device's memory, found by measuring: ``remat.fit``'s work.
 
 :func:`fit_memory` (a sample batch at hand) measures the plain step whole first (:mod:`.whole_step`, rule 3
-there): where it fits, every block is kept and nothing is profiled. Otherwise it profiles, takes the measured
+there): where it fits, every block is kept and nothing is profiled. Otherwise it profiles (a segment's price
+only once a plan for the budget holds a segment: :func:`remat.profiling.price_segments`), takes the measured
 bytes beyond the predicted activations (parameters, gradients in flight, optimizer state, buffers, the loss's
 temporaries) from the plain step, plans the activations within what is left by :func:`~.measured_fit.fit`
 (the measured-step choice between near-ties), and measures the chosen plan's whole step; a plan that
@@ -14,7 +15,8 @@ Invariants, enforced here:
 1. The plan returned measured a whole step within ``memory`` (with a batch), or was predicted to with every
    gradient counted (without one); nothing over ``memory`` is returned silently.
 2. Where no plan fits, :class:`MemoryFitError` is raised before any training step: it names the least device
-   memory any plan reaches at this batch, the fixed parts by name and size, what the plans can change, and the
+   memory any plan reaches at this batch (the plan of least predicted activations, its whole step measured: a
+   memory of at least that fits), the fixed parts by name and size, what the plans can change, and the
    levers (a smaller batch, computed; ``allow_lossy=True``; offload where the device has a host).
 3. The model ends with no hooks of the fit's (the caller applies the plan) and its gradients and RNG state as
    they were.
@@ -36,7 +38,7 @@ from ..checkpointing import PROFILED_BY_DEFAULT
 from ..core import KEEP, Batch, BudgetError, CostTable, StepSpec, autocast_spec, format_bytes
 from ..meters import model_device
 from ..planning import Plan, make_plan, minimum_peak_bytes, no_checkpoint_peak, simulate
-from ..profiling import cached_profile
+from ..profiling import cached_profile, keep_profile, price_segments
 from ..runtime import RematHandle, apply
 from .measured_fit import fit as fit_activations
 from .whole_step import FixedMemory, MemoryArg, StepPeak, device_memory, fixed_memory, whole_step_peak
@@ -140,7 +142,7 @@ def fit_memory(
         return MemoryFit(limit, fixed, keep_all(model, spec.blocks), costs, plain, plain, None, beyond, seconds)
     if costs is None:
         begun = time.perf_counter()
-        costs = cached_profile(model, batch, step=spec, policies=policies)
+        costs = cached_profile(model, batch, step=spec, policies=policies, price_segments=False)
         seconds["profile"] = time.perf_counter() - begun
     non_activation = _beyond_activations(plain, fixed, costs)
     floor = minimum_peak_bytes(costs)
@@ -149,6 +151,8 @@ def fit_memory(
         budget = limit - non_activation
         if budget < floor:
             break
+        if _priced_segments(model, batch, budget, costs, spec, clock, options):
+            keep_profile(model, batch, costs, step=spec, policies=policies)
         plan = _plan_within(model, batch, budget, costs, spec, rounds, clock, options)
         if plan is None:  # every candidate measured over the activation budget
             non_activation += max(1, budget // 32)
@@ -165,13 +169,42 @@ def fit_memory(
         # what it measured beyond its predicted activations is the figure to plan with.
         beyond = measured.forward_backward - simulate(costs, plan.actions).peak_bytes
         non_activation = max(beyond, non_activation + measured.whole - limit)
-    raise _infeasible(limit, fixed, costs, non_activation, batch_size(batch), device)
+    # Invariant 2: the least named is a measured one. The plan of least predicted activations is measured whole
+    # (its bytes beyond the activations can exceed the plain step's, where its peak falls later in the backward).
+    least = make_plan(costs, "optimal", floor)
+    handle = applied(model, least, spec)
+    try:
+        measured = whole_step_peak(model, run, fixed)
+    finally:
+        handle.remove()
+    non_activation = max(non_activation, measured.forward_backward - simulate(costs, least.actions).peak_bytes)
+    raise _infeasible(limit, fixed, costs, non_activation, batch_size(batch), device, measured.whole)
 
 
 def _beyond_activations(plain: StepPeak, fixed: FixedMemory, costs: CostTable) -> int:
     """The plain step's measured bytes beyond its predicted activations (never less than what stays resident
     through the forward and backward)."""
     return max(plain.forward_backward - no_checkpoint_peak(costs), fixed.total - fixed.gradients)
+
+
+def _priced_segments(
+    model: nn.Module,
+    batch: Batch,
+    budget: int,
+    costs: CostTable,
+    spec: StepSpec,
+    clock: Callable[[], float],
+    options: dict[str, Any],
+) -> bool:
+    """Where ``costs`` left a segment's price unmeasured and the plan for ``budget`` holds a segment, measure
+    it (:func:`remat.profiling.price_segments`); whether it did."""
+    if costs.info.get("segments_priced") is not False:
+        return False
+    try:
+        first = make_plan(costs, "optimal", budget, **options)
+    except BudgetError:
+        return False
+    return price_segments(model, batch, costs, plan=first, step=spec, clock=clock)
 
 
 def _plan_within(
@@ -233,10 +266,16 @@ def _fixed_too_large(limit: int, fixed: FixedMemory) -> MemoryFitError:
 
 
 def _infeasible(
-    limit: int, fixed: FixedMemory, costs: CostTable, non_activation: int, size: int | None, device: torch.device
+    limit: int,
+    fixed: FixedMemory,
+    costs: CostTable,
+    non_activation: int,
+    size: int | None,
+    device: torch.device,
+    measured_least: int = 0,
 ) -> MemoryFitError:
     least_activations = minimum_peak_bytes(costs)
-    least = max(non_activation + least_activations, fixed.total + fixed.optimizer_step_bytes)
+    least = max(non_activation + least_activations, measured_least, fixed.total + fixed.optimizer_step_bytes)
     levers = []
     room = limit - non_activation
     if size and room > 0:

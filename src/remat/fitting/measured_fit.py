@@ -10,7 +10,9 @@ put the policy on one block, 1.006-1.018x slower.
 
 :func:`fit` plans ``optimal`` twice, over every action the profile measured and over those without per-operator
 policies (checkpoints, segments, memory-poor groups, offload), and where the two plans differ runs them on the
-caller's step as the candidates of a :class:`~remat.fitting.trial.Fit` (rules 1-3 there): each one's peak by
+caller's step as the candidates of a :class:`~remat.fitting.trial.Fit` (rules 1-3 there), unless the profile
+tells them apart (:func:`near_tie`: their predicted steps differ by more than its measured noise allows, as
+the optimal planner reads ties: the plan over every action is then the one): each one's peak by
 ``remat.measure`` (the live-tensor tracker), then, where both fit, their steps head to head. It keeps the faster
 plan whose measured peak fits and leaves it applied. Where both plans are the same, two steps measure its peak.
 
@@ -48,7 +50,7 @@ from ..core import (
     plan_choices,
 )
 from ..meters import model_device
-from ..planning import Plan, make_plan, resolve_budget
+from ..planning import Plan, make_plan, plans_tied, resolve_budget
 from ..profiling import GradsRestored, profile
 from ..runtime import RematHandle, apply
 from .trial import Fit, Trial, fastest, head_to_head, over, peak_of, with_ratios
@@ -170,6 +172,19 @@ def _candidates(costs: CostTable, limit: int) -> list[Trial]:
         plain = make_plan(costs, "optimal", limit, actions=exact)
     except BudgetError:
         return trials
-    if plain.actions != menu.actions:
+    if plain.actions != menu.actions and near_tie(costs, menu, plain):
         trials.append(Trial(CHECKPOINTS, plain.action_counts(), plan=plain))
     return trials
+
+
+def near_tie(costs: CostTable, first: Plan, second: Plan) -> bool:
+    """Whether ``costs`` cannot tell the two plans' steps apart: their predicted steps tie within the profile's
+    measured noise (``info["time_noise_s"]``, :func:`remat.planning.search.plans_tied`). A table that records no
+    noise tells no two plans apart."""
+    noise = float(costs.info.get("time_noise_s", 0.0))
+    if noise <= 0 or first.predicted_step_s is None or second.predicted_step_s is None:
+        return True
+    (faster, faster_s), (slower, slower_s) = sorted(
+        [(first.actions, first.predicted_step_s), (second.actions, second.predicted_step_s)], key=lambda p: p[1]
+    )
+    return plans_tied(noise, faster.values(), slower.values(), faster_s, slower_s)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from .lossy import plan_error
 from .optimal_plan import optimal
 from .plan import Plan
+from .search import plans_tied
 from .simulator import Simulation, no_checkpoint_peak, resolve_budget, simulate
 from .stages import SCHEDULES, check_schedule, in_flight, micro_batch_budget, split_stages, stage_costs, stage_share
 from .static import memory_poor, per_chain, segments
@@ -22,6 +23,7 @@ from .strategies import STRATEGIES, minimum_peak_bytes
 from .strategies import plan as make_plan
 
 __all__ = [
+    "plans_tied",
     "Plan",
     "SCHEDULES",
     "STRATEGIES",

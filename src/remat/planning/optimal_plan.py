@@ -24,11 +24,23 @@ Noise (invariant 1, enforced here): a measured table records how much its time c
 profile (``costs.info["time_noise_s"]``, :mod:`remat.profiling.action_steps`). The search leaves out, per block,
 an action that holds more memory than another for a time saving within twice the noise (:func:`noise_dominated`),
 and takes a per-operator policy or offload over keeping or checkpointing only where it saves more than the
-noise (:func:`within_noise`). A choice the noise could flip is made by that fixed order instead, so that the same
+noise (:func:`within_noise`). Whole plans too: a complete plan whose predicted time exceeds the fastest's by no
+more than the noise on each block where the two differ is a tie, and among ties a fixed order decides (fewest
+deferred blocks, fewest re-executions, lowest peak, then recomputation on the earliest blocks; see
+:meth:`remat.planning.search.Search.run`, :func:`remat.planning.search.plans_tied`): on a Llama whose actions all
+save memory at about the same price per byte, mixes as far apart as ``8 checkpoint, 1 dots_saveable, 3 keep`` and
+``6 checkpoint, 3 dots_every_other_saveable, 3 keep`` came first in different profiles of the same step. A choice
+the noise could flip is made by that fixed order instead, so that the same
 model, batch, budget and machine give the same plan profile after profile (``benchmarks/time_to_plan.py``
 counts them). The plan's predictions are then made on the table as measured, and
 ``Plan.options["time_noise_s"]`` records the noise assumed (0 where the table records none, as a table written
 by hand; ``time_noise_s=`` overrides it).
+
+An unmeasured price is not a zero price (invariant 2, enforced here): a table whose segment price was left to be
+measured (``costs.info["segments_priced"] is False``: ``remat.profile(..., price_segments=False)``) prices a
+segment's waiting blocks at nothing. Where the plan found holds a segment and a plan without segments fits within
+the noise of it on each block where they differ, that plan is returned; otherwise the plan with segments is, and
+the caller measures the price (:func:`remat.profiling.price_segments`, as ``remat.fit`` does) and plans again.
 
 Exactness and long chains: the search is exact under the simulator unless a front had to be thinned or
 group lengths were capped (``Plan.options["exact"]`` says which). Thinning rounds the memory axis: partial
@@ -50,17 +62,20 @@ import dataclasses
 from ..core import (
     CHECKPOINT,
     KEEP,
+    SEGMENT,
+    Action,
     BlockCost,
     BudgetError,
     CostTable,
     current_action,
     format_bytes,
     is_legacy,
+    plan_choices,
     warn_legacy,
 )
 from .chain_units import ChainUnits, allowed_actions, holding_arguments
 from .plan import Plan
-from .search import Search, default_max_segment, front_limit, suffix_need
+from .search import Search, default_max_segment, front_limit, plans_tied, suffix_need
 from .simulator import simulate
 
 
@@ -127,9 +142,37 @@ def optimal(
         if actions is not None:  # those left out on every block are left out of the choices
             actions = [a for a in actions if any(a in b.actions for b in read.blocks)
                        or not any(a in b.actions for b in costs.blocks)]  # fmt: skip
-        searched = optimal(read, budget, actions=actions, resolution=resolution, max_segment=max_segment,
-                           time_noise_s=0.0)  # fmt: skip
-        return Plan.from_actions(costs, searched.actions, "optimal", budget, **{**searched.options, NOISE_KEY: noise})
+        searched = _optimal(read, budget, actions, resolution, max_segment, ties_s=noise)
+        plan = Plan.from_actions(costs, searched.actions, "optimal", budget, **{**searched.options, NOISE_KEY: noise})
+    else:
+        plan = _optimal(costs, budget, actions, resolution, max_segment)
+    if costs.info.get(SEGMENTS_PRICED) is False and (actions is None or SEGMENT in actions):  # invariant 2
+        singles = [a for a in (actions or plan_choices(costs)) if Action.choice(a).kind != SEGMENT]
+        try:
+            without = optimal(costs, budget, actions=singles, resolution=resolution, max_segment=max_segment,
+                              time_noise_s=noise)  # fmt: skip
+        except BudgetError:
+            return plan
+        assert plan.predicted_step_s is not None and without.predicted_step_s is not None
+        holds_segment = any(Action.parse(a).kind == SEGMENT for a in plan.actions.values())
+        if not holds_segment or plans_tied(noise, plan.actions.values(), without.actions.values(),
+                                           plan.predicted_step_s, without.predicted_step_s):  # fmt: skip
+            return without
+    return plan
+
+
+SEGMENTS_PRICED = "segments_priced"
+
+
+def _optimal(
+    costs: CostTable,
+    budget: int,
+    actions: list[str] | None,
+    resolution: int | None,
+    max_segment: int | None,
+    ties_s: float = 0.0,
+) -> Plan:
+    """:func:`optimal` on ``costs`` as given; ``ties_s``: the plan-level tie width per differing block."""
     keep_everything: Plan | None = None
     if costs.held_args_bytes and KEEP in allowed_actions(costs, actions)[0]:
         keep_everything = Plan.from_actions(
@@ -137,7 +180,7 @@ def optimal(
             partial_plans=0,
         )  # fmt: skip
     try:
-        plan = _search(costs, budget, actions, resolution, max_segment)
+        plan = _search(costs, budget, actions, resolution, max_segment, ties_s)
     except BudgetError as error:
         if keep_everything is None or keep_everything.predicted_peak_bytes >= error.floor:
             raise
@@ -206,7 +249,12 @@ def _rank(costs: CostTable, plan: Plan) -> tuple[float, int, int, int]:
 
 
 def _search(
-    costs: CostTable, budget: int, actions: list[str] | None, resolution: int | None, max_segment: int | None
+    costs: CostTable,
+    budget: int,
+    actions: list[str] | None,
+    resolution: int | None,
+    max_segment: int | None,
+    ties_s: float = 0.0,
 ) -> Plan:
     """The optimal plan on ``costs`` with the held arguments counted in every unit (see
     :func:`remat.planning.chain_units.holding_arguments`), predicted on ``costs`` itself."""
@@ -235,7 +283,8 @@ def _search(
             f"a budget of {format_bytes(budget)} is beyond what the optimal planner handles; every plan fits, "
             "so use strategy 'none' (keep everything)"
         )
-    search = Search(chain, room, need, max_segment_used, resolution, front_limit(chain, max_segment_used))
+    limit = front_limit(chain, max_segment_used)
+    search = Search(chain, room, need, max_segment_used, resolution, limit, ties_s=ties_s)
     units = search.run()
     plan = Plan.from_actions(
         costs,

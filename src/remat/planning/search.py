@@ -12,10 +12,14 @@ partial plans that cannot be completed are never created.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..core import GROUP_KINDS, KEEP
 from .chain_units import ChainUnits, Units
 from .pareto import COLUMNS, Partials, pareto_front, thin
 
@@ -137,6 +141,7 @@ class Search:
     widest_bucket: int = 0
     stored: int = 0
     prices: list[float] | None = None  # memory prices for thinning, estimated on first need
+    ties_s: float = 0.0  # the profile's noise: plans whose times differ within it are ties (see run, plans_tied)
 
     def run(self) -> list[tuple[int, int, int]]:
         """The chosen plan as units (start, end, code)."""
@@ -149,12 +154,35 @@ class Search:
             units = chain.ending_at(pos - 1, self.max_segment)
             store.append(pos, self._settle(self._arrivals(pos - 1, units, store)))
         self.stored = store.size
-        final = slice(store.front_start[n], store.front_start[n + 1])
+        first = store.front_start[n]
+        final = slice(first, store.front_start[n + 1])
         total_peak = np.maximum(store.peak[final], store.prefix[final] + chain.head)
         order = np.lexsort((total_peak, store.deferred[final], store.reexec[final], store.time[final]))
-        index = store.front_start[n] + int(order[0])
+        best = self._units(store, first + int(order[0]))
+        if self.ties_s <= 0:
+            return best
+        # Plan-level ties: a complete plan whose time is within the noise of the fastest's (plans_tied) is one the
+        # noise could have put first; among those, a fixed order decides:
+        # fewest deferred blocks (a segment's price is the profile's least certain figure), fewest re-executions,
+        # lowest peak, then the blocks kept latest in the chain (recomputation on the earlier blocks, whose
+        # activations wait longest), then time.
+        times = store.time[final]
+        fastest = times[order[0]]
+        best_actions = chain.actions_from_units(best)
+        candidates = {}
+        for k in np.flatnonzero(times <= fastest + 2 * self.ties_s * n):
+            units = self._units(store, first + int(k))
+            actions = chain.actions_from_units(units)
+            if plans_tied(self.ties_s, best_actions, actions, fastest, times[k]):
+                kept = tuple(action == KEEP for action in actions)
+                key = (store.deferred[first + k], store.reexec[first + k], total_peak[k], kept, times[k])
+                candidates[key] = units
+        return candidates[min(candidates)] if candidates else best
+
+    def _units(self, store: Store, index: int) -> list[tuple[int, int, int]]:
+        """The units (start, end, code) of the complete plan stored at ``index``, in chain order."""
         chosen = []
-        pos = n
+        pos = self.chain.n
         while pos > 0:
             start = int(store.start[index])
             chosen.append((start, pos - 1, int(store.code[index])))
@@ -230,3 +258,18 @@ class Search:
                 self.widest_bucket = max(self.widest_bucket, width)
                 p = p.take(kept)
         return pareto_front(p)
+
+
+def plans_tied(noise_s: float, faster: Iterable[str], slower: Iterable[str], faster_s: float, slower_s: float) -> bool:
+    """Whether two plans' predicted steps tie under a profile noise of ``noise_s`` (invariant 1 of
+    :mod:`remat.planning.optimal_plan`): the slower exceeds the faster by no more than twice the noise times the
+    root of the summed squares of how many blocks each action has more in one plan than in the other (a segment or
+    memory-poor group counted by its kind). An action's figure is shared by the blocks that cost the same, so its
+    error enters once per block it has more; two plans with the same counts tie only where their times do."""
+
+    def counts(actions: Iterable[str]) -> Counter[str]:
+        return Counter(a.split(":")[0] if a.split(":")[0] in GROUP_KINDS else a for a in actions)
+
+    a, b = counts(faster), counts(slower)
+    distance = math.sqrt(sum((a[k] - b[k]) ** 2 for k in set(a) | set(b)))
+    return slower_s - faster_s <= 2 * noise_s * distance

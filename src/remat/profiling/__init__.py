@@ -27,12 +27,13 @@ from .estimate import (
     shard_costs,
     transformer_layer_activation_bytes,
 )
-from .profile_cache import cache_directory, cached_profile, profile_key
-from .profiler import BlockProfiler, profile
+from .profile_cache import cache_directory, cached_profile, keep_profile, profile_key
+from .profiler import BlockProfiler, price_segments, profile
 
 __all__ = [
     "cache_directory",
     "cached_profile",
+    "keep_profile",
     "profile_key",
     "BlockProfiler",
     "TimedCalls",
@@ -42,6 +43,7 @@ __all__ = [
     "estimate_stages",
     "clear_grads",
     "meta_cost_table",
+    "price_segments",
     "profile",
     "run_action",
     "shard_costs",

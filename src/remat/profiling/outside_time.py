@@ -10,7 +10,7 @@ time less the blocks' isolated times.
 
 The same windows give each block's forward and backward seconds within the step (:class:`PlainSteps`), where
 every block ran once forward and once backward per step: the figures a keep-all step is made of, which
-:mod:`remat.profiling.profiler` puts in place of the blocks' isolated keep times. A block called again while autograd's
+:func:`anchor_to_plain_steps` puts in place of the blocks' isolated keep times. A block called again while autograd's
 engine runs (a recomputation in backward) is not a forward call: its seconds fall in the block's backward window,
 so the windows time steps with a plan applied too (:mod:`remat.profiling.action_steps`). :func:`aside_from_step` is the
 context the profile's steps run in, apart from the training.
@@ -19,6 +19,7 @@ context the profile's steps run in, apart from the training.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 import weakref
@@ -31,11 +32,19 @@ from torch import nn
 
 from ..chains import BlockIO, extra_run, timed_step
 from ..checkpointing import eager, same_tensor
-from ..core import Batch, casts_uncached
+from ..core import KEEP, Batch, BlockCost, CostTable, casts_uncached
 from ..runtime import suspend_all
 from .block_run import parameters_detached
 
-__all__ = ["BlockWindows", "PlainSteps", "aside_from_step", "in_backward", "plain_steps"]
+__all__ = [
+    "BlockWindows",
+    "PlainSteps",
+    "anchor_to_plain_steps",
+    "anchored_block",
+    "aside_from_step",
+    "in_backward",
+    "plain_steps",
+]
 
 
 def in_backward() -> bool:
@@ -225,3 +234,38 @@ def plain_steps(
         [statistics.median(b[i] for b in bwd) for i in range(len(blocks))] if per_block else None,
         hands_on,
     )
+
+
+def anchored_block(block: BlockCost, fwd_s: float, bwd_s: float) -> BlockCost:
+    """A copy of ``block`` whose keep forward and backward are ``fwd_s`` and ``bwd_s``, its other actions'
+    forward and backward moved by the same amounts (recomputation and overhead unchanged). The copy's other
+    fields are ``block``'s own (the profiler's rows share none between blocks)."""
+    fwd_shift, bwd_shift = fwd_s - block.fwd_s, bwd_s - block.bwd_s
+    return dataclasses.replace(
+        block,
+        fwd_s=fwd_s,
+        bwd_s=bwd_s,
+        fwd_s_by_action={a: s + fwd_shift for a, s in block.fwd_s_by_action.items()} | {KEEP: fwd_s},
+        bwd_s_by_action={a: s + bwd_shift for a, s in block.bwd_s_by_action.items()} | {KEEP: bwd_s},
+    )
+
+
+def anchor_to_plain_steps(costs: CostTable, plain: PlainSteps, fqns: Sequence[str]) -> None:
+    """Sets ``costs.outside_s`` from ``plain`` (whose blocks are ``fqns``, in order) and, where ``plain`` timed
+    every block within the step, each block's keep times to those. ``costs.info["times_from"]`` says which
+    (``"plain steps"`` or ``"isolated runs"``), ``info["plain_step_s"]`` is the plain steps' median and
+    ``info["outputs_feed_next_block"]`` whether each block's main input was the previous block's main output
+    (what a segment of them needs, :mod:`remat.runtime.handle`). Where the blocks could not be timed within the step,
+    ``outside_s`` is the step less the blocks' isolated times, not floored at 0: blocks timed alone can run slower
+    than within a step."""
+    fwd, bwd = plain.block_fwd_s, plain.block_bwd_s
+    within = plain.outside_s is not None and fwd is not None and bwd is not None and list(fqns) == costs.fqns
+    if within:
+        costs.blocks = [anchored_block(b, f, g) for b, f, g in zip(costs.blocks, fwd, bwd, strict=True)]
+    costs.info["times_from"] = "plain steps" if within else "isolated runs"
+    costs.info["plain_step_s"] = plain.step_s
+    costs.info["outputs_feed_next_block"] = plain.hands_on
+    if plain.outside_s is not None:
+        costs.outside_s = plain.outside_s
+    else:
+        costs.outside_s = plain.step_s - sum(b.fwd_s + b.bwd_s for b in costs.blocks)

@@ -9,11 +9,13 @@ a profile measures shapes and times, not numbers.
 
 The cache lives in ``$REMAT_CACHE_DIR`` (default ``~/.cache/remat/profiles``); ``REMAT_CACHE_DIR=off`` turns it
 off. A table read back says so in ``info["cached_from"]``. A file that cannot be read is profiled again and
-overwritten.
+overwritten. :func:`keep_profile` writes a table that gained a measurement after it was kept (a segment's price,
+measured once a plan needs it: :func:`~remat.profiling.profiler.price_segments`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..chains import batch_structure
 from ..core import Batch, CostTable, StepSpec
 from ..meters import model_device
 
@@ -38,16 +41,6 @@ def cache_directory() -> Path | None:
     if setting.lower() == OFF:
         return None
     return Path(setting) if setting else Path.home() / ".cache" / "remat" / "profiles"
-
-
-def _structure(value: Any) -> Any:
-    if torch.is_tensor(value):
-        return [list(value.shape), str(value.dtype), value.device.type]
-    if isinstance(value, dict):
-        return {str(k): _structure(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_structure(v) for v in value]
-    return type(value).__name__
 
 
 def _blocks(blocks: Any) -> Any:
@@ -73,7 +66,7 @@ def profile_key(model: nn.Module, batch: Batch, step: StepSpec, policies: str | 
         "parameters": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in model.named_parameters()],
         "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()],
         "training": model.training,
-        "batch": _structure(batch),
+        "batch": batch_structure(batch),
         "blocks": _blocks(step.blocks),
         "autocast": repr(step.autocast),
         "holds_output": step.holds_output,
@@ -85,13 +78,21 @@ def profile_key(model: nn.Module, batch: Batch, step: StepSpec, policies: str | 
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def cached_profile(model: nn.Module, batch: Batch, *, step: StepSpec, policies: str | Iterable[str]) -> CostTable:
-    """The profile of ``model`` on ``batch`` from this machine's cache, else measured and kept there."""
+def cached_profile(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    step: StepSpec,
+    policies: str | Iterable[str],
+    price_segments: bool = True,
+) -> CostTable:
+    """The profile of ``model`` on ``batch`` from this machine's cache, else measured (``price_segments`` as
+    :func:`~remat.profiling.profiler.profile` takes it) and kept there."""
     from .profiler import profile
 
     directory = cache_directory()
     if directory is None:
-        return profile(model, batch, step=step, policies=policies)
+        return profile(model, batch, step=step, policies=policies, price_segments=price_segments)
     path = directory / f"{profile_key(model, batch, step, policies)}.json"
     if path.exists():
         try:
@@ -101,12 +102,25 @@ def cached_profile(model: nn.Module, batch: Batch, *, step: StepSpec, policies: 
         if costs is not None:
             costs.info["cached_from"] = str(path)
             return costs
-    costs = profile(model, batch, step=step, policies=policies)
+    costs = profile(model, batch, step=step, policies=policies, price_segments=price_segments)
+    keep_profile(model, batch, costs, step=step, policies=policies)
+    return costs
+
+
+def keep_profile(
+    model: nn.Module, batch: Batch, costs: CostTable, *, step: StepSpec, policies: str | Iterable[str]
+) -> None:
+    """Write ``costs`` to this machine's cache as ``model``'s profile on ``batch`` (replacing what was there:
+    a table that gained a measurement since), where the cache is on and writable."""
+    directory = cache_directory()
+    if directory is None:
+        return
+    path = directory / f"{profile_key(model, batch, step, policies)}.json"
+    kept = {k: v for k, v in costs.info.items() if k != "cached_from"}
     try:
         directory.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(".tmp")
-        temporary.write_text(costs.to_json())
+        temporary.write_text(dataclasses.replace(costs, info=kept).to_json())
         temporary.replace(path)
     except OSError:
         pass  # a read-only home: profiles are not kept, planning works all the same
-    return costs

@@ -8,8 +8,8 @@ give forward, backward, recompute and overhead seconds (:mod:`remat.profiling.bl
 :mod:`remat.profiling.action_times`). The step itself is tracked too, for the memory before the chain (stem) and after
 it (head), what the step keeps beside the blocks (T5's position biases, counted in the stem) and whether the model's
 output collects the blocks' outputs (:mod:`remat.profiling.chain_bounds`). After that step :func:`profile` reads the
-blocks' times where a plan pays them, within whole steps of the model (:mod:`remat.profiling.profiler` for keep,
-:mod:`remat.profiling.action_steps` for every other action).
+blocks' times where a plain step and a plan pay them, within whole steps of the model
+(:mod:`remat.profiling.outside_time` for keep, :mod:`remat.profiling.action_steps` for every other action).
 
 Under ``torch.autocast`` the isolated runs keep the step's autocast settings but turn autocast's weight-cast
 cache off (:func:`remat.core.precision.casts_uncached`), so each block's casts are counted where they are made; the
@@ -38,13 +38,11 @@ ignores compiled code, and they are profiled under keep, checkpoint, offload and
 compiled for only (:func:`~remat.profiling.profiler.compiled_block_actions`).
 It serves :func:`profile` and in-training profiling (the dynamic controllers wrap a first training step in it).
 The module also holds which actions a block is profiled under (:func:`default_actions`,
-:func:`compiled_block_actions`) and how the blocks' isolated times are anchored to plain steps
-(:func:`anchor_to_plain_steps`).
+:func:`compiled_block_actions`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -63,6 +61,7 @@ from ..chains import (
     profiled_step,
     resolve_chains,
     run_step,
+    stepped_before,
     waiting_grad_bytes,
     warn_if_evaluating,
 )
@@ -72,6 +71,7 @@ from ..core import (
     CHECKPOINT,
     KEEP,
     OFFLOAD,
+    SEGMENT,
     Action,
     AutocastArg,
     AutocastSpec,
@@ -87,13 +87,21 @@ from ..core import (
     lossy_actions,
 )
 from ..meters import CompiledCodeIgnoringTracker, LiveTensorTracker, is_compiled, model_device
-from .action_steps import ISOLATED, time_actions_in_steps
+from ..planning import Plan
+from .action_steps import (
+    ISOLATED,
+    SEGMENT_PAIRS,
+    STEPS,
+    actions_to_time,
+    price_segments_in_steps,
+    time_actions_in_steps,
+)
 from .block_measure import measure_block
 from .block_run import GradsRestored
 from .block_signature import Footprint, block_signature, keep_footprint, renamed
 from .block_timing import Clock, device_name
 from .chain_bounds import ChainBounds, CollectedOutputs
-from .outside_time import PlainSteps, aside_from_step, in_backward, plain_steps
+from .outside_time import anchor_to_plain_steps, aside_from_step, in_backward, plain_steps
 
 # ----------------------------------------------------------------------------------------------------
 # The actions a block is profiled under: keep, checkpoint, the selective policies asked for, offload on CUDA and
@@ -140,54 +148,14 @@ def compiled_block_actions(
     return chosen + [a for a in partitions if a not in chosen and (not asked or a in actions)]
 
 
-# ----------------------------------------------------------------------------------------------------
-# Anchors the profile's block times to the same blocks timed within plain steps.
-
-
-def anchored_block(block: BlockCost, fwd_s: float, bwd_s: float) -> BlockCost:
-    """A copy of ``block`` whose keep forward and backward are ``fwd_s`` and ``bwd_s``, its other actions'
-    forward and backward moved by the same amounts (recomputation and overhead unchanged). The copy's other
-    fields are ``block``'s own (the profiler's rows share none between blocks)."""
-    fwd_shift, bwd_shift = fwd_s - block.fwd_s, bwd_s - block.bwd_s
-    return dataclasses.replace(
-        block,
-        fwd_s=fwd_s,
-        bwd_s=bwd_s,
-        fwd_s_by_action={a: s + fwd_shift for a, s in block.fwd_s_by_action.items()} | {KEEP: fwd_s},
-        bwd_s_by_action={a: s + bwd_shift for a, s in block.bwd_s_by_action.items()} | {KEEP: bwd_s},
-    )
-
-
-def anchor_to_plain_steps(costs: CostTable, plain: PlainSteps, fqns: Sequence[str]) -> None:
-    """Sets ``costs.outside_s`` from ``plain`` (whose blocks are ``fqns``, in order) and, where ``plain`` timed
-    every block within the step, each block's keep times to those. ``costs.info["times_from"]`` says which
-    (``"plain steps"`` or ``"isolated runs"``), ``info["plain_step_s"]`` is the plain steps' median and
-    ``info["outputs_feed_next_block"]`` whether each block's main input was the previous block's main output
-    (what a segment of them needs, :mod:`remat.runtime.handle`). Where the blocks could not be timed within the step,
-    ``outside_s`` is the step less the blocks' isolated times, not floored at 0: blocks timed alone can run slower
-    than within a step."""
-    fwd, bwd = plain.block_fwd_s, plain.block_bwd_s
-    within = plain.outside_s is not None and fwd is not None and bwd is not None and list(fqns) == costs.fqns
-    if within:
-        costs.blocks = [anchored_block(b, f, g) for b, f, g in zip(costs.blocks, fwd, bwd, strict=True)]
-    costs.info["times_from"] = "plain steps" if within else "isolated runs"
-    costs.info["plain_step_s"] = plain.step_s
-    costs.info["outputs_feed_next_block"] = plain.hands_on
-    if plain.outside_s is not None:
-        costs.outside_s = plain.outside_s
-    else:
-        costs.outside_s = plain.step_s - sum(b.fwd_s + b.bwd_s for b in costs.blocks)
-
-
 __all__ = [
     "COMPILED_BLOCK_ACTIONS",
     "BlockProfiler",
-    "anchor_to_plain_steps",
-    "anchored_block",
     "compiled_block_actions",
     "default_actions",
     "default_loss",
     "measure_block",
+    "price_segments",
     "profile",
     "run_step",
 ]
@@ -418,7 +386,7 @@ def profile(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     blocks: BlocksArg = None,
     policies: str | Iterable[str] = _policies.PROFILED_BY_DEFAULT,
-    repeats: int = 3,
+    repeats: int | None = None,
     main_input: InputName | Mapping[str, InputName] = None,
     main_output: OutputName | Mapping[str, OutputName] = None,
     reuse_identical: bool = True,
@@ -427,6 +395,7 @@ def profile(
     clock: Clock = time.perf_counter,
     holds_output: bool | None = None,
     actions_in_steps: bool = True,
+    price_segments: bool = True,
 ) -> CostTable:
     """Measure the :class:`CostTable` of ``model`` on ``batch`` (a tensor, a tuple of positional args or a
     dict of keyword args). ``step``: the training step (:class:`remat.StepSpec`); its fields may be given as
@@ -443,11 +412,16 @@ def profile(
     "device_type": ...}``, a :class:`remat.core.precision.AutocastSpec`, or ``False`` for none): the forward and the
     loss then run under that autocast, the backward outside it, as in a training step. Either way the step runs
     with autocast's weight-cast cache off (see :mod:`remat.core.precision`), and the table records the setting.
-    One untimed plain step runs first (warm-up). After the profiled step, three plain steps are timed for
-    ``outside_s``: each step less the time its blocks took in it (:mod:`remat.profiling.outside_time`), or on CUDA the
-    step less the blocks' isolated times. Where the blocks were timed within those steps, ``actions_in_steps``
-    (default) times every action within whole steps too, three rounds of one step per action, and the table
-    prices each action by what it adds there (:mod:`remat.profiling.action_steps`, ``info["action_times_from"]``).
+    One untimed plain step runs first (warm-up), unless a step of the model on a batch of this structure ran in
+    this process already (:func:`remat.chains.stepped_before`). After the profiled step, plain steps are timed for
+    ``outside_s``: each step less the time its blocks took in it (:mod:`remat.profiling.outside_time`), or on CUDA
+    the step less the blocks' isolated times. Where the blocks were timed within those steps, ``actions_in_steps``
+    (default) times every action within whole steps too, three rounds of steps that mix the actions over blocks
+    that cost the same, and two pairs of steps price a segment (:mod:`remat.profiling.action_steps`,
+    ``info["action_times_from"]``); one plain step comes before them then, three otherwise. ``repeats``: timed
+    runs per action of a block alone (default 1 where the steps will time the actions, on the CPU, else 3).
+    ``price_segments=False`` leaves out the segment's pairs of steps (``info["segments_priced"]`` is then
+    False where they could run): :func:`price_segments` runs them once a plan holds a segment.
 
     ``clock`` is what every time is read from: wall-clock ``time.perf_counter`` by default; on a shared CPU
     with one intra-op thread, ``time.process_time`` gives the seconds the step would take on a machine of its
@@ -465,7 +439,10 @@ def profile(
                        autocast=autocast, holds_output=holds_output)  # fmt: skip
     loss_fn, main_input, main_output, holds_output = step.loss_fn, step.main_input, step.main_output, step.holds_output
     warn_if_evaluating(model, "remat.profile")
-    spec = autocast_spec(step.autocast, model_device(model).type)
+    device = model_device(model).type
+    spec = autocast_spec(step.autocast, device)
+    if repeats is None:  # the steps replace every exact action's isolated figures but its recomputation
+        repeats = 1 if actions_in_steps and device == "cpu" else 3
     chains = resolve_chains(model, step.blocks)
     io = block_ios([pair for chain in chains for pair in chain], main_input, main_output)
     profiler = BlockProfiler(
@@ -479,21 +456,26 @@ def profile(
         clock=clock,
     )
     with GradsRestored(model), profiled_step(model):
-        # One untimed plain step first: the first step in a process runs slower (allocator growth, first-touch
-        # page faults, lazy initialisation; 5% in the median on a CPU, up to 30%), and the one block timed
-        # of a group of identical ones prices them all.
-        with aside_from_step(model, model_device(model).type):
-            run_step(model, batch, loss_fn, autocast=spec, holds_output=holds_output)
+        # One untimed plain step first unless one ran already: the first step in a process runs slower
+        # (allocator growth, first-touch page faults, lazy initialisation; 5% in the median on a CPU, up to
+        # 30%), and the one block timed of a group of identical ones prices them all.
+        if not stepped_before(model, batch):
+            with aside_from_step(model, device):
+                run_step(model, batch, loss_fn, autocast=spec, holds_output=holds_output)
         with profiler, casts_uncached():
             run_step(model, batch, loss_fn, autocast=spec, holds_output=holds_output)
         costs = profiler.cost_table()
         costs.info["holds_output"] = holds_output
         costs.info["clock"] = getattr(clock, "__name__", repr(clock))
-        # The step outside the chain's blocks, and the blocks' keep times within it: plain steps (no plan).
+        # The step outside the chain's blocks, and the blocks' keep times within it: plain steps (no plan). Where
+        # the actions are timed within steps next, one plain step is enough: those steps anchor the table again.
+        fqns = [fqn for fqn, _ in profiler.chain]
+        modules = [module for _, module in profiler.chain]
+        in_steps = actions_in_steps and costs.device == "cpu" and bool(actions_to_time(costs))
         with aside_from_step(model, costs.device):
-            modules = [module for _, module in profiler.chain]
-            plain = plain_steps(model, batch, loss_fn, modules, io, steps=3, autocast=spec, clock=clock)
-        anchor_to_plain_steps(costs, plain, [fqn for fqn, _ in profiler.chain])
+            steps = 1 if in_steps else 3
+            plain = plain_steps(model, batch, loss_fn, modules, io, steps=steps, autocast=spec, clock=clock)
+        anchor_to_plain_steps(costs, plain, fqns)
         if actions_in_steps:
             with aside_from_step(model, costs.device, suspend=False):
                 time_actions_in_steps(
@@ -508,8 +490,43 @@ def profile(
                     autocast=spec,
                     clock=clock,
                     holds_output=holds_output,
+                    segment_pairs=SEGMENT_PAIRS if price_segments else 0,
                 )
         else:
             costs.info["action_times_from"] = f"{ISOLATED} (actions_in_steps=False)"
+        if in_steps and not costs.info["action_times_from"].startswith(STEPS):  # not anchored by the steps
+            with aside_from_step(model, costs.device):
+                more = plain_steps(model, batch, loss_fn, modules, io, steps=3, autocast=spec, clock=clock)
+            anchor_to_plain_steps(costs, more, fqns)
     costs.info["profile_s"] = time.perf_counter() - started
     return costs
+
+
+def price_segments(
+    model: nn.Module,
+    batch: Batch,
+    costs: CostTable,
+    *,
+    plan: Plan | None = None,
+    step: StepSpec | None = None,
+    clock: Clock = time.perf_counter,
+) -> bool:
+    """Measure, in ``costs`` (``model``'s profile on ``batch``, taken with ``price_segments=False``), what a
+    segment's waiting blocks cost (:func:`remat.profiling.action_steps.price_segments_in_steps`: two pairs of
+    steps), where the table left it unmeasured and, with ``plan``, only where that plan holds a segment: the
+    measurement a budget that segments do not serve never needs. Returns whether it measured (plan again
+    then). Parameter gradients, buffers and the RNG state are left as they were."""
+    if costs.info.get("segments_priced") is not False:
+        return False
+    if plan is not None and not any(Action.parse(a).kind == SEGMENT for a in plan.actions.values()):
+        return False
+    step = step or StepSpec()
+    chains = resolve_chains(model, step.blocks)
+    chain = [pair for c in chains for pair in c]
+    io = block_ios(chain, step.main_input, step.main_output)
+    spec = autocast_spec(step.autocast, costs.device)
+    with GradsRestored(model), profiled_step(model), aside_from_step(model, costs.device, suspend=False):
+        return price_segments_in_steps(
+            model, batch, step.loss_fn, costs, chain, io, main_input=step.main_input, main_output=step.main_output,
+            autocast=spec, clock=clock, holds_output=step.holds_output,
+        )  # fmt: skip
