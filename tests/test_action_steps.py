@@ -15,7 +15,13 @@ from remat.chains import block_ios
 from remat.core import BlockCost, CostTable
 from remat.planning import simulate
 from remat.profiling import price_segments
-from remat.profiling.action_steps import deferral_rate, in_step_block, mixed_schedule, time_actions_in_steps
+from remat.profiling.action_steps import (
+    StepRun,
+    deferral_rate,
+    in_step_block,
+    mixed_schedule,
+    time_actions_in_steps,
+)
 from remat.profiling.outside_time import plain_steps
 
 RUNS = [0]  # forward runs of any block so far: the clock of these tests
@@ -71,7 +77,7 @@ def test_action_figures_are_replaced_by_what_the_step_adds() -> None:
     assert costs.info["times_from"] == "plain steps"
     # Put wrong figures in place: the steps must set every block's checkpoint to what it adds there, one re-run.
     costs.blocks = [dataclasses.replace(b, overhead_s=b.overhead_s | {"checkpoint": 5.0}) for b in costs.blocks]
-    time_actions_in_steps(model, torch.randn(4, 8), None, costs, chain, block_ios(chain), clock=runs)
+    time_actions_in_steps(StepRun(model, torch.randn(4, 8), None, chain, block_ios(chain), clock=runs), costs)
     assert costs.info["action_times_from"] == "steps"
     for block in costs.blocks:
         assert block.recompute_s["checkpoint"] == 1.0  # the isolated runs' figure, kept

@@ -76,6 +76,7 @@ __all__ = [
     "one_segment",
     "price_segments_in_steps",
     "same_cost_groups",
+    "StepRun",
     "time_actions_in_steps",
 ]
 
@@ -200,25 +201,33 @@ class _Reading:
         return sum(self.fwd_s) + sum(self.bwd_s)
 
 
-class _MixedSteps:
-    """Steps of the model with a plan applied to ``chain`` that the caller sets step by step, each block's
-    forward and backward read by :class:`~remat.profiling.outside_time.BlockWindows`."""
+@dataclasses.dataclass(frozen=True)
+class StepRun:
+    """The training step the profile's steps run: the model, a sample batch, the loss, the chain's blocks in
+    order with how each one's hidden state is read, and the step's settings."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        batch: Batch,
-        loss_fn: Callable[[Any], torch.Tensor] | None,
-        costs: CostTable,
-        chain: Sequence[tuple[str, nn.Module]],
-        ios: Sequence[BlockIO],
-        step: dict[str, Any],
-    ) -> None:
-        self.model, self.batch, self.loss_fn, self.costs, self.step = model, batch, loss_fn, costs, step
+    model: nn.Module
+    batch: Batch
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    chain: Sequence[tuple[str, nn.Module]]
+    ios: Sequence[BlockIO]
+    main_input: InputName | Mapping[str, InputName] = None
+    main_output: OutputName | Mapping[str, OutputName] = None
+    autocast: Any = None
+    clock: Callable[[], float] = time.perf_counter
+    holds_output: bool = True
+
+
+class _MixedSteps:
+    """Steps of ``run`` with a plan applied to its chain that the caller sets step by step, each block's forward
+    and backward read by :class:`~remat.profiling.outside_time.BlockWindows`."""
+
+    def __init__(self, run: StepRun, costs: CostTable) -> None:
+        self.run, self.costs = run, costs
         self.plans: dict[tuple[str, ...], Plan] = {}
         keep = Plan.from_actions(costs, [KEEP] * len(costs), KEEP)
-        self.handle = apply(model, keep, list(chain), main_input=step["main_input"], main_output=step["main_output"])
-        self.windows = BlockWindows([m for _, m in chain], ios, step["clock"])
+        self.handle = apply(run.model, keep, list(run.chain), main_input=run.main_input, main_output=run.main_output)
+        self.windows = BlockWindows([m for _, m in run.chain], run.ios, run.clock)
 
     def __enter__(self) -> _MixedSteps:
         return self
@@ -235,10 +244,9 @@ class _MixedSteps:
             self.plans[key] = Plan.from_actions(self.costs, per_block, "in-step timing")
         self.handle.set_plan(self.plans[key])
         self.windows.reset()
-        seconds = timed_step(
-            self.model, self.batch, self.loss_fn, autocast=self.step["autocast"], clock=self.step["clock"],
-            holds_output=self.step["holds_output"],
-        )  # fmt: skip
+        run = self.run
+        seconds = timed_step(run.model, run.batch, run.loss_fn, autocast=run.autocast, clock=run.clock,
+                             holds_output=run.holds_output)  # fmt: skip
         w = self.windows
         if not w.each_block_once:
             return None
@@ -246,36 +254,21 @@ class _MixedSteps:
 
 
 def time_actions_in_steps(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    costs: CostTable,
-    chain: Sequence[tuple[str, nn.Module]],
-    ios: Sequence[BlockIO],
-    *,
-    rounds: int = ROUNDS,
-    segment_pairs: int = SEGMENT_PAIRS,
-    main_input: InputName | Mapping[str, InputName] = None,
-    main_output: OutputName | Mapping[str, OutputName] = None,
-    autocast: Any = None,
-    clock: Callable[[], float] = time.perf_counter,
-    holds_output: bool = True,
+    run: StepRun, costs: CostTable, *, rounds: int = ROUNDS, segment_pairs: int = SEGMENT_PAIRS
 ) -> None:
-    """Replace, in ``costs`` (whose rows are the blocks of ``chain``, in order, anchored to plain steps), each
+    """Replace, in ``costs`` (whose rows are the blocks of ``run.chain``, in order, anchored to plain steps), each
     exact action's forward, backward and overhead by the figures read within mixed steps, anchor the blocks'
     keep figures and the time outside them to those steps too, and, with ``segment_pairs``, price a segment's
     waiting blocks (module notes), where that can be done; ``costs.info["action_times_from"]`` says which figures
     the table holds, ``info["segments_priced"]`` whether a segment's price was measured where it could be. The
     caller forks the RNG and restores gradients and buffers around it."""
     actions = actions_to_time(costs)
-    why = _why_not(model, costs) if actions else "no action besides keep was profiled"
+    why = _why_not(run.model, costs) if actions else "no action besides keep was profiled"
     if why is not None:
         costs.info["action_times_from"] = f"{ISOLATED} ({why})"
         return
-    step = {"main_input": main_input, "main_output": main_output, "autocast": autocast, "clock": clock,
-            "holds_output": holds_output}  # fmt: skip
     readings: list[list[_Reading]] = []
-    with _MixedSteps(model, batch, loss_fn, costs, chain, ios, step) as steps:
+    with _MixedSteps(run, costs) as steps:
         for r, deal in enumerate(mixed_schedule(costs, actions, rounds)):
             done = [steps.under(per_block) for per_block in (deal if r % 2 == 0 else deal[::-1])]
             if any(reading is None for reading in done):
@@ -290,24 +283,10 @@ def time_actions_in_steps(
     if one_segment(costs) is not None:
         costs.info["segments_priced"] = False
         if segment_pairs > 0:
-            price_segments_in_steps(model, batch, loss_fn, costs, chain, ios, pairs=segment_pairs, **step)
+            price_segments_in_steps(run, costs, pairs=segment_pairs)
 
 
-def price_segments_in_steps(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    costs: CostTable,
-    chain: Sequence[tuple[str, nn.Module]],
-    ios: Sequence[BlockIO],
-    *,
-    pairs: int = SEGMENT_PAIRS,
-    main_input: InputName | Mapping[str, InputName] = None,
-    main_output: OutputName | Mapping[str, OutputName] = None,
-    autocast: Any = None,
-    clock: Callable[[], float] = time.perf_counter,
-    holds_output: bool = True,
-) -> bool:
+def price_segments_in_steps(run: StepRun, costs: CostTable, *, pairs: int = SEGMENT_PAIRS) -> bool:
     """Set ``costs.deferred_s_per_byte`` from ``pairs`` pairs of steps, the whole chain as one segment and every
     block checkpointed, each first in turn (module notes), where the table's actions were timed within steps and
     its chain can be one segment (:func:`one_segment`); ``info["segments_priced"]`` becomes True. Returns
@@ -315,11 +294,9 @@ def price_segments_in_steps(
     segment = one_segment(costs)
     if segment is None or costs.info.get("action_times_from") != STEPS or pairs < 1:
         return False
-    step = {"main_input": main_input, "main_output": main_output, "autocast": autocast, "clock": clock,
-            "holds_output": holds_output}  # fmt: skip
     checkpoint = [CHECKPOINT] * len(costs)
     extra_s = []
-    with _MixedSteps(model, batch, loss_fn, costs, chain, ios, step) as steps:
+    with _MixedSteps(run, costs) as steps:
         for p in range(pairs):
             order = (checkpoint, segment) if p % 2 == 0 else (segment, checkpoint)
             done = {id(per_block): steps.under(per_block) for per_block in order}

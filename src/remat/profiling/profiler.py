@@ -92,6 +92,7 @@ from .action_steps import (
     ISOLATED,
     SEGMENT_PAIRS,
     STEPS,
+    StepRun,
     actions_to_time,
     price_segments_in_steps,
     time_actions_in_steps,
@@ -477,21 +478,9 @@ def profile(
             plain = plain_steps(model, batch, loss_fn, modules, io, steps=steps, autocast=spec, clock=clock)
         anchor_to_plain_steps(costs, plain, fqns)
         if actions_in_steps:
+            run = StepRun(model, batch, loss_fn, profiler.chain, io, main_input, main_output, spec, clock, holds_output)
             with aside_from_step(model, costs.device, suspend=False):
-                time_actions_in_steps(
-                    model,
-                    batch,
-                    loss_fn,
-                    costs,
-                    profiler.chain,
-                    io,
-                    main_input=main_input,
-                    main_output=main_output,
-                    autocast=spec,
-                    clock=clock,
-                    holds_output=holds_output,
-                    segment_pairs=SEGMENT_PAIRS if price_segments else 0,
-                )
+                time_actions_in_steps(run, costs, segment_pairs=SEGMENT_PAIRS if price_segments else 0)
         else:
             costs.info["action_times_from"] = f"{ISOLATED} (actions_in_steps=False)"
         if in_steps and not costs.info["action_times_from"].startswith(STEPS):  # not anchored by the steps
@@ -525,8 +514,7 @@ def price_segments(
     chain = [pair for c in chains for pair in c]
     io = block_ios(chain, step.main_input, step.main_output)
     spec = autocast_spec(step.autocast, costs.device)
+    run = StepRun(model, batch, step.loss_fn, chain, io, step.main_input, step.main_output, spec, clock,
+                  step.holds_output)  # fmt: skip
     with GradsRestored(model), profiled_step(model), aside_from_step(model, costs.device, suspend=False):
-        return price_segments_in_steps(
-            model, batch, step.loss_fn, costs, chain, io, main_input=step.main_input, main_output=step.main_output,
-            autocast=spec, clock=clock, holds_output=step.holds_output,
-        )  # fmt: skip
+        return price_segments_in_steps(run, costs)
