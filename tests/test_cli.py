@@ -68,7 +68,9 @@ def test_profile_and_advise_run_on_a_small_model(tmp_path, capsys):
     assert set(json.loads(out.read_text())["blocks"][0]["saved_bytes"]) >= {"keep", "checkpoint"}
     info = json.loads(out.read_text())["info"]
     printed = capsys.readouterr().out
-    assert f"profiled in {info['profile_s']:.1f} s ({info['blocks_measured']} blocks measured" in printed
+    steps = info["profile_s"] / info["plain_step_s"]
+    took = f"profiled in {info['profile_s']:.1f} s, {steps:.1f} plain steps"
+    assert f"{took} ({info['blocks_measured']} blocks measured" in printed
     assert f"; action times from {info['action_times_from']})" in printed
     assert "step keeping everything" in printed
     rate = json.loads(out.read_text())["deferred_s_per_byte"]  # segments' waiting blocks, priced where measured

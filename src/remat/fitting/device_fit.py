@@ -40,6 +40,7 @@ from ..meters import model_device
 from ..planning import Plan, make_plan, minimum_peak_bytes, no_checkpoint_peak, simulate
 from ..profiling import cached_profile, keep_profile, price_segments
 from ..runtime import RematHandle, apply
+from .measured_fit import candidate_trials
 from .measured_fit import fit as fit_activations
 from .whole_step import FixedMemory, MemoryArg, StepPeak, device_memory, fixed_memory, whole_step_peak
 
@@ -219,6 +220,12 @@ def _plan_within(
 ) -> Plan | None:
     if options:
         return make_plan(costs, "optimal", budget, **options)
+    try:
+        trials = candidate_trials(costs, budget)
+    except BudgetError:
+        return None
+    if len(trials) == 1:  # the profile tells the plans apart: nothing to run head to head; its whole step is next
+        return trials[0].plan
     try:
         chosen = fit_activations(model, batch, budget, costs=costs, step=spec, rounds=rounds, clock=clock)
     except BudgetError:

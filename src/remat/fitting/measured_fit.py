@@ -123,7 +123,7 @@ def fit(
     limit = resolve_budget(max_bytes, costs)
     if limit is None:
         raise ValueError("max_bytes is None: give bytes, a string like '2GiB' or a fraction in (0, 1]")
-    candidates = _candidates(costs, limit)
+    candidates = candidate_trials(costs, limit)
     device = model_device(model)
     autocast_setting = autocast_spec(spec.autocast, device.type)
     assert candidates[0].plan is not None
@@ -162,7 +162,7 @@ def fit(
     return PlanFit(limit, chosen, tuple(trials), costs, handle)
 
 
-def _candidates(costs: CostTable, limit: int) -> list[Trial]:
+def candidate_trials(costs: CostTable, limit: int) -> list[Trial]:
     """``optimal`` over every action, then over those without per-operator policies where that plan differs and
     some plan of them fits (raises ``BudgetError`` where none of the first fits)."""
     menu = make_plan(costs, "optimal", limit)
