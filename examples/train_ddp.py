@@ -15,6 +15,7 @@ by ``remat.measure`` (the CUDA allocator's peak on GPU; on CPU the live-tensor t
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -119,6 +120,10 @@ def main() -> None:
                 flush=True,
             )
     session.remove()
+    # The DDP wrapper's reducer holds the process group's pending work: free it while the group is alive, or gloo
+    # may abort at interpreter exit ("terminate called without an active exception").
+    del trained
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -31,6 +31,8 @@ MIN_FRONT = 16
 EXACT_FRONT_LIMIT = 4096
 # Points of the memory-price grid (see memory_prices).
 PRICE_GRID = 24
+# Complete plans read for plan-level ties, nearest the fastest first (see Search.run).
+TIE_CANDIDATES = 512
 
 
 def suffix_need(chain: ChainUnits, max_segment: int) -> np.ndarray:
@@ -170,7 +172,10 @@ class Search:
         fastest = times[order[0]]
         best_actions = chain.actions_from_units(best)
         candidates = {}
-        for k in np.flatnonzero(times <= fastest + 2 * self.ties_s * n):
+        # plans_tied's width is at most 2 * noise * sqrt(2) * n (every block moved from one action to another);
+        # the nearest TIE_CANDIDATES by time are read
+        near = np.flatnonzero(times <= fastest + 2 * self.ties_s * math.sqrt(2) * n)
+        for k in near[np.argsort(times[near], kind="stable")][:TIE_CANDIDATES]:
             units = self._units(store, first + int(k))
             actions = chain.actions_from_units(units)
             if plans_tied(self.ties_s, best_actions, actions, fastest, times[k]):
