@@ -19,7 +19,7 @@ An action's shift is, over the rounds and the group's blocks that ran it, the me
 keep's in the same step (the median over the group's blocks that kept in it; a step where the group kept none
 reads the block's own keep figures instead: the plain step's, with its windows in the rounds where it kept). A
 change in the machine's speed from step to step so does not enter the shift (five profiles of the Llama of
-``docs/results/time-to-plan.md``, 24 blocks, put checkpointing at 19.2-20.0 ms a block). The shift moves the
+``docs/results/time-to-plan.md``, 24 blocks, put checkpointing at 18.6-19.8 ms a block). The shift moves the
 action's forward and backward from the block's keep figures, and its overhead becomes what it adds in the step
 less its recomputation, which stays the isolated runs' figure (floored at minus the recomputation, as
 :mod:`remat.profiling.action_times` does). So the time cost of each action, the figure the planners weigh, is the
