@@ -6,6 +6,7 @@ errors."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +21,7 @@ from toy_models import (
     hook_count,
     seeded_chain,
     step,
+    uniform_chain,
     uniform_costs,
 )
 
@@ -433,5 +435,28 @@ def test_an_exception_in_a_block_leaves_the_next_step_exact(plan: str) -> None:
             step(model, x)
         failing.remove()
         assert_same_step(reference, step(model, x))
+    finally:
+        handle.remove()
+
+
+def test_an_input_larger_than_the_plan_was_made_for_is_warned_about_once_per_shape() -> None:
+    """Note [9] of remat.runtime.handle: the plan's predicted peak holds for the profiled input only."""
+    model = uniform_chain(4, width=16)
+    x = torch.randn(8, 8)
+    costs = remat.profile(model, x)
+    assert costs.info["input_shapes"]["blocks.0"] == [8, 16]
+    plan = remat.plan(costs, "optimal", 0.6)
+    assert plan.options["planned_input"] == {"block": "blocks.0", "shape": [8, 16]}
+    handle = remat.apply(model, plan)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for batch in (16, 16, 4, 8, 32):
+                model(torch.randn(batch, 8)).backward()
+        texts = [str(w.message) for w in seen if "its plan was made for" in str(w.message)]
+        assert len(texts) == 2  # shapes [16, 16] and [32, 16], each once; smaller and equal inputs fit
+        assert "input of shape [16, 16], 2.00x the elements of the [8, 16]" in texts[0]
+        assert f"budget of {remat.format_bytes(plan.budget_bytes)} do not hold" in texts[0]
+        assert "[32, 16], 4.00x" in texts[1]
     finally:
         handle.remove()

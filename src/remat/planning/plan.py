@@ -62,6 +62,9 @@ class Plan:
             actions = dict(zip(costs.fqns, actions, strict=True))
         if costs.chain_lengths:
             options.setdefault("chains", list(costs.chain_lengths))
+        shapes = costs.info.get("input_shapes") or {}
+        if costs.fqns and costs.fqns[0] in shapes:  # what the predictions hold for (see remat.runtime.handle)
+            options.setdefault("planned_input", {"block": costs.fqns[0], "shape": list(shapes[costs.fqns[0]])})
         sim = simulate(costs, actions)
         return cls(dict(actions), strategy, budget_bytes, sim.peak_bytes, sim.recompute_s, dict(options), sim.step_s)
 

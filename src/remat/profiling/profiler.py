@@ -203,6 +203,7 @@ class BlockProfiler:
         self.reuse_identical = reuse_identical
         self.reused: dict[tuple[int, int], tuple[int, int]] = {}  # row -> the measured row it copies
         self.outputs = CollectedOutputs()  # does the model's output hold blocks' outputs (output_hidden_states)?
+        self.input_shapes: dict[str, list[int]] = {}  # row name -> the shape of its main input in the step
         # signature -> (row key of the call measured for it, its footprint under keep)
         self._groups: dict[Hashable, dict[Footprint, tuple[int, int]]] = {}  # signature -> footprint -> row
         self._start: float | None = None
@@ -251,6 +252,7 @@ class BlockProfiler:
                 return
             main = self.io[i].input_tensor(args, kwargs)
             key, name = self.calls.call(i)
+            self.input_shapes.setdefault(name, list(main.shape))
             self._device = main.device
             self._autocast = AutocastSpec.current(main.device.type)
             if self._bounds is not None:
@@ -366,6 +368,7 @@ class BlockProfiler:
                 "profile_s": self._profile_seconds(),
                 "blocks_measured": len(self.rows) - len(self.reused),
                 "blocks_reused": len(self.reused),
+                "input_shapes": dict(self.input_shapes),
                 "same_costs_as": {self.rows[k].fqn: self.rows[src].fqn for k, src in self.reused.items()},
                 **({"called_more_than_once": self.calls.repeated()} if self.calls.repeated() else {}),
             },

@@ -9,13 +9,15 @@ forward the hooks read the current plan's units and open/close the matching regi
   groups: one frame per block, re-deriving its input from the group's input, storing nothing;
 * ``offload``, ``compress:`` and ``recompute+compress:``: saved tensors on the host, compressed, or re-run and
   compressed in backward (:mod:`remat.checkpointing.recompute_compression`); ``checkpoint+compress:``: its own frame;
-* ``partition:<budget>``: a compiled block's variant of that budget. Notes [1] to [8]; ``stats`` counts re-runs.
+* ``partition:<budget>``: a compiled block's variant of that budget. Notes [1] to [9]; ``stats`` counts re-runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -69,6 +71,7 @@ from ..core import (
     OutputName,
     StepSpec,
     Unit,
+    format_bytes,
 )
 from ..planning import Plan
 from . import applied
@@ -132,6 +135,12 @@ from .recompute_stats import RecomputeStats
 # the call counts where a forward starts; block hooks index units, open regions and names by the plan position of
 # the call now running, the block index only choosing the module. So segments and groups may span calls (Notes [1],
 # [2]).
+#
+# Note [9] Inputs larger than planned for.
+# A plan's predictions hold for the input its table was profiled on (Plan.options["planned_input"]: the first
+# block's main-input shape). Activations grow with the input, so a larger batch or a longer sequence breaks a byte
+# budget silently; the first block's pre-hook compares each forward's main input with that shape and warns, once
+# per shape, where it holds more elements, naming both shapes, the growth and the budget. Smaller inputs fit.
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
 
@@ -187,6 +196,34 @@ class RematHandle:
         self._single_positions = positions.single_call_positions()  # None: some block's calls are planned apart
         self._unit_of = [unit for unit in units for _ in range(unit.size)]
         self.opens_regions = any(u.kind != SINGLE or not compiled_partitions.runs_plainly(u.action) for u in units)
+        planned = plan.options.get("planned_input")
+        self._planned_input = (
+            tuple(planned["shape"]) if isinstance(planned, dict) and planned.get("block") == self.fqns[0] else None
+        )
+        self._warned_shapes: set[tuple[int, ...]] = set()
+
+    def _check_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Note [9]: warn, once per shape, where the first block's main input holds more elements than the input
+        the plan was made for."""
+        try:
+            shape = tuple(self.io[0].input_tensor(args, kwargs).shape)
+        except ValueError:
+            return
+        planned = self._planned_input
+        if planned is None or shape == planned or shape in self._warned_shapes:
+            return
+        growth = math.prod(shape) / max(1, math.prod(planned))
+        if growth <= 1:
+            return
+        self._warned_shapes.add(shape)
+        budget = f" of {format_bytes(self.plan.budget_bytes)}" if self.plan.budget_bytes else ""
+        warnings.warn(
+            f"remat: block {self.fqns[0]!r} gets an input of shape {list(shape)}, {growth:.2f}x the elements of "
+            f"the {list(planned)} its plan was made for: the activations grow with it (more than that where "
+            f"attention scores grow with the square of the sequence), so the plan's predicted peak and budget"
+            f"{budget} do not hold for this batch. Profile and plan with the largest batch the run will see.",
+            stacklevel=2,
+        )
 
     @property
     def mask(self) -> dict[str, bool]:
@@ -233,6 +270,8 @@ class RematHandle:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._inactive():
                 return
+            if i == 0 and self._planned_input is not None:
+                self._check_input(args, kwargs)  # Note [9]
             single = self._single_positions
             p = single[i] if single is not None else self._positions.position(i, self._calls.enter(i))
             unit = self._unit_of[p]
