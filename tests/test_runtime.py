@@ -460,3 +460,12 @@ def test_an_input_larger_than_the_plan_was_made_for_is_warned_about_once_per_sha
         assert "[32, 16], 4.00x" in texts[1]
     finally:
         handle.remove()
+    # A plan without a budget promises no peak: nothing to warn about.
+    handle = remat.apply(model, remat.plan(costs, "full"))
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model(torch.randn(32, 8)).backward()
+        assert not [w for w in seen if "its plan was made for" in str(w.message)]
+    finally:
+        handle.remove()

@@ -139,8 +139,9 @@ from .recompute_stats import RecomputeStats
 # Note [9] Inputs larger than planned for.
 # A plan's predictions hold for the input its table was profiled on (Plan.options["planned_input"]: the first
 # block's main-input shape). Activations grow with the input, so a larger batch or a longer sequence breaks a byte
-# budget silently; the first block's pre-hook compares each forward's main input with that shape and warns, once
-# per shape, where it holds more elements, naming both shapes, the growth and the budget. Smaller inputs fit.
+# budget silently; where the plan has a budget, the first block's pre-hook compares each forward's main input with
+# that shape and warns, once per shape, where it holds more elements, naming both shapes, the growth and the
+# budget. Smaller inputs fit.
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
 
@@ -197,8 +198,10 @@ class RematHandle:
         self._unit_of = [unit for unit in units for _ in range(unit.size)]
         self.opens_regions = any(u.kind != SINGLE or not compiled_partitions.runs_plainly(u.action) for u in units)
         planned = plan.options.get("planned_input")
-        self._planned_input = (
-            tuple(planned["shape"]) if isinstance(planned, dict) and planned.get("block") == self.fqns[0] else None
+        self._planned_input = (  # a plan without a budget promises no peak
+            tuple(planned["shape"])
+            if isinstance(planned, dict) and planned.get("block") == self.fqns[0] and plan.budget_bytes
+            else None
         )
         self._warned_shapes: set[tuple[int, ...]] = set()
 
@@ -216,7 +219,7 @@ class RematHandle:
         if growth <= 1:
             return
         self._warned_shapes.add(shape)
-        budget = f" of {format_bytes(self.plan.budget_bytes)}" if self.plan.budget_bytes else ""
+        budget = f" of {format_bytes(self.plan.budget_bytes)}"
         warnings.warn(
             f"remat: block {self.fqns[0]!r} gets an input of shape {list(shape)}, {growth:.2f}x the elements of "
             f"the {list(planned)} its plan was made for: the activations grow with it (more than that where "
