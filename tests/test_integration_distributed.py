@@ -9,6 +9,7 @@ tests then read what each rank saved. The example script is run with ``torchrun 
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -178,6 +179,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
+        gc.collect()  # a DDP reducer outliving its gloo group can abort the process at exit
         dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ checkpointing, from the same weights, data and dropout seeds.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 
@@ -74,23 +75,28 @@ def run_mode(rank: int, mode: str, model, reference, opt, ref_opt) -> list[dict]
     return records
 
 
+def train(rank: int, out: str) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    ref_net = copy.deepcopy(net)
+    model = {"module": net, "ddp": nn.parallel.DistributedDataParallel(net)}
+    reference = {"module": ref_net, "ddp": nn.parallel.DistributedDataParallel(ref_net)}
+    opt = torch.optim.SGD(model["ddp"].parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(reference["ddp"].parameters(), lr=0.05)
+    result = {mode: run_mode(rank, mode, model, reference, opt, ref_opt) for mode in ("global", "local")}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        torch.manual_seed(0)
-        net = Net()
-        ref_net = copy.deepcopy(net)
-        model = {"module": net, "ddp": nn.parallel.DistributedDataParallel(net)}
-        reference = {"module": ref_net, "ddp": nn.parallel.DistributedDataParallel(ref_net)}
-        opt = torch.optim.SGD(model["ddp"].parameters(), lr=0.05)
-        ref_opt = torch.optim.SGD(reference["ddp"].parameters(), lr=0.05)
-        result = {mode: run_mode(rank, mode, model, reference, opt, ref_opt) for mode in ("global", "local")}
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+        train(rank, out)  # the DDP wrappers live only in there: freed before the group is destroyed
     finally:
+        gc.collect()  # a DDP reducer outliving its gloo group can abort the process at exit
         dist.barrier()  # neither rank tears gloo down while the other still talks to it
         dist.destroy_process_group()
 

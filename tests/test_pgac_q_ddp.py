@@ -9,6 +9,7 @@ from the same weights, data and dropout seeds.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 
@@ -62,6 +63,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
+        gc.collect()  # a DDP reducer outliving its gloo group can abort the process at exit
         dist.barrier()  # neither rank tears gloo down while the other still talks to it
         dist.destroy_process_group()
 
