@@ -452,6 +452,7 @@ def test_an_input_larger_than_the_plan_was_made_for_is_warned_about_once_per_sha
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             for batch in (16, 16, 4, 8, 32):
+                handle.set_plan(plan)  # as PGAC does every step: a shape warned about stays warned about
                 model(torch.randn(batch, 8)).backward()
         texts = [str(w.message) for w in seen if "its plan was made for" in str(w.message)]
         assert len(texts) == 2  # shapes [16, 16] and [32, 16], each once; smaller and equal inputs fit

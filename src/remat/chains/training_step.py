@@ -53,7 +53,11 @@ def batch_structure(batch: Any) -> Any:
 def stepped_before(model: nn.Module, batch: Batch) -> bool:
     """Whether :func:`run_step` already ran a whole step of ``model`` on a batch of ``batch``'s structure in this
     process: the allocator has grown and lazy initialisation is done, as a warm-up step would leave them."""
-    return json.dumps(batch_structure(batch), sort_keys=True) in _STEPPED.get(model, ())
+    return _structure_key(batch) in _STEPPED.get(model, ())
+
+
+def _structure_key(batch: Batch) -> str:
+    return json.dumps(batch_structure(batch), sort_keys=True)
 
 
 def run_step(
@@ -81,7 +85,7 @@ def run_step(
         del output
     with autocast_off():  # also inside the user's autocast context: a loop's backward runs outside it
         loss.backward()
-    _STEPPED.setdefault(model, set()).add(json.dumps(batch_structure(batch), sort_keys=True))
+    _STEPPED.setdefault(model, set()).add(_structure_key(batch))
     return loss.detach()
 
 

@@ -152,9 +152,7 @@ def fit_memory(
         budget = limit - non_activation
         if budget < floor:
             break
-        if _priced_segments(model, batch, budget, costs, spec, clock, options):
-            keep_profile(model, batch, costs, step=spec, policies=policies)
-        plan = _plan_within(model, batch, budget, costs, spec, rounds, clock, options)
+        plan = _plan_within(model, batch, budget, costs, spec, rounds, clock, options, policies)
         if plan is None:  # every candidate measured over the activation budget
             non_activation += max(1, budget // 32)
             continue
@@ -188,26 +186,6 @@ def _beyond_activations(plain: StepPeak, fixed: FixedMemory, costs: CostTable) -
     return max(plain.forward_backward - no_checkpoint_peak(costs), fixed.total - fixed.gradients)
 
 
-def _priced_segments(
-    model: nn.Module,
-    batch: Batch,
-    budget: int,
-    costs: CostTable,
-    spec: StepSpec,
-    clock: Callable[[], float],
-    options: dict[str, Any],
-) -> bool:
-    """Where ``costs`` left a segment's price unmeasured and the plan for ``budget`` holds a segment, measure
-    it (:func:`remat.profiling.price_segments`); whether it did."""
-    if costs.info.get("segments_priced") is not False:
-        return False
-    try:
-        first = make_plan(costs, "optimal", budget, **options)
-    except BudgetError:
-        return False
-    return price_segments(model, batch, costs, plan=first, step=spec, clock=clock)
-
-
 def _plan_within(
     model: nn.Module,
     batch: Batch,
@@ -217,15 +195,29 @@ def _plan_within(
     rounds: int,
     clock: Callable[[], float],
     options: dict[str, Any],
+    policies: str | tuple[str, ...],
 ) -> Plan | None:
-    if options:
-        return make_plan(costs, "optimal", budget, **options)
+    """The plan for an activation ``budget``: ``optimal`` with ``options``, else the measured choice between
+    near-ties (None where every candidate measured over the budget). Where ``costs`` left a segment's price
+    unmeasured and the plan holds a segment, the price is measured (:func:`remat.profiling.price_segments`), kept
+    in the machine's cache, and the plan made again."""
+
+    def candidates() -> list[Plan]:
+        if options:
+            return [make_plan(costs, "optimal", budget, **options)]
+        return [trial.plan for trial in candidate_trials(costs, budget) if trial.plan is not None]
+
     try:
-        trials = candidate_trials(costs, budget)
+        plans = candidates()
+        if price_segments(model, batch, costs, plan=plans[0], step=spec, clock=clock):
+            keep_profile(model, batch, costs, step=spec, policies=policies)
+            plans = candidates()
     except BudgetError:
+        if options:  # the planner's own error, as with options it always was
+            raise
         return None
-    if len(trials) == 1:  # the profile tells the plans apart: nothing to run head to head; its whole step is next
-        return trials[0].plan
+    if len(plans) == 1:  # the profile tells the plans apart: nothing to run head to head; its whole step is next
+        return plans[0]
     try:
         chosen = fit_activations(model, batch, budget, costs=costs, step=spec, rounds=rounds, clock=clock)
     except BudgetError:

@@ -25,7 +25,8 @@ profile (``costs.info["time_noise_s"]``, :mod:`remat.profiling.action_steps`). T
 an action that holds more memory than another for a time saving within twice the noise (:func:`noise_dominated`),
 and takes a per-operator policy or offload over keeping or checkpointing only where it saves more than the
 noise (:func:`within_noise`). Whole plans too: a complete plan whose predicted time exceeds the fastest's by no
-more than the noise on each block where the two differ is a tie, and among ties a fixed order decides (fewest
+more than twice the noise times the root of the summed squares of the per-action block counts by which the two
+differ is a tie (:func:`remat.planning.search.plans_tied`), and among ties a fixed order decides (fewest
 deferred blocks, fewest re-executions, lowest peak, then recomputation on the earliest blocks; see
 :meth:`remat.planning.search.Search.run`, :func:`remat.planning.search.plans_tied`): on a Llama whose actions all
 save memory at about the same price per byte, mixes as far apart as ``8 checkpoint, 1 dots_saveable, 3 keep`` and
@@ -38,9 +39,10 @@ by hand; ``time_noise_s=`` overrides it).
 
 An unmeasured price is not a zero price (invariant 2, enforced here): a table whose segment price was left to be
 measured (``costs.info["segments_priced"] is False``: ``remat.profile(..., price_segments=False)``) prices a
-segment's waiting blocks at nothing. Where the plan found holds a segment and a plan without segments fits within
-the noise of it on each block where they differ, that plan is returned; otherwise the plan with segments is, and
-the caller measures the price (:func:`remat.profiling.price_segments`, as ``remat.fit`` does) and plans again.
+segment's waiting blocks at nothing. Where the plan found holds a segment and a plan without segments fits and
+ties with it (:func:`~remat.planning.search.plans_tied`), that plan is returned; otherwise the plan with segments
+is, and the caller measures the price (:func:`remat.profiling.price_segments`, as ``remat.fit`` does) and plans
+again.
 
 Exactness and long chains: the search is exact under the simulator unless a front had to be thinned or
 group lengths were capped (``Plan.options["exact"]`` says which). Thinning rounds the memory axis: partial
@@ -172,7 +174,8 @@ def _optimal(
     max_segment: int | None,
     ties_s: float = 0.0,
 ) -> Plan:
-    """:func:`optimal` on ``costs`` as given; ``ties_s``: the plan-level tie width per differing block."""
+    """:func:`optimal` on ``costs`` as given; ``ties_s``: the noise whole plans are read as ties within
+    (:func:`~remat.planning.search.plans_tied`)."""
     keep_everything: Plan | None = None
     if costs.held_args_bytes and KEEP in allowed_actions(costs, actions)[0]:
         keep_everything = Plan.from_actions(

@@ -171,6 +171,7 @@ class RematHandle:
         self._removed = False
         self._memory_poor: dict[str, Any] | None = None
         self._calls = CallCounter(len(blocks))  # Note [8]
+        self._warned_inputs: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()  # Note [9]: (planned, seen)
         self.set_plan(plan)
         self._own_hook_ids: list[frozenset[int]] = []
         for i, (_, module) in enumerate(blocks):  # Note [4]
@@ -203,7 +204,6 @@ class RematHandle:
             if isinstance(planned, dict) and planned.get("block") == self.fqns[0] and plan.budget_bytes
             else None
         )
-        self._warned_shapes: set[tuple[int, ...]] = set()
 
     def _check_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Note [9]: warn, once per shape, where the first block's main input holds more elements than the input
@@ -213,12 +213,12 @@ class RematHandle:
         except ValueError:
             return
         planned = self._planned_input
-        if planned is None or shape == planned or shape in self._warned_shapes:
+        if planned is None or shape == planned or (planned, shape) in self._warned_inputs:
             return
         growth = math.prod(shape) / max(1, math.prod(planned))
         if growth <= 1:
             return
-        self._warned_shapes.add(shape)
+        self._warned_inputs.add((planned, shape))  # kept across set_plan: PGAC and DTR set a plan every step
         budget = f" of {format_bytes(self.plan.budget_bytes)}"
         warnings.warn(
             f"remat: block {self.fqns[0]!r} gets an input of shape {list(shape)}, {growth:.2f}x the elements of "
