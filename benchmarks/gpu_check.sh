@@ -5,11 +5,15 @@
 #   benchmarks/gpu_check.sh OUT_DIR smoke           # GPU tests, tiny peers and tiny bench side by side (a minute)
 #   benchmarks/gpu_check.sh OUT_DIR tests peers     # the GPU tests, then peers on GPT-2 small's shape under bf16
 #   benchmarks/gpu_check.sh OUT_DIR bench           # remat bench on a GPT-2 medium at 50%, energy from NVML
+#   benchmarks/gpu_check.sh OUT_DIR tests llama     # the GPU tests, then remat against hand-written and torch
+#                                                   # checkpointing on a 1.2B Llama, bf16, sequence 2048
 #
 # Every step writes its log and results under OUT_DIR/files; OUT_DIR/results.tar.gz packs them at the end.
 # PYTHON (default python3) is the interpreter that has torch with CUDA; remat is imported from src/.
 # PEERS_MODELS (gpt2), PEERS_DTYPES (bf16), PEERS_LIMIT (360 s), PEERS_EXTRA (more options, like --no-compiled)
-# and BENCH_LIMIT (150 s) change the peers and bench steps. The peers step measures ckptplan's plans where
+# and BENCH_LIMIT (150 s) change the peers and bench steps; LLAMA_LIMIT (330 s) and LLAMA_EXTRA (more options of
+# benchmarks.gpu_llama; by default --compile-budget 0.5, compiled last so that the eager table is written first)
+# the llama step. The peers step measures ckptplan's plans where
 # ckptplan imports (from PYTHONPATH or /tmp/ckptplan: `pip install --no-deps --target DIR ckptplan` on a machine
 # with a registry).
 set -uo pipefail
@@ -51,7 +55,11 @@ for mode in "$@"; do
         wait
         ;;
     tests)
-        step gpu_tests 120 "$py" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider -rA
+        step gpu_tests 150 "$py" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider -rA -s
+        ;;
+    llama)
+        step gpu_llama ${LLAMA_LIMIT:-330} "$py" -m benchmarks.gpu_llama --device cuda --size 1b \
+            --out "$out/files" ${LLAMA_EXTRA:---compile-budget 0.5}
         ;;
     peers)
         limit=${PEERS_LIMIT:-360}
@@ -65,7 +73,7 @@ for mode in "$@"; do
             --no-progress --out "$out/files/bench_medium"
         ;;
     *)
-        echo "unknown step $mode: smoke, tests, peers or bench" >&2
+        echo "unknown step $mode: smoke, tests, peers, bench or llama" >&2
         ;;
     esac
 done

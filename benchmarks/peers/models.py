@@ -2,9 +2,10 @@
 
 Two Hugging Face causal language models built from their config classes with random weights (nothing is
 downloaded): GPT-2 (the library's default dropout, 0.1) and Llama (no dropout), each with its library-default
-attention implementation. Two sizes: ``default`` for the committed table and ``tiny`` for quick checks and the
-smoke test, and ``gpu`` (GPT-2 small's shape at a 8192-token vocabulary, and a Llama of the same shape) for a
-GPU. The forward runs in fp32 or under bf16 autocast on the benchmark's device (:mod:`benchmarks.peers.device`).
+attention implementation. Four sizes: ``default`` for the committed table, ``tiny`` for quick checks and the
+smoke test, ``gpu`` (GPT-2 small's shape at a 8192-token vocabulary, and a Llama of the same shape) for a GPU,
+and ``1b`` (a Llama of 1.2B parameters) for a step bound by the GPU. The forward runs in fp32 or under bf16
+autocast on the benchmark's device (:mod:`benchmarks.peers.device`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(layers=3, hidden=32, heads=2, vocab=128, batch=2, seq=32),
     # GPT-2 small's layers, width and context; a smaller vocabulary keeps the logits from dwarfing the blocks
     "gpu": dict(layers=12, hidden=768, heads=12, vocab=8192, batch=8, seq=1024),
+    # a Llama of about 1.2B parameters (Llama 3.2 1B's layers, width and MLP; a 32000-token vocabulary): a step
+    # bound by the device, not by Python (benchmarks.gpu_llama picks its batch)
+    "1b": dict(layers=16, hidden=2048, heads=16, vocab=32000, batch=8, seq=2048),
 }
 
 
@@ -80,10 +84,13 @@ def block_list(model: nn.Module) -> list[nn.Module]:
     return list(container)
 
 
-def make_batch(setting: ModelSetting, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Random token ids (drawn on the CPU, the same on every device), used as inputs and labels."""
+def make_batch(setting: ModelSetting, seed: int = 0, device: str = "cpu",
+               batch: int | None = None) -> dict[str, torch.Tensor]:
+    """Random token ids (drawn on the CPU, the same on every device), used as inputs and labels; ``batch``
+    sequences (default: the size's)."""
     s = SIZES[setting.size]
-    ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=torch.Generator().manual_seed(seed))
+    rows = batch or s["batch"]
+    ids = torch.randint(0, s["vocab"], (rows, s["seq"]), generator=torch.Generator().manual_seed(seed))
     ids = ids.to(device)
     return {"input_ids": ids, "labels": ids}
 

@@ -6,6 +6,7 @@ partition variants.
 * :mod:`.api`: :func:`checkpoint`, :class:`Checkpoint`, :func:`checkpointed`, :func:`checkpoint_fn`;
 * :mod:`.policies` (``remat.policies``) with :mod:`.op_kinds`, :mod:`.replayed_draws` and :mod:`.host_copies`;
   :mod:`.knapsack`: a block's save set chosen from its own operators;
+* :mod:`.offload_streams`: the ``offload`` action's copies on side streams, bounded (invariants 1-2 there);
 * :mod:`.rng`: RNG snapshots replayed in recomputation; :mod:`.regions`: checkpoint frames opened by hooks;
 * :mod:`.compression`, :mod:`.input_compression`, :mod:`.recompute_compression`: the lossy actions' storage;
 * :mod:`.compiled_partitions`: ``partition:<budget>`` variants of compiled blocks (invariants 1-3 there).
@@ -26,6 +27,7 @@ from .compiled_partitions import (
 from .compression import compressed_saving
 from .host_copies import saved_on_host
 from .input_compression import open_block_frame, run_compressed_input
+from .offload_streams import MAX_CALLS_IN_FLIGHT, CopyEngine, OffloadQueue, QueueStats, SameMemory
 from .policies import PROFILED_BY_DEFAULT, SavedOutputChanged
 from .recompute_compression import run_recompute_compressed, storing_context
 from .regions import (
@@ -44,7 +46,12 @@ from .regions import (
 from .rng import Forked, RngSnapshot
 
 __all__ = [
+    "MAX_CALLS_IN_FLIGHT",
     "CallRecord",
+    "CopyEngine",
+    "OffloadQueue",
+    "QueueStats",
+    "SameMemory",
     "Checkpoint",
     "Forked",
     "OpenRegion",

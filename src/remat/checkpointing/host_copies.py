@@ -9,10 +9,12 @@ instead of running the operator.
 
 Where the copy goes depends on the output's device:
 
-* CUDA (and any other accelerator): host memory, pinned on CUDA (``.to("cpu", non_blocking=True)`` pins), the
-  copy ordered on the device's stream by an event; it is made outside every dispatch mode, so no
-  :class:`~remat.meters.memory.LiveTensorTracker` counts it as device memory (it is not). The copy back in
-  recompute is device memory and is seen.
+* CUDA: pinned host memory, copied on the device's side stream after an event on the compute stream
+  (:mod:`remat.checkpointing.offload_streams`), so forward does not wait for it; it is made outside every dispatch
+  mode, so no :class:`~remat.meters.memory.LiveTensorTracker` counts it as device memory (it is not). When the
+  recompute starts, every copy back starts on the other side stream, and each output waits for its own where
+  recompute reaches it: the copies overlap the operators it re-runs. The copies back are device memory and are
+  seen.
 * CPU and ``meta``: the copy stays in the same memory (there is no other memory to move it to), so an
   offload policy costs there what saving the same outputs costs, plus one copy. It is a copy, not the output
   itself, so that an in-place operator run on the output later in the region does not change what recompute
@@ -32,39 +34,49 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
+from .offload_streams import SavedTensor, engine_for
+
 ON_DEVICE_TYPES = frozenset({"cpu", "meta"})
 
 
 @dataclass
 class HostCopy:
-    """One output tensor's copy, the device it goes back to, and (CUDA) the event after the copy was queued."""
+    """One output tensor's copy: in host memory on CUDA (copied on the device's side stream,
+    :mod:`remat.checkpointing.offload_streams`), a clone where host and device are one memory."""
 
-    tensor: torch.Tensor
-    device: torch.device
-    ready: Any = None
+    saved: SavedTensor
 
     @classmethod
     def of(cls, t: torch.Tensor) -> HostCopy:
+        engine = engine_for(t.device)
         if t.device.type in ON_DEVICE_TYPES:
-            return cls(t.clone(), t.device)
-        with _disable_current_modes():  # host memory: no tracker of the device should count it
-            host = t.to("cpu", non_blocking=True)
-            ready = None
-            if t.device.type == "cuda":
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(t.device))
-        return cls(host, t.device, ready)
+            host, token = t.clone(), None
+        else:
+            with _disable_current_modes():  # host memory: no tracker of the device should count it
+                host, token = engine.to_host(t)
+        return cls(SavedTensor(host, t.device, t.size(), t.stride(), engine, None, token))
+
+    def copy_back(self) -> None:
+        """Start the copy back to the device (on CUDA, on the side stream), ahead of :meth:`on_device`."""
+        saved = self.saved
+        if saved.device.type not in ON_DEVICE_TYPES and saved.back is None:
+            with _disable_current_modes():
+                saved.back, saved.back_token = saved.engine.to_device(saved.host, saved)
 
     def on_device(self) -> torch.Tensor:
-        if self.device.type in ON_DEVICE_TYPES:
-            return self.tensor.clone()  # a region recomputed twice (retain_graph) may mutate what it gets
-        if self.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready)
-        return self.tensor.to(self.device, non_blocking=True)
+        saved = self.saved
+        if saved.device.type in ON_DEVICE_TYPES:
+            return saved.host.clone()  # a region recomputed twice (retain_graph) may mutate what it gets
+        self.copy_back()
+        back, token = saved.back, saved.back_token
+        saved.back = saved.back_token = None  # a region recomputed twice copies again
+        saved.engine.wait(token)
+        saved.engine.adopt(back)
+        return back
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        return self.saved.nbytes
 
 
 def _pack_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.device, torch.Size, tuple[int, ...]]:
@@ -150,6 +162,10 @@ class ServeCopies(TorchDispatchMode):
 
     def __enter__(self) -> ServeCopies:
         self.position = 0  # a region may be recomputed more than once (retain_graph)
+        for _, outputs in self.log.entries:  # every copy back starts now, overlapping the recomputation
+            for leaf in _leaves(outputs):
+                if isinstance(leaf, HostCopy):
+                    leaf.copy_back()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001

@@ -81,6 +81,10 @@ before storing them: the gradient of its last call waits, from that call's backw
 the others. ``call_grad_bytes`` are, per row, those waiting while the row runs backward (empty for a table
 without such blocks); they count in the peak of a unit starting at the row, as ``backward_bytes`` do.
 
+``copy_bytes_per_s`` is the measured bandwidth of copies between the device and pinned host memory, each way
+(``"to_host"``, ``"to_device"``), where the table prices ``offload`` by what its copies leave exposed
+(:mod:`remat.planning.offload_overlap`); empty where the copies were not measured (the CPU, estimates, older tables).
+
 Tables written before a field existed load with it absent: 0 or empty for the byte and overhead terms and
 ``deferred_s_per_byte``, None for ``outside_s``, False for ``outputs_kept``.
 
@@ -175,6 +179,7 @@ class CostTable:
     backward_bytes: list[int] = field(default_factory=list)
     outputs_kept: bool = False
     call_grad_bytes: list[int] = field(default_factory=list)
+    copy_bytes_per_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.call_grad_bytes and len(self.call_grad_bytes) != len(self.blocks):
@@ -300,6 +305,7 @@ class CostTable:
             backward_bytes=list(data.get("backward_bytes", [])),
             outputs_kept=bool(data.get("outputs_kept", False)),
             call_grad_bytes=list(data.get("call_grad_bytes", [])),
+            copy_bytes_per_s=dict(data.get("copy_bytes_per_s", {})),
         )
 
     def to_json(self) -> str:

@@ -7,12 +7,14 @@ pure functions ``(CostTable, budget, **options) -> Plan`` with no torch state an
 * :mod:`.strategies`: ``remat.plan`` and the registry :data:`STRATEGIES`; :mod:`.static`: the static strategies;
   :mod:`.optimal_plan` with :mod:`.chain_units`, :mod:`.search` and :mod:`.pareto`: the optimal planner;
   :mod:`.lossy`: planning with lossy actions, only when asked;
+* :mod:`.offload_overlap`: ``offload`` priced by the part of its copies the next block's compute leaves exposed;
 * :mod:`.stages`: how a chain and its budget split over pipeline stages.
 """
 
 from __future__ import annotations
 
 from .lossy import plan_error
+from .offload_overlap import exposed_copy_s, overlap_priced
 from .optimal_plan import optimal
 from .plan import Plan
 from .search import plans_tied
@@ -36,6 +38,8 @@ __all__ = [
     "no_checkpoint_peak",
     "make_plan",
     "optimal",
+    "overlap_priced",
+    "exposed_copy_s",
     "per_chain",
     "plan_error",
     "resolve_budget",

@@ -215,3 +215,31 @@ def time_action(
     the backward starts from the main output, which ``pick`` takes from what the block returns."""
     runs = time_actions(module, [action], args, kwargs, main, device, repeats, pick=pick)[action]
     return tuple(statistics.median(column) for column in zip(*runs, strict=True))  # type: ignore[return-value]
+
+
+COPY_SAMPLE_BYTES = 256 * 2**20  # the most a bandwidth measurement copies at once
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 3) -> dict[str, float]:
+    """Bytes per second of a copy of ``nbytes`` (at most :data:`COPY_SAMPLE_BYTES`) between ``device`` (CUDA) and
+    pinned host memory, each way (``"to_host"``, ``"to_device"``), on a side stream as the ``offload`` action
+    copies: the median of ``repeats`` after one untimed copy each way."""
+    if device.type != "cuda":
+        raise ValueError(f"copy bandwidth is measured between a CUDA device and its host, not on {device}")
+    size = max(2**20, min(int(nbytes), COPY_SAMPLE_BYTES))
+    on_device = torch.empty(size, dtype=torch.uint8, device=device)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    side = torch.cuda.Stream(device)
+    rates: dict[str, list[float]] = {"to_host": [], "to_device": []}
+    sync(device)
+    for repeat in range(repeats + 1):
+        for way, (target, source) in (("to_host", (host, on_device)), ("to_device", (on_device, host))):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(side):
+                start.record(side)
+                target.copy_(source, non_blocking=True)
+                end.record(side)
+            end.synchronize()
+            if repeat:
+                rates[way].append(size / (start.elapsed_time(end) / 1e3))
+    return {way: statistics.median(values) for way, values in rates.items()}

@@ -87,7 +87,7 @@ from ..core import (
     lossy_actions,
 )
 from ..meters import CompiledCodeIgnoringTracker, LiveTensorTracker, is_compiled, model_device
-from ..planning import Plan
+from ..planning import Plan, overlap_priced
 from .action_steps import (
     ISOLATED,
     SEGMENT_PAIRS,
@@ -100,7 +100,7 @@ from .action_steps import (
 from .block_measure import measure_block
 from .block_run import GradsRestored
 from .block_signature import Footprint, block_signature, keep_footprint, renamed
-from .block_timing import Clock, device_name
+from .block_timing import Clock, copy_bandwidth, device_name
 from .chain_bounds import ChainBounds, CollectedOutputs
 from .outside_time import anchor_to_plain_steps, aside_from_step, in_backward, plain_steps
 
@@ -490,6 +490,10 @@ def profile(
             with aside_from_step(model, costs.device):
                 more = plain_steps(model, batch, loss_fn, modules, io, steps=3, autocast=spec, clock=clock)
             anchor_to_plain_steps(costs, more, fqns)
+    if device == "cuda" and any(OFFLOAD in row.saved_bytes for row in costs.blocks):
+        moved = max(row.saved(KEEP) - row.saved(OFFLOAD) for row in costs.blocks if OFFLOAD in row.saved_bytes)
+        costs.copy_bytes_per_s = copy_bandwidth(model_device(model), moved)
+        costs = overlap_priced(costs)  # offload costs what its copies leave exposed (planning.offload_overlap)
     costs.info["profile_s"] = time.perf_counter() - started
     return costs
 

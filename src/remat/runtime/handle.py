@@ -7,9 +7,10 @@ forward the hooks read the current plan's units and open/close the matching regi
   ``torch.distributed``'s composable checkpoint opens it by hooks), with a per-op policy for selective;
 * ``segment`` groups: one frame from the first block to the last (re-run in order in backward); ``memory_poor``
   groups: one frame per block, re-deriving its input from the group's input, storing nothing;
-* ``offload``, ``compress:`` and ``recompute+compress:``: saved tensors on the host, compressed, or re-run and
-  compressed in backward (:mod:`remat.checkpointing.recompute_compression`); ``checkpoint+compress:``: its own frame;
-* ``partition:<budget>``: a compiled block's variant of that budget. Notes [1] to [9]; ``stats`` counts re-runs.
+* ``offload``, ``compress:`` and ``recompute+compress:``: saved tensors on the host (copied on side streams,
+  Note [10]), compressed, or re-run and compressed in backward (:mod:`remat.checkpointing.recompute_compression`);
+  ``checkpoint+compress:``: its own frame;
+* ``partition:<budget>``: a compiled block's variant of that budget. Notes [1] to [10]; ``stats`` counts re-runs.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from ..chains import (
 from ..checkpointing import (
     CallRecord,
     Forked,
+    OffloadQueue,
     OpenRegion,
+    QueueStats,
     compiled_caller_check,
     compiled_partitions,
     eager,
@@ -142,6 +145,14 @@ from .recompute_stats import RecomputeStats
 # budget silently; where the plan has a budget, the first block's pre-hook compares each forward's main input with
 # that shape and warns, once per shape, where it holds more elements, naming both shapes, the growth and the
 # budget. Smaller inputs fit.
+#
+# Note [10] Offloaded blocks.
+# An 'offload' block's saved tensors go to host memory through the handle's OffloadQueue
+# (remat.checkpointing.offload_streams, invariants 1 and 2 there): copied on a side stream as they are saved, copied
+# back one block ahead of their backward. The hooks tell the queue where a forward starts (the model pre-hook), where
+# each block call starts (it releases the copies of the calls before the previous one), each block's output (its
+# gradient starts the copy back of the call before it, where that one was offloaded) and where the forward ends (it
+# releases every call). A plan without offload leaves the queue alone.
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
 
@@ -172,6 +183,7 @@ class RematHandle:
         self._memory_poor: dict[str, Any] | None = None
         self._calls = CallCounter(len(blocks))  # Note [8]
         self._warned_inputs: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()  # Note [9]: (planned, seen)
+        self._offload = OffloadQueue()  # Note [10]
         self.set_plan(plan)
         self._own_hook_ids: list[frozenset[int]] = []
         for i, (_, module) in enumerate(blocks):  # Note [4]
@@ -181,7 +193,7 @@ class RematHandle:
             post = module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
             self._hooks += [pre, post]
             self._own_hook_ids.append(frozenset((pre.id, post.id)))
-        for entry in (eager(lambda *_: self._calls.reset()), compiled_caller_check(self)):  # Notes [8], [4]
+        for entry in (eager(lambda *_: self._forward_starts()), compiled_caller_check(self)):  # Notes [8], [4]
             self._hooks.append(model.register_forward_pre_hook(applied.CopyRefusingHook(entry)))
         model_exit = applied.CopyRefusingHook(eager(self._after_model_forward))
         self._hooks.append(model.register_forward_hook(model_exit, always_call=True))  # Note [6]
@@ -197,6 +209,7 @@ class RematHandle:
         self.plan, self._positions, self._names = plan, positions, list(plan.actions)
         self._single_positions = positions.single_call_positions()  # None: some block's calls are planned apart
         self._unit_of = [unit for unit in units for _ in range(unit.size)]
+        self._offloads = any(u.kind == SINGLE and Action.parse(u.action).kind == OFFLOAD for u in units)
         self.opens_regions = any(u.kind != SINGLE or not compiled_partitions.runs_plainly(u.action) for u in units)
         planned = plan.options.get("planned_input")
         self._planned_input = (  # a plan without a budget promises no peak
@@ -227,6 +240,17 @@ class RematHandle:
             f"{budget} do not hold for this batch. Profile and plan with the largest batch the run will see.",
             stacklevel=2,
         )
+
+    def _forward_starts(self) -> None:
+        self._calls.reset()  # Note [8]
+        if self._offloads:
+            self._offload.forward_started()  # Note [10]
+
+    @property
+    def offload_stats(self) -> QueueStats:
+        """What the offloaded blocks' copies did (Note [10]): the most block calls holding device memory for their
+        copies at once, where the compute stream waited for a copy, how many copies back came ahead of need."""
+        return self._offload.stats
 
     @property
     def mask(self) -> dict[str, bool]:
@@ -275,6 +299,8 @@ class RematHandle:
                 return
             if i == 0 and self._planned_input is not None:
                 self._check_input(args, kwargs)  # Note [9]
+            if self._offloads:
+                self._offload.block_started()  # Note [10]
             single = self._single_positions
             p = single[i] if single is not None else self._positions.position(i, self._calls.enter(i))
             unit = self._unit_of[p]
@@ -294,6 +320,8 @@ class RematHandle:
             if output is None and exception_propagating():  # Note [6]
                 self._abandon_open_regions()
                 return
+            if self._offloads:
+                self._offload.copy_back_after(output)  # Note [10]
             single = self._single_positions
             p = single[i] if single is not None else self._positions.position(i, self._calls.current(i))
             unit = self._unit_of[p]
@@ -325,6 +353,8 @@ class RematHandle:
         return eager(hook)
 
     def _after_model_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._offloads:
+            self._offload.forward_ended()  # Note [10]
         if self._open and output is None and exception_propagating():  # Note [6]: raised between blocks
             self._abandon_open_regions()
 
@@ -370,7 +400,10 @@ class RematHandle:
         kind = Action.parse(action).kind
         if kind in (OFFLOAD, COMPRESS, RECOMPUTE_COMPRESS):
             region.uncache_casts()  # Note [7]
-            region.context = storing_context(action, module, args, kwargs, self._recompute_block, i, self.io[i])
+            if kind == OFFLOAD:  # Note [10]
+                region.context = self._offload.saving(self._names[p], module, args, kwargs)
+            else:
+                region.context = storing_context(action, module, args, kwargs, self._recompute_block, i, self.io[i])
             region.context.__enter__()
             self._open[p] = region
             return
