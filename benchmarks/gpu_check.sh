@@ -10,6 +10,7 @@
 #
 # Every step writes its log and results under OUT_DIR/files; OUT_DIR/results.tar.gz packs them at the end.
 # PYTHON (default python3) is the interpreter that has torch with CUDA; remat is imported from src/.
+# PEERS_COMPILE_SECONDS (150) bounds the peers unit's compiled part: no compiled contender is built after it.
 # PEERS_MODELS (gpt2), PEERS_DTYPES (bf16), PEERS_LIMIT (360 s), PEERS_EXTRA (more options, like --no-compiled)
 # and BENCH_LIMIT (150 s) change the peers and bench steps; LLAMA_LIMIT (330 s) and LLAMA_EXTRA (more options of
 # benchmarks.gpu_llama; by default --compile-budget 0.5, compiled last so that the eager table is written first)
@@ -65,6 +66,7 @@ for mode in "$@"; do
         limit=${PEERS_LIMIT:-360}
         step peers ${limit} "$py" -m benchmarks.peers --device cuda --size gpu --models "${PEERS_MODELS:-gpt2}" \
             --dtypes "${PEERS_DTYPES:-bf16}" --rounds 3 --duel-rounds 10 --duel-max-rounds 26 --choice-rounds 2 --retries 0 --unit-timeout $((limit - 20)) \
+            --compile-seconds ${PEERS_COMPILE_SECONDS:-150} \
             --out "$out/files/peers.jsonl" --markdown "$out/files/peers-cuda.md" ${PEERS_EXTRA:-}
         ;;
     bench)

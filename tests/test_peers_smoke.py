@@ -35,6 +35,9 @@ CONTENDERS = (
 )
 
 
+pc = pytest.importorskip("benchmarks.peers.contenders")
+
+
 @pytest.fixture(scope="module")
 def peers():
     yield importlib.import_module("benchmarks.peers.run")
@@ -127,3 +130,43 @@ def test_no_compiled_runs_the_eager_contenders_alone(peers, tmp_path, capsys):
     assert len(rounds) in (1, 9) and rounds == set(range(len(rounds))), rounds
     with pytest.raises(SystemExit, match="written with"):  # a file of eager contenders alone is not resumed with all
         peers.main([a for a in args if a != "--no-compiled"] + ["--resume"])
+
+
+def test_the_compiled_part_compiles_the_whole_model_once_per_budget(peers, tmp_path, capsys):
+    """Llama (no dropout, so the fit's trials run every budget): after the references (torch.compile at budget 1
+    and the compiled blocks), the compiled part compiles the whole model once for each of the unit's two fractions;
+    the fit's trials and remat's compiled fit reuse those graphs and the reference's."""
+    out = tmp_path / "peers.jsonl"
+    args = ["--size", "tiny", "--models", "llama", "--dtypes", "fp32", "--budgets", "0.25,0.5", "--rounds", "1",
+            "--retries", "0", "--duel-rounds", "1", "--duel-max-rounds", "1", "--choice-rounds", "1",
+            "--backend", "aot_eager", "--out", str(out)]
+    assert peers.main(args) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    phase = next(r for r in records if r.get("record") == "compilations" and r["phase"] == "compiled contenders")
+    graphs = phase["by_contender"]
+    # one graph per fraction (the tiny Llama compiles without graph breaks); the fit's trials (budget 1 and both
+    # fractions) reuse them and the reference's: 9 more graphs before they were shared
+    assert graphs["compiled-budget-0.25"] == graphs["compiled-budget-0.5"] == 1, graphs
+    fitted = [n for k, n in graphs.items() if k.startswith("trials of torch.compile, budget fitted")]
+    assert fitted == [0, 0], graphs
+    # remat's compiled fit compiles the blocks' partition variants, once each (the whole route is the fit's)
+    blocks = sum(n for k, n in graphs.items() if k.startswith("trials of remat fit_compiled"))
+    assert blocks <= 1 + len(pc.PARTITION_BUDGETS), graphs
+    assert phase["graphs"] == sum(graphs.values())
+    rows = next(r for r in records if r.get("record") == "rows")
+    names = {row["name"] for row in rows["rows"]} | {r["name"] for r in rows["refused"]}  # run, or refused by fit
+    assert {"torch.compile + activation_memory_budget", "torch.compile, budget fitted by remat"} <= names
+
+
+def test_a_compile_time_bound_refuses_what_it_leaves_unbuilt(peers, tmp_path, capsys):
+    out = tmp_path / "peers.jsonl"
+    assert peers.main(tiny_run(out, "--duel-rounds", "1", "--duel-max-rounds", "1", "--backend", "aot_eager",
+                               "--compile-seconds", "0")) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = next(r for r in records if r.get("record") == "rows")
+    unbuilt = [r for r in rows["refused"] if "--compile-seconds" in r["reason"]]
+    assert {r["name"] for r in unbuilt} == {"torch.compile + activation_memory_budget",
+                                            "remat optimal on compiled blocks", "torch.compile, budget fitted by remat",
+                                            "remat fit_compiled"}, unbuilt
+    phase = next(r for r in records if r.get("record") == "compilations" and r["phase"] == "compiled contenders")
+    assert phase["graphs"] == 0

@@ -295,11 +295,20 @@ class Bench:
 
 
 def fit_whole_model(job: dict[str, Any], bench: Bench, model: nn.Module) -> CompileBudgetFit:
-    """``fit_compile_budget``'s trials on ``model`` with the unit's batch, precision and backend: every budget of
-    its default grid measured once, to be chosen from per byte budget (``CompileBudgetFit.refit``)."""
+    """``fit_compile_budget``'s trials on ``model`` with the unit's batch, precision and backend: no budget and
+    each of the unit's fractions (graphs the unit compiled already, :func:`compiled_contenders`) measured once, to
+    be chosen from per byte budget (``CompileBudgetFit.refit``)."""
     # the steps (Bench.step) zero the gradients in place: measured so, a compiled backward's gradients add up
-    return fit_compile_budget(model, bench.batch, 1.0, backend=job["backend"], autocast=unit_autocast(bench),
+    return fit_compile_budget(model, bench.batch, 1.0, budgets=[float(b) for b in job["budgets"]],
+                              backend=job["backend"], autocast=unit_autocast(bench),
                               clock=step_clock(bench.device), holds_output=False, set_to_none=False)
+
+
+def compilation_counts() -> dict[str, int]:
+    """What dynamo compiled in this process: frames compiled and distinct graphs handed to a backend."""
+    from torch._dynamo.utils import counters
+
+    return {"frames_compiled": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"])}
 
 
 def unit_autocast(bench: Bench) -> torch.dtype | bool:
@@ -378,29 +387,70 @@ def run(job: dict[str, Any]) -> None:
                            for k, c in cs.contenders.items()})
     bench.time_rounds(list(cs.contenders), cs.contenders)
     duel.duel_rounds(bench, cs)
+    bench.emit("compilations", phase="unit", **compilation_counts())
     bench.emit("unit_done")
 
 
 def compiled_contenders(job: dict[str, Any], bench: Bench, cs: pc.ContenderSet, budgets: list[float]) -> None:
     """``torch.compile``'s budgets and remat's compiled answers at each budget, built and measured after the eager
-    contenders."""
+    contenders, each measured as soon as it is built (compilation is lazy: the measurement compiles).
+
+    Whole-model compilations are shared: one backend per budget (``budget_backend``, remat's, one callable per
+    budget in the process) compiles the reference (budget 1), each fraction's contender and the fit's trials,
+    whose grid is the unit's fractions, so the unit compiles the whole model once per distinct budget. With
+    ``compile_seconds`` in the job, no compiled contender is built once the compiled part has run that long; those
+    not built are listed as refused, saying so."""
+    started = time.perf_counter()
+    limit = job.get("compile_seconds")
+    before = compilation_counts()
+
+    def out_of_time(budget: float, name: str) -> bool:
+        spent = time.perf_counter() - started
+        if limit is None or spent <= limit:
+            return False
+        cs.refused.append(pc.Refused(budget, name, pc.COMPILED, f"not built: the unit's compiled part had run "
+                                     f"{spent:.0f} s of its {limit:g} s (--compile-seconds)"))
+        return True
+
+    graphs_by_contender: dict[str, int] = {}
+
+    def measure_new() -> None:
+        for key in list(cs.contenders):
+            if key in bench.memory:
+                continue
+            graphs = compilation_counts()["graphs"]
+            bench.measure(cs.contenders[key])
+            graphs_by_contender[key] = compilation_counts()["graphs"] - graphs
+
     # Budgets of remat on compiled blocks: shares of torch.compile's peak by the allocator's events, the meter
     # whose figures the compiled blocks' profile predicts (the peak meters' where it did not run).
     compiled = bench.memory["compiled"]
     compiled_bytes = compiled["tracker_bytes"] or compiled["allocator_bytes"] or compiled["process_bytes"]
     compiled_share = {b: int(b * compiled_bytes) if compiled_bytes else None for b in budgets}
     for budget in budgets:
-        cs.compile_budget(budget)
-        cs.remat_compiled(budget, compiled_share[budget])
-    for key in list(cs.contenders):
-        bench.measure(cs.contenders[key])
+        if not out_of_time(budget, "torch.compile + activation_memory_budget"):
+            cs.compile_budget(budget)
+            measure_new()
+        if not out_of_time(budget, "remat optimal on compiled blocks"):
+            cs.remat_compiled(budget, compiled_share[budget])
+            measure_new()
     bench.timing_allocator_for_choices()
+    def counted(label: str, build: Callable[[], None]) -> None:
+        graphs = compilation_counts()["graphs"]
+        build()
+        graphs_by_contender[label] = compilation_counts()["graphs"] - graphs
+        measure_new()
+
     for budget in budgets:
-        cs.compile_fitted(budget, compiled_share[budget], functools.partial(fit_whole_model, job, bench))
-        if job.get("choice_rounds", 5):
-            cs.remat_fit_compiled(budget, compiled_share[budget], functools.partial(fit_compiled_at, job, bench))
-    for key in list(cs.contenders):
-        bench.measure(cs.contenders[key])
+        if not out_of_time(budget, pc.FITTED):
+            counted(f"trials of {pc.FITTED} at {budget:g}", lambda b=budget: cs.compile_fitted(
+                b, compiled_share[b], functools.partial(fit_whole_model, job, bench)))
+        if job.get("choice_rounds", 5) and not out_of_time(budget, pc.FIT_COMPILED):
+            counted(f"trials of {pc.FIT_COMPILED} at {budget:g}", lambda b=budget: cs.remat_fit_compiled(
+                b, compiled_share[b], functools.partial(fit_compiled_at, job, bench)))
+    after = compilation_counts()
+    bench.emit("compilations", phase="compiled contenders", seconds=time.perf_counter() - started,
+               by_contender=graphs_by_contender, **{k: after[k] - before[k] for k in after})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -223,10 +223,18 @@ class ContenderSet:
         self._remat_compiled: Any = None
         self._dtr_model: nn.Module | None = None
         self._fit: CompileBudgetFit | None = None
-        self._fitted_model: nn.Module | None = None
+        self._whole: nn.Module | None = None
 
     def copy(self) -> nn.Module:
         return copy.deepcopy(self.base)
+
+    def whole_model(self) -> nn.Module:
+        """The one copy every whole-model compiled contender compiles: dynamo keeps a graph per module instance and
+        backend (one backend per budget), so the reference, each budget's contender and the fit's trials of the
+        same budget share one compilation."""
+        if self._whole is None:
+            self._whole = self.copy()
+        return self._whole
 
     def add(self, contender: Contender, budget: float | None) -> Contender:
         known = self.contenders.setdefault(contender.key, contender)
@@ -246,8 +254,9 @@ class ContenderSet:
             self._compiled_references()
 
     def _compiled_references(self) -> None:
-        model = self.copy()
-        compiled = torch.compile(model, backend=self.backend)
+        model = self.whole_model()
+        # budget 1 (torch's default) through the backend the fit's trial at 1 uses: one compilation for both
+        compiled = torch.compile(model, backend=budget_backend(self.backend, 1.0))
         self.add(Contender("compiled", "torch.compile", COMPILED, model, compiled, grad_reference="compiled",
                            tracker=False, allocations=True), None)
         handle = remat.apply(model := self.copy(), remat.plan(self.costs, "none"))
@@ -322,7 +331,7 @@ class ContenderSet:
 
     # ----- compiled
     def compile_budget(self, budget: float) -> None:
-        model = self.copy()
+        model = self.whole_model()
         compiled = torch.compile(model, backend=budget_backend(self.backend, budget))
         self.add(Contender(
             f"compiled-budget-{budget:g}", "torch.compile + activation_memory_budget", COMPILED, model, compiled,
@@ -336,14 +345,13 @@ class ContenderSet:
         whose measured peak fits ``budget_bytes`` (or the fraction ``budget`` of the unbudgeted peak);
         ``measure_fit(model)`` runs the trials, once, on the first budget asked for."""
         if self._fit is None:
-            self._fitted_model = self.copy()
-            self._fit = measure_fit(self._fitted_model)
+            self._fit = measure_fit(self.whole_model())
         try:
             fit = self._fit.refit(budget_bytes or budget)
         except remat.BudgetError as err:
             self.refused.append(Refused(budget, FITTED, COMPILED, str(err)))
             return
-        model = self._fitted_model
+        model = self.whole_model()
         self.add(Contender(
             f"compiled-fitted-{fit.budget:g}", FITTED, COMPILED, model, fit.compile(model), grad_reference="compiled",
             tracker=False, allocations=True, exact=False, detail=f"budget={fit.budget:g}", note=WHOLE_BUDGET_NOTE),

@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ckptplan-path", default=ckptplan.DEFAULT_PATH,
                         help="folder holding ckptplan (pip install --target FOLDER ckptplan)")
     parser.add_argument("--unit-timeout", type=float, default=1800, help="seconds one model and precision may take")
+    parser.add_argument("--compile-seconds", type=float, default=None,
+                        help="build no more compiled contenders once a unit's compiled part has run this long "
+                             "(those not built are listed as refused)")
     parser.add_argument("--retries", type=int, default=2,
                         help="times a unit is run again when the machine's speed changed under it (peers_attempts)")
     parser.add_argument("--steady-within", type=float, default=0.05,
@@ -135,7 +138,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
             "duel_rounds": args.duel_rounds, "duel_max_rounds": args.duel_max_rounds,
             "choice_rounds": args.choice_rounds, "warmup": args.warmup,
             "threads": args.threads, "backend": args.backend, "seed": args.seed, "policies": args.policies,
-            "compiled": not args.no_compiled}
+            "compiled": not args.no_compiled, "compile_seconds": args.compile_seconds}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
