@@ -18,11 +18,11 @@ from typing import Any
 
 from .chains import find_blocks, find_chains
 from .checkpointing import Checkpoint, checkpoint, checkpoint_fn, checkpointed, policies
-from .core import BlockCost, BudgetError, CostTable, StepSpec, format_bytes, parse_budget, parse_bytes
+from .core import BlockCost, BudgetError, CostTable, ShapeCosts, StepSpec, format_bytes, parse_budget, parse_bytes
 from .meters import MemoryReport, measure
-from .planning import STRATEGIES, Plan, Simulation, simulate
+from .planning import STRATEGIES, Buckets, Plan, ShapeBudgetError, ShapePlans, Simulation, simulate
 from .planning import make_plan as plan
-from .profiling import profile
+from .profiling import profile, profile_shapes
 from .runtime import RematHandle, apply
 
 __version__ = "0.1.0"
@@ -153,6 +153,7 @@ if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
 
 __all__ = [
     "BlockCost",
+    "Buckets",
     "BudgetError",
     "Checkpoint",
     "CostTable",
@@ -163,6 +164,9 @@ __all__ = [
     "Plan",
     "RematHandle",
     "STRATEGIES",
+    "ShapeBudgetError",
+    "ShapeCosts",
+    "ShapePlans",
     "Simulation",
     "StepSpec",
     "advise",
@@ -180,6 +184,7 @@ __all__ = [
     "plan",
     "policies",
     "profile",
+    "profile_shapes",
     "simulate",
 ]
 

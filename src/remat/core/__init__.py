@@ -6,6 +6,8 @@ the description of a training step.
   old memory-poor spelling.
 * :mod:`.costs`: :class:`CostTable` and :class:`BlockCost`, plain data: what each block costs in seconds and
   bytes under each action.
+* :mod:`.shape_costs`: :class:`ShapeCosts`, a table for any batch size and sequence length from three measured
+  shapes (invariant 1 there).
 * :mod:`.sizes`: byte sizes and budgets at the edges of the library, and :class:`BudgetError`.
 * :mod:`.precision`: the autocast setting a step runs under.
 * :mod:`.step`: :class:`StepSpec`, how a training step of a model runs, and the batch type.
@@ -58,10 +60,13 @@ from .precision import (
     recorded_spec,
     step_autocast,
 )
+from .shape_costs import ShapeCosts, shape_of
 from .sizes import BudgetError, format_bytes, normalize_budget, parse_budget, parse_bytes
 from .step import Batch, BlocksArg, InputName, OutputName, StepSpec
 
 __all__ = [
+    "ShapeCosts",
+    "shape_of",
     "CHECKPOINT",
     "COMPRESS",
     "COMPRESS_FORMATS",

@@ -20,7 +20,7 @@ from .advice import ModelAdvice, advise, advise_costs, model_state_bytes
 from .compile_budget import DEFAULT_BUDGETS, CompileBudgetFit, fit_compile_budget
 from .compiled_blocks import compile_blocks, uncompile_blocks
 from .compiled_choice import CompiledFit, fit_compiled
-from .device_fit import MemoryFit, MemoryFitError, activation_budget, fit_memory
+from .device_fit import MemoryFit, MemoryFitError, activation_budget, activations_within, fit_memory
 from .measured_fit import PlanFit, fit
 from .trial import Fit, Trial
 from .whole_step import FixedMemory, StepPeak, device_memory, fixed_memory, whole_step_peak
@@ -38,6 +38,7 @@ __all__ = [
     "StepPeak",
     "Trial",
     "activation_budget",
+    "activations_within",
     "advise",
     "advise_costs",
     "compile_blocks",

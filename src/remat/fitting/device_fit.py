@@ -180,6 +180,17 @@ def fit_memory(
     raise _infeasible(limit, fixed, costs, non_activation, batch_size(batch), device, measured.whole)
 
 
+def activations_within(fitted: MemoryFit, costs: CostTable) -> int:
+    """The activation bytes ``fitted``'s memory leaves at every shape: the memory less the step's bytes beyond its
+    activations (what the fit measured beyond them, or, where the plain step fitted, what the plain step measured
+    beyond ``costs``' prediction)."""
+    if fitted.activation_budget is not None:
+        return fitted.activation_budget
+    if fitted.plain is None:
+        raise ValueError("the memory fit measured no step: no activation budget can be read from it")
+    return fitted.memory - _beyond_activations(fitted.plain, fitted.fixed, costs)
+
+
 def _beyond_activations(plain: StepPeak, fixed: FixedMemory, costs: CostTable) -> int:
     """The plain step's measured bytes beyond its predicted activations (never less than what stays resident
     through the forward and backward)."""

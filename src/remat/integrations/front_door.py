@@ -54,7 +54,10 @@ def fit(
     fraction of the no-checkpoint activations). ``step`` (or ``loss_fn``, ``blocks``, ``autocast``) describes the
     training step; every chain of the model is planned under one budget unless ``blocks=`` names others.
     ``strategy`` and ``options`` are :func:`remat.plan`'s (``allow_lossy=True``...) or PGAC's
-    (``strategy="pgac"`` with ``activations=``).
+    (``strategy="pgac"`` with ``activations=``). ``shapes=True`` (or a :class:`remat.Buckets`), with ``memory``
+    and ``batch`` the largest batch the run will see: a plan per input shape within the same memory, switched
+    before each forward's first block, and a batch no plan fits refused there (``on_overflow=``:
+    :class:`remat.ShapePlans`; ``docs/shapes.md``).
 
     The handle has ``plan``, ``costs``, ``stats``, ``describe()``, ``set_memory(...)`` and ``remove()``. Raises
     :class:`remat.BudgetError` where no plan fits, naming the least memory and what to do.

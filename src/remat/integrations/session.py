@@ -42,10 +42,10 @@ from torch import nn
 from ..chains import profiled_blocks, resolve_blocks
 from ..core import CHECKPOINT, AutocastArg, AutocastSpec, CostTable, StepSpec, normalize_budget, precision_mismatch
 from ..dynamic import PGAC
-from ..fitting import MemoryFit, activation_budget, device_memory, fit_memory, fixed_memory
+from ..fitting import MemoryFit, activation_budget, activations_within, device_memory, fit_memory, fixed_memory
 from ..meters import model_device
-from ..planning import STRATEGIES, Plan, make_plan
-from ..profiling import BlockProfiler, profile
+from ..planning import STRATEGIES, Buckets, Plan, ShapePlans, make_plan
+from ..profiling import BlockProfiler, profile, profile_shapes
 from ..runtime import RecomputeStats, RematHandle, apply
 
 log = logging.getLogger("remat.integrations")
@@ -152,6 +152,14 @@ class RematSession:
             self.optimizer = optimizer
             self.fitted: MemoryFit | None = None  # how the plan was fitted to memory= (None without memory=)
             self.options = dict(options)
+            shapes = self.options.pop("shapes", False)
+            on_overflow = self.options.pop("on_overflow", "raise")
+            self.shape_plans: ShapePlans | None = None  # plans per input shape (shapes=True), docs/shapes.md
+            if shapes and (memory is None or batch is None or plan is not None or costs is not None):
+                raise ValueError(
+                    "shapes=True plans each input shape within memory=: it needs memory= and batch= (the largest "
+                    "batch the run will see, which is profiled and cut to smaller shapes), and no plan= or costs="
+                )
             self.sync = sync
             self.process_group = process_group
             self.costs: CostTable | None = costs
@@ -193,9 +201,12 @@ class RematSession:
                 if plan is None and memory is not None and self.costs is None and batch is not None:
                     _refuse_compiled(chain)
                     self._warn_without_optimizer()
-                    self.fitted = fit_memory(model, batch, memory, optimizer=optimizer, step=profiled_step, **options)
+                    self.fitted = fit_memory(model, batch, memory, optimizer=optimizer, step=profiled_step,
+                                             **self.options)  # fmt: skip
                     self.costs = self.fitted.costs
                     plan = self._shared_plan(self.fitted.plan)
+                    if shapes:
+                        self.shape_plans = self._plans_per_shape(batch, profiled_step, shapes, on_overflow)
                 if plan is None:
                     if self.costs is None and batch is not None:
                         _refuse_compiled(chain)
@@ -206,6 +217,7 @@ class RematSession:
                 self._waiting = plan is None
                 initial = plan if plan is not None else Plan({f: CHECKPOINT for f, _ in chain}, strategy="profiling")
                 self.handle = apply(model, initial, step=hooked_step)
+                self.handle.plan_per_shape(self.shape_plans)
             model._remat_session = self  # type: ignore[assignment]
             self._global_done = not (auto_step and (self._waiting or self.pgac is not None))
             self._hooks.append(model.register_forward_pre_hook(self._on_forward))  # removed once it has no more to do
@@ -380,6 +392,14 @@ class RematSession:
         self.fitted = MemoryFit(limit, fixed, plan, costs, None, None, budget, non_activation)
         return plan
 
+    def _plans_per_shape(self, batch: Any, step: StepSpec, shapes: bool | Buckets, on_overflow: str) -> ShapePlans:
+        """Plans per input shape within the activation bytes the memory fit leaves (docs/shapes.md)."""
+        assert self.fitted is not None
+        shape_costs = profile_shapes(self.model, batch, step=step, reference=self.costs, price_segments=False)
+        budget = activations_within(self.fitted, shape_costs.reference)
+        buckets = shapes if isinstance(shapes, Buckets) else Buckets()
+        return ShapePlans(shape_costs, budget, buckets=buckets, on_overflow=on_overflow)
+
     def _warn_without_optimizer(self) -> None:
         if self.optimizer is None:
             warnings.warn(
@@ -422,6 +442,8 @@ class RematSession:
         parts = [self.plan.table(self.costs) if self.costs is not None else repr(self.plan)]
         if self.fitted is not None:
             parts.append(self.fitted.describe())
+        if self.shape_plans is not None:
+            parts.append(self.shape_plans.describe())
         return "\n".join(parts)
 
     def _shared(self, costs: CostTable) -> CostTable:

@@ -8,6 +8,7 @@ pure functions ``(CostTable, budget, **options) -> Plan`` with no torch state an
   :mod:`.optimal_plan` with :mod:`.chain_units`, :mod:`.search` and :mod:`.pareto`: the optimal planner;
   :mod:`.lossy`: planning with lossy actions, only when asked;
 * :mod:`.offload_overlap`: ``offload`` priced by the part of its copies the next block's compute leaves exposed;
+* :mod:`.shape_plans`: a plan per input-shape bucket within one byte budget, and the refusal naming what fits;
 * :mod:`.stages`: how a chain and its budget split over pipeline stages.
 """
 
@@ -18,6 +19,7 @@ from .offload_overlap import exposed_copy_s, overlap_priced
 from .optimal_plan import optimal
 from .plan import Plan
 from .search import plans_tied
+from .shape_plans import Buckets, ShapeBudgetError, ShapePlans
 from .simulator import Simulation, no_checkpoint_peak, resolve_budget, simulate
 from .stages import SCHEDULES, check_schedule, in_flight, micro_batch_budget, split_stages, stage_costs, stage_share
 from .static import memory_poor, per_chain, segments
@@ -25,6 +27,9 @@ from .strategies import STRATEGIES, minimum_peak_bytes
 from .strategies import plan as make_plan
 
 __all__ = [
+    "Buckets",
+    "ShapeBudgetError",
+    "ShapePlans",
     "plans_tied",
     "Plan",
     "SCHEDULES",

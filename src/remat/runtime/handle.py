@@ -10,7 +10,7 @@ forward the hooks read the current plan's units and open/close the matching regi
 * ``offload``, ``compress:`` and ``recompute+compress:``: saved tensors on the host (copied on side streams,
   Note [10]), compressed, or re-run and compressed in backward (:mod:`remat.checkpointing.recompute_compression`);
   ``checkpoint+compress:``: its own frame;
-* ``partition:<budget>``: a compiled block's variant of that budget. Notes [1] to [10]; ``stats`` counts re-runs.
+* ``partition:<budget>``: a compiled block's variant of that budget. Notes [1] to [11]; ``stats`` counts re-runs.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -75,8 +76,9 @@ from ..core import (
     StepSpec,
     Unit,
     format_bytes,
+    shape_of,
 )
-from ..planning import Plan
+from ..planning import Plan, ShapePlans
 from . import applied
 from .applied import Counting, all_suspended
 from .recompute_stats import RecomputeStats
@@ -153,6 +155,14 @@ from .recompute_stats import RecomputeStats
 # each block call starts (it releases the copies of the calls before the previous one), each block's output (its
 # gradient starts the copy back of the call before it, where that one was offloaded) and where the forward ends (it
 # releases every call). A plan without offload leaves the queue alone.
+#
+# Note [11] Plans per input shape.
+# With plan_per_shape(plans) (a remat.planning.ShapePlans), the pre-hook of block 0, on its first call in a forward
+# and before any block runs, reads the (batch, sequence) of block 0's main input and asks plans.plan_for for that
+# shape's plan: its bucket's, planned the first time the bucket is seen. A plan other than the current one is set
+# there (set_plan: no region is open yet, Note [5]); a shape no plan fits raises ShapeBudgetError from that hook, so
+# the forward stops before its first block (on_overflow chooses otherwise). Each such plan is made for its bucket's
+# shape, so Note [9] does not warn for it.
 
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
 
@@ -184,6 +194,8 @@ class RematHandle:
         self._calls = CallCounter(len(blocks))  # Note [8]
         self._warned_inputs: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()  # Note [9]: (planned, seen)
         self._offload = OffloadQueue()  # Note [10]
+        self._shape_plans: ShapePlans | None = None  # Note [11]
+        self._shape_read = False
         self.set_plan(plan)
         self._own_hook_ids: list[frozenset[int]] = []
         for i, (_, module) in enumerate(blocks):  # Note [4]
@@ -243,8 +255,30 @@ class RematHandle:
 
     def _forward_starts(self) -> None:
         self._calls.reset()  # Note [8]
-        if self._offloads:
-            self._offload.forward_started()  # Note [10]
+        self._offload.forward_started()  # Note [10]
+        self._shape_read = False  # Note [11]
+
+    def plan_per_shape(self, plans: ShapePlans | None) -> None:
+        """Run each forward under ``plans.plan_for(batch, sequence)`` of its input's shape, switched before the
+        first block runs (Note [11]); ``None`` goes back to the plan set last."""
+        self._shape_plans = plans
+
+    def _plan_for_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Note [11]: switch to the plan of this forward's input shape (or refuse the batch) before block 0 runs."""
+        self._shape_read = True
+        started = time.perf_counter()
+        try:
+            main = self.io[0].input_tensor(args, kwargs)
+        except ValueError:
+            return
+        plans = self._shape_plans
+        assert plans is not None
+        try:
+            plan = plans.plan_for(*shape_of(main.shape))
+            if plan is not self.plan:
+                self.set_plan(plan)
+        finally:
+            plans.switch_s += time.perf_counter() - started
 
     @property
     def offload_stats(self) -> QueueStats:
@@ -297,6 +331,8 @@ class RematHandle:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._inactive():
                 return
+            if i == 0 and self._shape_plans is not None and not self._shape_read:
+                self._plan_for_input(args, kwargs)  # Note [11]
             if i == 0 and self._planned_input is not None:
                 self._check_input(args, kwargs)  # Note [9]
             if self._offloads:

@@ -1,0 +1,220 @@
+"""Costs as functions of the input's shape: a :class:`CostTable` for any batch size and sequence length, from
+tables measured at three shapes.
+
+A training step's activations and times grow with the batch ``b`` and the sequence ``s`` (the first block's main
+input is ``(b, s, ...)``; a 2-D input ``(b, width)`` has ``s = 1``). Every term of a table is read as::
+
+    q(b, s) = c + u * s**2 + b * (l * s + r * s**2)
+
+``c``: what does not grow with the input (parameter gradients in flight, a kernel's launch); ``l``: what grows with
+the tokens (hidden states, MLP activations, per-token times); ``r``: what grows with the square of the sequence per
+sequence (eager attention's ``s x s`` scores); ``u``: what grows with the square of the sequence once for the whole
+batch (T5's relative position bias, a mask shared by the batch's rows). Four shapes determine the four coefficients:
+the profiled one, half its sequence, half its batch and half of both, all measured
+(:func:`remat.profiling.profile_shapes`). A profiled batch of one row cannot tell ``u`` from ``r``: the form is then
+``c + b * (l * s + r * s**2)`` through the profiled shape, half and a quarter of its sequence.
+:meth:`ShapeCosts.at` evaluates every term at a shape and returns a table the planners read like any other. Bytes
+are measured exactly, and their form passes through the measured points (rounded to whole bytes). Seconds carry the
+machine's noise (on a shared CPU a small block's forward can read 4x from one profile to the next), which an exact
+fit through the points turns into negative or shrinking times: a time term's coefficients are fitted by least
+squares with none negative (a time that grows with the shape), and a term measured negative somewhere (an action's
+overhead that saves time) scales with the tokens from the reference.
+Terms that do not depend on the input by their meaning (``deferred_s_per_byte``, a rate; ``call_grad_bytes``,
+parameter gradients) are the reference table's.
+
+Invariant 1: at each measured shape, :meth:`ShapeCosts.at` returns that shape's table itself; elsewhere its bytes
+are on the form through the measured points, its seconds on a form with no negative coefficient. The coefficients
+are fitted once per :class:`ShapeCosts`; a table at a new shape is a product per term.
+
+Where a model's terms do not follow the form (the fit is checked at no fourth shape by itself), the tests and
+``benchmarks/shapes.py`` compare predicted with measured peaks at shapes not profiled; ``info["shape_form"]`` names
+the form, and a table outside it is profiled at its own shape (:func:`remat.profile` on that batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .costs import BlockCost, CostTable
+
+Shape = tuple[int, int]  # (batch, sequence)
+FORM = "c + u*s^2 + b*(l*s + r*s^2)"
+FORM_ONE_ROW = "c + b*(l*s + r*s^2)"
+
+# Table terms that hold whatever the input's shape (rates, parameter gradients, flags): the reference's.
+_FIXED_TABLE_FIELDS = frozenset({"deferred_s_per_byte", "call_grad_bytes", "chain_lengths", "outputs_kept",
+                                 "device", "source", "info", "autocast", "copy_bytes_per_s", "blocks"})
+_FIXED_BLOCK_FIELDS = frozenset({"fqn", "grad_error", "grad_cosine", "unavailable"})
+
+
+def shape_of(input_shape: Sequence[int]) -> Shape:
+    """(batch, sequence) of a block's main input: ``(b, s, ...)`` for three or more dimensions, ``(b, 1)`` for
+    ``(b, width)``."""
+    dims = list(input_shape)
+    if not dims:
+        raise ValueError("a scalar block input has no batch dimension")
+    return (int(dims[0]), int(dims[1]) if len(dims) >= 3 else 1)
+
+
+@dataclasses.dataclass
+class ShapeCosts:
+    """Tables measured at four shapes (three for a batch of one row), and every term on the form through them."""
+
+    tables: list[CostTable]
+    shapes: list[Shape]
+
+    def __post_init__(self) -> None:
+        if len(self.tables) != len(self.shapes):
+            raise ValueError(f"{len(self.tables)} tables for {len(self.shapes)} shapes")
+        one_row = len({b for b, _ in self.shapes}) == 1
+        wanted = 3 if one_row else 4
+        if len(self.shapes) != wanted:
+            raise ValueError(
+                f"the form {FORM_ONE_ROW if one_row else FORM} needs {wanted} measured shapes, got {self.shapes}"
+            )
+        self.form = FORM_ONE_ROW if one_row else FORM
+        self._design = np.array([self._features(b, s) for b, s in self.shapes])
+        if abs(np.linalg.det(self._design)) < 1e-9:
+            raise ValueError(f"the shapes {self.shapes} do not determine {self.form}: vary the batch and the sequence")
+        self._inverse = np.linalg.inv(self._design)
+        names = [t.fqns for t in self.tables]
+        if any(n != names[0] for n in names):
+            raise ValueError("the tables measured at the shapes name different blocks")
+        self._fitted: dict[str, Any] | None = None
+
+    def _features(self, batch: int, seq: int) -> list[float]:
+        b0, s0 = self.shapes[0]
+        b, s = batch / b0, seq / s0  # in units of the reference: a well-conditioned design
+        if self.form == FORM_ONE_ROW:
+            return [1.0, b * s, b * s * s]
+        return [1.0, s * s, b * s, b * s * s]
+
+    @property
+    def reference(self) -> CostTable:
+        """The table of the profiled shape (the first)."""
+        return self.tables[0]
+
+    @property
+    def reference_shape(self) -> Shape:
+        return self.shapes[0]
+
+    def at(self, batch: int, seq: int) -> CostTable:
+        """The table at ``(batch, seq)`` (invariant 1)."""
+        if batch < 1 or seq < 1:
+            raise ValueError(f"a shape has a positive batch and sequence, got ({batch}, {seq})")
+        for table, shape in zip(self.tables, self.shapes, strict=True):
+            if shape == (batch, seq):
+                return table
+        if self._fitted is None:
+            self._fitted = self._fit()
+        row = np.array(self._features(batch, seq))
+        tokens = batch * seq / (self.shapes[0][0] * self.shapes[0][1])
+        ref = self.reference
+        values = {name: _evaluate(term, row, tokens) for name, term in self._fitted["table"].items()}
+        blocks = []
+        for reference_row, terms in zip(ref.blocks, self._fitted["blocks"], strict=True):
+            fields = {name: getattr(reference_row, name) for name in _FIXED_BLOCK_FIELDS}
+            fields.update({name: _evaluate(term, row, tokens) for name, term in terms.items()})
+            blocks.append(BlockCost(**fields))
+        shapes = ref.info.get("input_shapes") or {}
+        info = {**ref.info, "shape": [batch, seq], "shape_form": self.form,
+                "measured_shapes": [list(s) for s in self.shapes],
+                "input_shapes": {k: _scaled(v, batch, seq) for k, v in shapes.items()}}
+        return dataclasses.replace(ref, blocks=blocks, info=info, **values)
+
+    def _fit(self) -> dict[str, Any]:
+        """Every term's coefficients, fitted once (bytes exactly, seconds with none negative)."""
+        table = {field.name: _fit_term([getattr(t, field.name) for t in self.tables], self._design, self._inverse)
+                 for field in dataclasses.fields(CostTable) if field.name not in _FIXED_TABLE_FIELDS}
+        blocks = []
+        for rows in zip(*(t.blocks for t in self.tables), strict=True):
+            blocks.append({field.name: _fit_term([getattr(r, field.name) for r in rows], self._design, self._inverse)
+                           for field in dataclasses.fields(BlockCost) if field.name not in _FIXED_BLOCK_FIELDS})
+        return {"table": table, "blocks": blocks}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shapes": [list(s) for s in self.shapes], "tables": [t.to_dict() for t in self.tables]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShapeCosts:
+        return cls([CostTable.from_dict(t) for t in data["tables"]], [tuple(s) for s in data["shapes"]])
+
+
+def _scaled(shape: list[int], batch: int, seq: int) -> list[int]:
+    if len(shape) >= 3:
+        return [batch, seq, *shape[2:]]
+    return [batch, *shape[1:]] if shape else shape
+
+
+@dataclasses.dataclass(frozen=True)
+class _Term:
+    """One fitted term: ``coefficients`` on the form (``kind`` "bytes" rounds), or the reference's ``value`` scaled
+    with the tokens (``kind`` "scaled": a figure measured negative somewhere)."""
+
+    kind: str
+    coefficients: np.ndarray | None = None
+    value: float = 0.0
+
+
+def _fit_term(values: list[Any], design: np.ndarray, inverse: np.ndarray) -> Any:
+    """The term's fit from its values at the measured shapes: numbers, and dicts and lists of numbers term by
+    term; None wherever one is None; anything else (a flag) as the reference's."""
+    first = values[0]
+    if any(v is None for v in values):
+        return None
+    if isinstance(first, bool) or not isinstance(first, (int, float, dict, list)):
+        return ("as is", first)
+    if isinstance(first, dict):
+        keys = [k for k in first if all(k in v for v in values)]
+        return {k: _fit_term([v[k] for v in values], design, inverse) for k in keys}
+    if isinstance(first, list):
+        if any(len(v) != len(first) for v in values):
+            return ("as is", list(first))
+        return [_fit_term([v[i] for v in values], design, inverse) for i in range(len(first))]
+    numbers = np.array([float(v) for v in values])
+    if isinstance(first, int):
+        return _Term("bytes", inverse @ numbers)
+    if numbers.min() < 0:  # a saving or a signed figure: scaled with the tokens from the reference
+        return _Term("scaled", value=float(numbers[0]))
+    return _Term("seconds", _nonnegative_fit(design, numbers))
+
+
+def _evaluate(term: Any, row: np.ndarray, tokens: float) -> Any:
+    if term is None:
+        return None
+    if isinstance(term, tuple):
+        return term[1]
+    if isinstance(term, dict):
+        return {k: _evaluate(v, row, tokens) for k, v in term.items()}
+    if isinstance(term, list):
+        return [_evaluate(v, row, tokens) for v in term]
+    if term.kind == "bytes":
+        return int(round(float(row @ term.coefficients)))
+    if term.kind == "scaled":
+        return term.value * tokens
+    return float(row @ term.coefficients)
+
+
+def _nonnegative_fit(design: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The coefficients, none negative, of least squared error (every subset of the columns tried: few enough)."""
+    n = design.shape[1]
+    best, best_error = np.zeros(n), float(np.sum(values**2))
+    for size in range(n, 0, -1):
+        for columns in itertools.combinations(range(n), size):
+            picked = list(columns)
+            coefficients, *_ = np.linalg.lstsq(design[:, picked], values, rcond=None)
+            if np.any(coefficients < 0):
+                continue
+            error = float(np.sum((design[:, picked] @ coefficients - values) ** 2))
+            if error < best_error - 1e-30:
+                best, best_error = np.zeros(n), error
+                best[picked] = coefficients
+    return best
+
+
+__all__ = ["FORM", "FORM_ONE_ROW", "Shape", "ShapeCosts", "shape_of"]

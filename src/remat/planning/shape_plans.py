@@ -1,0 +1,221 @@
+"""One budget for every input shape a run sees: a plan per shape bucket, planned from the shape-aware costs
+(:class:`~remat.core.ShapeCosts`) the first time a bucket is seen, kept, and a refusal naming what fits where no
+plan does.
+
+A bucket is the shape a batch is planned at: its sequence length rounded up (to a multiple of ``seq_multiple``, or
+to a power of two with ``seq_multiple="pow2"``) and its batch size rounded up the same way (``batch_multiple``, 1 by
+default: exact). A plan made for the bucket's shape fits every smaller batch in it, since no term of the costs
+shrinks as the shape grows. Where no plan fits the bucket's shape but one fits the batch's own, the batch's shape
+gets a plan of its own. Planning a bucket runs the planner once (milliseconds); a shape seen again is looked up
+(:attr:`ShapePlans.planned` counts the plannings).
+
+Where no plan of the bucket fits the budget, :meth:`ShapePlans.plan_for` acts by ``on_overflow``:
+
+* ``"raise"`` (default): :class:`ShapeBudgetError` (a :class:`~remat.core.BudgetError`) naming the batch's shape,
+  the least peak any plan reaches for it, and the largest sequence length at this batch size and the largest batch
+  size at this sequence length that fit, so that a data loader can be set to them;
+* ``"least"``: the plan of the least peak, with a warning (the budget does not hold for that batch);
+* ``"warn"``: the plan of the last shape, with a warning.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core import BudgetError, ShapeCosts, format_bytes, parse_budget
+from .plan import Plan
+from .strategies import minimum_peak_bytes
+from .strategies import plan as make_plan
+
+ON_OVERFLOW = ("raise", "least", "warn")
+
+
+class ShapeBudgetError(BudgetError):
+    """A batch whose shape no plan fits within the budget; ``shape``, ``floor`` (its least peak) and the largest
+    ``fitting_seq`` (at its batch size) and ``fitting_batch`` (at its sequence length), 0 where none fits."""
+
+    def __init__(self, message: str, *, shape: tuple[int, int], floor: int, fitting_seq: int,
+                 fitting_batch: int) -> None:  # fmt: skip
+        super().__init__(message, floor=floor)
+        self.shape, self.fitting_seq, self.fitting_batch = shape, fitting_seq, fitting_batch
+
+
+def round_up(value: int, multiple: int | str) -> int:
+    """``value`` rounded up to a multiple of ``multiple``, or to a power of two with ``"pow2"``."""
+    if multiple == "pow2":
+        return 1 << max(0, math.ceil(math.log2(max(1, value))))
+    if not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"a bucket multiple is a positive integer or 'pow2', got {multiple!r}")
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """How shapes are grouped: sequence lengths and batch sizes rounded up (``"pow2"``: to powers of two)."""
+
+    seq_multiple: int | str = 64
+    batch_multiple: int | str = 1
+
+    def of(self, batch: int, seq: int) -> tuple[int, int]:
+        """The shape a batch of ``(batch, seq)`` is planned at."""
+        return round_up(batch, self.batch_multiple), round_up(seq, self.seq_multiple) if seq > 1 else seq
+
+
+@dataclass
+class ShapePlans:
+    """Plans per shape bucket within one byte budget (module docstring)."""
+
+    costs: ShapeCosts
+    budget: int | str
+    strategy: str = "optimal"
+    buckets: Buckets = field(default_factory=Buckets)
+    on_overflow: str = "raise"
+    options: dict[str, Any] = field(default_factory=dict)
+    planned: int = 0  # plannings run (a bucket seen again is not planned again)
+    plans: dict[tuple[int, int], Plan] = field(default_factory=dict)
+    seen: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # shape -> its bucket
+    refused: dict[tuple[int, int], ShapeBudgetError] = field(default_factory=dict)
+    last: Plan | None = None
+    switch_s: float = 0.0  # seconds the runtime spent choosing and setting plans (remat.runtime, Note [11])
+    planning_s: float = 0.0  # of which planning new shapes (and the refusals' searches for what fits)
+    warned_beyond: bool = False
+
+    def __post_init__(self) -> None:
+        if self.on_overflow not in ON_OVERFLOW:
+            raise ValueError(f"on_overflow={self.on_overflow!r}: choose one of {', '.join(ON_OVERFLOW)}")
+        if isinstance(self.budget, float):
+            raise ValueError(
+                f"budget={self.budget}: a fraction means a different number of bytes at each shape; give bytes "
+                "(an int, or a string like '2GiB')"
+            )
+        self.budget_bytes = parse_budget(self.budget)
+
+    def plan_for(self, batch: int, seq: int) -> Plan:
+        """The plan for a batch of ``(batch, seq)``: its bucket's, planned the first time the bucket is seen."""
+        shape = (batch, seq)
+        key = self.seen.setdefault(shape, self.buckets.of(batch, seq))
+        if shape in self.refused:
+            raise self.refused[shape]
+        plan = self.plans.get(key)
+        if plan is None:
+            try:
+                plan = self._plan(key, shape)
+            except ShapeBudgetError as err:
+                self.refused[shape] = err  # a shape refused once is refused again without planning
+                raise
+            self.plans.setdefault(self.seen[shape], plan)
+        self.last = plan
+        return plan
+
+    def _plan(self, bucket: tuple[int, int], shape: tuple[int, int]) -> Plan:
+        started = time.perf_counter()
+        try:
+            return self._plan_or_refuse(bucket, shape)
+        finally:
+            self.planning_s += time.perf_counter() - started
+
+    def _plan_or_refuse(self, bucket: tuple[int, int], shape: tuple[int, int]) -> Plan:
+        self.planned += 1
+        try:
+            return self._plan_at(bucket)
+        except BudgetError as err:
+            if shape == bucket:
+                return self._overflow(bucket, shape, err)
+        # The bucket's upper edge does not fit but the batch itself may: planned at its own shape then.
+        self.seen[shape] = shape
+        try:
+            plan = self.plans[shape] = self._plan_at(shape)
+            return plan
+        except BudgetError as err:
+            return self._overflow(shape, shape, err)
+
+    def _plan_at(self, shape: tuple[int, int]) -> Plan:
+        self._warn_beyond(shape)
+        plan = make_plan(self.costs.at(*shape), self.strategy, self.budget_bytes, **self.options)
+        plan.options["shape"] = list(shape)
+        return plan
+
+    def _warn_beyond(self, shape: tuple[int, int]) -> None:
+        """Warn once where a shape lies beyond the profiled ones: its costs are extrapolated."""
+        top_batch = max(b for b, _ in self.costs.shapes)
+        top_seq = max(s for _, s in self.costs.shapes)
+        if self.warned_beyond or (shape[0] <= top_batch and shape[1] <= top_seq):
+            return
+        self.warned_beyond = True
+        warnings.warn(
+            f"remat: planning a batch of shape {list(shape)} beyond the profiled {[top_batch, top_seq]}: its costs "
+            f"are extrapolated on the form {self.costs.form}, which holds for most models (within 3% at 4x the "
+            "sequence on GPT-2, Llama and T5) but not for kernels whose workspace grows in steps (BERT's fused CPU "
+            "attention: 16% under at 4x). Profile with the largest batch the run will see (remat.profile_shapes "
+            "cuts it to the smaller shapes).",
+            stacklevel=4,
+        )
+
+    def _overflow(self, bucket: tuple[int, int], shape: tuple[int, int], err: BudgetError) -> Plan:
+        floor = minimum_peak_bytes(self.costs.at(*bucket))
+        fitting_seq = self.largest_fitting(bucket[0], None)
+        fitting_batch = self.largest_fitting(None, bucket[1])
+        message = (
+            f"no plan fits a batch of shape {list(shape)} (batch, sequence; planned as {list(bucket)}) within "
+            f"{format_bytes(self.budget_bytes)}: the least peak any plan reaches for it is {format_bytes(floor)}. "
+            f"At batch size {bucket[0]} sequences up to {fitting_seq} fit; at sequence length {bucket[1]} batches up "
+            f"to {fitting_batch} fit. Cut or bucket the batches to those (a data loader's max_length, batch_size), "
+            "raise the budget, or pass on_overflow='least' to run such batches over the budget with a warning."
+        )
+        if self.on_overflow == "raise":
+            raise ShapeBudgetError(message, shape=shape, floor=floor, fitting_seq=fitting_seq,
+                                   fitting_batch=fitting_batch) from err  # fmt: skip
+        if self.on_overflow == "least":
+            warnings.warn(f"remat: {message} Running the plan of the least peak.", stacklevel=3)
+            return self._least(bucket)
+        warnings.warn(f"remat: {message} Running the last plan.", stacklevel=3)
+        return self.last if self.last is not None else self._least(bucket)
+
+    def _least(self, bucket: tuple[int, int]) -> Plan:
+        table = self.costs.at(*bucket)
+        plan = make_plan(table, "optimal", minimum_peak_bytes(table))
+        plan.options["shape"] = list(bucket)
+        return plan
+
+    def largest_fitting(self, batch: int | None, seq: int | None) -> int:
+        """The largest sequence length at ``batch`` (``seq`` None) or batch size at ``seq`` (``batch`` None) whose
+        least peak fits the budget; 0 where none does. The least peak grows with either, so a doubling search
+        then a bisection finds it."""
+
+        def fits(n: int) -> bool:
+            shape = (batch, n) if seq is None else (n, seq)
+            return minimum_peak_bytes(self.costs.at(*shape)) <= self.budget_bytes  # type: ignore[arg-type]
+
+        if not fits(1):
+            return 0
+        high = 2
+        while fits(high):
+            high *= 2
+            if high > 1 << 24:
+                return high
+        low = high // 2  # fits(low), not fits(high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
+
+    def describe(self) -> str:
+        """The shapes seen and the plan each got, one line per bucket."""
+        lines = [f"plans per shape within {format_bytes(self.budget_bytes)} ({self.planned} planned):"]
+        for bucket, plan in sorted(self.plans.items()):
+            shapes = sorted(s for s, b in self.seen.items() if b == bucket)
+            peak = plan.predicted_peak_bytes
+            counts: dict[str, int] = {}
+            for action in plan.actions.values():
+                counts[action] = counts.get(action, 0) + 1
+            actions = ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+            lines.append(f"  {list(bucket)} for {[list(s) for s in shapes]}: {actions}; predicted peak "
+                         f"{format_bytes(peak) if peak is not None else '?'}")
+        return "\n".join(lines)
+
+
+__all__ = ["ON_OVERFLOW", "Buckets", "ShapeBudgetError", "ShapePlans", "round_up"]

@@ -1,0 +1,194 @@
+"""Budgets that hold for every input shape: the shape-aware costs (``remat.profile_shapes``,
+``remat.core.ShapeCosts``) predict the peak at shapes not profiled, and plans per shape bucket
+(``remat.ShapePlans``, ``handle.plan_per_shape``) keep every step within the byte budget or refuse the batch before
+its first block, naming what fits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import remat
+from remat.core import ShapeCosts
+from remat.planning import Buckets
+
+pytest.importorskip("transformers")
+
+VOCAB = 256
+REFERENCE = (4, 64)  # (batch, sequence) profiled
+
+
+def _batch(rows: int, positions: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (rows, positions), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _llama(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0, use_cache=False)  # fmt: skip
+    return LlamaForCausalLM(config).train()
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def shaped(request, make_gpt2) -> tuple[torch.nn.Module, ShapeCosts]:
+    if request.param == "gpt2":  # eager attention: the s x s scores, the form's square term
+        model = make_gpt2(n_layer=3, n_embd=64, dropout=0.0, seed=0, n_positions=512)
+    else:
+        model = _llama()
+    return model, remat.profile_shapes(model, _batch(*REFERENCE), holds_output=False)
+
+
+def _measured(model: torch.nn.Module, batch: dict[str, torch.Tensor], plan: remat.Plan) -> int:
+    handle = remat.apply(model, plan)
+    try:
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+        with remat.measure() as measured:
+            model(**batch).loss.backward()
+    finally:
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+    return measured.activation_bytes
+
+
+def test_the_form_passes_through_the_measured_shapes(shaped) -> None:
+    _, shapes = shaped
+    assert shapes.shapes == [(4, 64), (4, 32), (2, 64), (2, 32)]
+    for table, shape in zip(shapes.tables, shapes.shapes, strict=True):
+        assert shapes.at(*shape) is table  # invariant 1
+    between = shapes.at(3, 48)
+    assert between.info["shape"] == [3, 48] and between.info["input_shapes"][between.fqns[0]][:2] == [3, 48]
+
+
+@pytest.mark.parametrize("shape", [(4, 16), (4, 32), (4, 128), (4, 256), (2, 64), (8, 64), (1, 100)])
+def test_predicted_peaks_hold_at_shapes_not_profiled(shaped, shape: tuple[int, int]) -> None:
+    model, shapes = shaped
+    costs = shapes.at(*shape)
+    batch = _batch(*shape)
+    for plan in (remat.plan(costs, "none"), remat.plan(costs, "full"), remat.plan(costs, "optimal", budget=0.5)):
+        measured = _measured(model, batch, plan)
+        assert abs(plan.predicted_peak_bytes / measured - 1) <= 0.05, (shape, plan.strategy, measured)
+
+
+def test_a_bucket_is_planned_once_and_serves_every_shape_in_it(shaped) -> None:
+    _, shapes = shaped
+    budget = remat.plan(shapes.at(4, 192), "none").predicted_peak_bytes  # keep-all at (4, 192)
+    plans = remat.ShapePlans(shapes, budget, buckets=Buckets(seq_multiple=64))
+    with pytest.warns(UserWarning, match=r"beyond the profiled \[4, 64\]: its costs are extrapolated"):
+        first = plans.plan_for(4, 100)
+    assert plans.plan_for(4, 120) is first and plans.plan_for(4, 128) is first  # all in the bucket (4, 128)
+    assert plans.planned == 1
+    assert first.options["shape"] == [4, 128] and first.predicted_peak_bytes <= budget
+    plans.plan_for(4, 129)
+    assert plans.planned == 2 and plans.seen[(4, 129)] == (4, 192)
+    assert "[4, 128] for [[4, 100], [4, 120], [4, 128]]" in plans.describe()
+    pow2 = Buckets(seq_multiple="pow2", batch_multiple="pow2")
+    assert pow2.of(3, 100) == (4, 128) and pow2.of(8, 64) == (8, 64)
+    with pytest.raises(ValueError, match="positive integer or 'pow2'"):
+        Buckets(seq_multiple=0).of(1, 10)
+    with pytest.raises(ValueError, match="a fraction means a different number of bytes"):
+        remat.ShapePlans(shapes, 0.5)
+
+
+def test_a_shape_no_plan_fits_is_refused_naming_what_fits(shaped) -> None:
+    _, shapes = shaped
+    budget = remat.plan(shapes.at(4, 128), "none").predicted_peak_bytes  # keep-all at (4, 128)
+    plans = remat.ShapePlans(shapes, budget, buckets=Buckets(seq_multiple=16))
+    with pytest.raises(remat.ShapeBudgetError) as refused:
+        plans.plan_for(8, 512)
+    err = refused.value
+    assert err.shape == (8, 512) and err.floor > budget
+    assert 128 <= err.fitting_seq < 512 and 1 <= err.fitting_batch < 8
+    text = str(err)
+    assert "[8, 512]" in text and f"sequences up to {err.fitting_seq} fit" in text
+    assert f"batches up to {err.fitting_batch} fit" in text and "on_overflow='least'" in text
+    # what the error names fits, one more does not
+    least = remat.planning.minimum_peak_bytes
+    assert least(shapes.at(8, err.fitting_seq)) <= budget < least(shapes.at(8, err.fitting_seq + 1))
+    assert least(shapes.at(err.fitting_batch, 512)) <= budget < least(shapes.at(err.fitting_batch + 1, 512))
+    with pytest.warns(UserWarning, match="Running the plan of the least peak"):
+        plan = remat.ShapePlans(shapes, budget, on_overflow="least").plan_for(8, 512)
+    assert plan.predicted_peak_bytes == err.floor
+
+
+def test_a_run_of_random_shapes_stays_within_its_budget_with_exact_gradients(make_gpt2) -> None:
+    torch.manual_seed(0)
+    model = make_gpt2(n_layer=3, n_embd=64, dropout=0.1, seed=0, n_positions=512)
+    plain = make_gpt2(n_layer=3, n_embd=64, dropout=0.1, seed=0, n_positions=512)
+    shapes = remat.profile_shapes(model, _batch(*REFERENCE), holds_output=False)
+    budget = remat.plan(shapes.at(4, 160), "none").predicted_peak_bytes  # keep-all at (4, 160)
+    handle = remat.apply(model, remat.plan(shapes.reference, "none"))
+    plans = remat.ShapePlans(shapes, budget, buckets=Buckets(seq_multiple=32))
+    handle.plan_per_shape(plans)
+    blocks_run = []
+    model.transformer.h[0].register_forward_pre_hook(lambda *_: blocks_run.append(1))
+    rng = random.Random(0)
+    refused = ran = 0
+    for step in range(30):
+        rows, positions = rng.randint(1, 8), rng.randint(32, 384)
+        batch = _batch(rows, positions, seed=step)
+        before = len(blocks_run)
+        torch.manual_seed(step)
+        try:
+            with remat.measure() as measured:
+                loss = model(**batch).loss
+                loss.backward()
+        except remat.ShapeBudgetError as err:
+            refused += 1
+            assert len(blocks_run) == before  # refused before its first block ran
+            assert err.shape == (rows, positions)
+            model.zero_grad(set_to_none=True)
+            continue
+        ran += 1
+        assert measured.activation_bytes <= budget * 1.02, (rows, positions, measured.activation_bytes, budget)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        torch.manual_seed(step)
+        plain(**batch).loss.backward()
+        for name, p in plain.named_parameters():
+            assert torch.equal(p.grad, grads[name]), (rows, positions, name)
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+    assert ran >= 10 and refused >= 3, (ran, refused)  # both kinds of step were seen
+    assert plans.planned == len(plans.plans) + len(plans.refused) < ran + refused  # every bucket planned once
+    assert "plans per shape" in plans.describe()
+    handle.remove()
+
+
+def test_the_front_door_plans_each_shape_within_the_same_memory(make_gpt2) -> None:
+    model = make_gpt2(n_layer=3, n_embd=64, dropout=0.0, seed=0, n_positions=512)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # no state; the weights stay as they are
+    largest = _batch(4, 128)
+    plain_whole = None
+    with remat.measure() as plain:
+        model(**largest).loss.backward()
+    model.zero_grad(set_to_none=True)
+    plain_whole = plain.activation_bytes
+    handle = remat.fit(model, int(plain_whole * 0.9), batch=largest, optimizer=optimizer, shapes=True,
+                       step=remat.StepSpec(holds_output=False))  # fmt: skip
+    plans = handle.shape_plans
+    assert plans is not None and plans.costs.shapes[0] == (4, 128)
+    budget = plans.budget_bytes
+    rng = random.Random(1)
+    refused = 0
+    for step in range(12):
+        rows, positions = rng.randint(1, 8), rng.randint(16, 256)
+        batch = _batch(rows, positions, seed=step)
+        try:
+            with remat.measure() as measured:
+                model(**batch).loss.backward()
+        except remat.ShapeBudgetError:
+            refused += 1
+            continue
+        finally:
+            model.zero_grad(set_to_none=True)
+        assert measured.activation_bytes <= budget * 1.02, (rows, positions)
+    assert refused < 12 and "plans per shape" in handle.describe()
+    handle.remove()
+    with pytest.raises(ValueError, match="shapes=True plans each input shape within memory="):
+        remat.fit(model, activations=0.5, shapes=True)
