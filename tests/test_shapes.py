@@ -6,6 +6,7 @@ its first block, naming what fits."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -192,3 +193,97 @@ def test_the_front_door_plans_each_shape_within_the_same_memory(make_gpt2) -> No
     handle.remove()
     with pytest.raises(ValueError, match="shapes=True plans each input shape within memory="):
         remat.fit(model, activations=0.5, shapes=True)
+
+
+def test_pgac_fits_its_mask_to_each_shape_within_the_budget(make_gpt2) -> None:
+    model = make_gpt2(n_layer=4, n_embd=64, dropout=0.1, seed=0, n_positions=512)
+    plain = make_gpt2(n_layer=4, n_embd=64, dropout=0.1, seed=0, n_positions=512)
+    shapes = remat.profile_shapes(model, _batch(*REFERENCE), holds_output=False)
+    budget = remat.plan(shapes.at(4, 128), "none").predicted_peak_bytes
+    pgac = remat.PGAC(model, budget, costs=shapes.reference)
+    per_shape = pgac.plan_per_shape(shapes, buckets=Buckets(seq_multiple=32))
+    rng = random.Random(2)
+    ran = refused = 0
+    for step in range(16):
+        rows, positions = rng.randint(1, 8), rng.randint(16, 320)
+        batch = _batch(rows, positions, seed=step)
+        torch.manual_seed(step)
+        try:
+            with remat.measure() as measured:
+                model(**batch).loss.backward()
+        except remat.ShapeBudgetError as err:
+            refused += 1
+            assert err.shape == (rows, positions)
+            model.zero_grad(set_to_none=True)
+            continue
+        ran += 1
+        assert measured.activation_bytes <= budget * 1.02, (rows, positions, measured.activation_bytes, budget)
+        assert pgac.handle.plan.options["shape"] == list(per_shape.seen[(rows, positions)])
+        torch.manual_seed(step)
+        plain(**batch).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+        pgac.step()  # scores from this step's gradients; the next forward fits the new mask to its shape
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+    assert ran >= 8 and refused >= 1, (ran, refused)
+    assert pgac.step_count == ran and len(per_shape.fitters) >= 4  # one mask fitter per bucket seen
+    pgac.remove()
+
+
+def test_the_lightning_callback_plans_each_shape_within_memory() -> None:
+    from remat.integrations.lightning import LIGHTNING, RematCallback
+
+    if LIGHTNING is None:
+        pytest.skip("lightning is not installed (pip install lightning)")
+    import lightning as L
+
+    shapes = [(4, 32), (2, 24), (3, 32), (1, 8), (4, 16), (2, 32)]
+    data = [torch.randn(b, s, 8, generator=torch.Generator().manual_seed(i)) for i, (b, s) in enumerate(shapes)]
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.Sequential(torch.nn.Linear(8, 64), *[Block() for _ in range(4)],
+                                             torch.nn.Linear(64, 1))  # fmt: skip
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(batch).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
+
+    def train(callbacks: list[Any]) -> torch.nn.Module:
+        torch.manual_seed(0)
+        module = Net()
+        trainer = L.Trainer(max_steps=len(data), accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=callbacks)  # fmt: skip
+        trainer.fit(module)
+        return module
+
+    reference = train([])
+    with remat.measure() as plain:
+        reference.model(data[0]).square().mean().backward()
+    weights = sum(p.numel() * p.element_size() for p in reference.parameters())
+    # parameters and gradients, and 70% of the activations of the largest batch: between the least plan and none
+    callback = RematCallback(memory=int(2 * weights + 0.7 * plain.activation_bytes), batch=data[0], shapes=True)
+    trained = train([callback])
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    plans = callback.session.shape_plans
+    assert plans is not None and set(plans.seen) == set(shapes)
+    assert plans.planned == len(set(plans.seen.values()))  # each bucket planned once
+    assert plans.plans[plans.seen[(4, 32)]].action_counts() != "4 keep"  # the largest batch checkpoints
+    assert plans.plans[plans.seen[(1, 8)]].action_counts() == "4 keep"  # the smallest keeps everything

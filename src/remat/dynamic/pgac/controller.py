@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from ...chains import profiled_blocks, resolve_blocks
-from ...core import CHECKPOINT, KEEP, CostTable, StepSpec, normalize_budget
+from ...core import CHECKPOINT, KEEP, BudgetError, CostTable, ShapeCosts, StepSpec, normalize_budget
 from ...meters import MemoryReport, measure, model_device
-from ...planning import Plan, resolve_budget
+from ...planning import Buckets, Plan, ShapeBudgetError, ShapePlans, resolve_budget
 from ...runtime import RematHandle, apply
 from .mask import FittedMask, MaskFitter, quantile, score_mask
 from .record import StepRecord, own_seconds, step_reward
@@ -114,6 +114,8 @@ class PGAC:
         self.handle: RematHandle = apply(model, initial, chain, main_input=main_input, main_output=main_output)
         self.fqns: list[str] = list(self.handle.fqns)
         self._ema = [0.0] * len(self.fqns)
+        self.stored_mask: list[bool] = [True] * len(self.fqns)  # the last update's score mask (plans per shape)
+        self.shape_plans: PerShape | None = None
         self.scorer = GradientScorer(self.handle)
         self.history: deque[StepRecord] = deque(maxlen=history_limit)
         self.step_count = 0
@@ -195,6 +197,22 @@ class PGAC:
         ``measured_peak_bytes``: the step's activation peak from your own meter, used in place of PGAC's."""
         self._check_live()
         self._update(measured_peak_bytes)
+
+    def plan_per_shape(self, shapes: ShapeCosts, *, buckets: Buckets | None = None,
+                       on_overflow: str = "raise") -> PerShape:  # fmt: skip
+        """Fit the mask, each forward, to the costs at that forward's input shape (``shapes``, from
+        :func:`remat.profile_shapes`), within the budget in bytes: the scores stay per block, the mask of the last
+        update is fitted per shape bucket (docs/shapes.md). A budget given as a fraction is read at the profiled
+        shape. A shape no mask fits is refused before its first block (``on_overflow``: :class:`remat.ShapePlans`)."""
+        self._check_live()
+        if self.costs is None or self._profiling:
+            self._profiling = False
+            self._set_costs(shapes.reference)
+        assert self.budget_bytes is not None
+        self.shape_plans = PerShape(self, shapes, self.budget_bytes, buckets=buckets or Buckets(),
+                                    on_overflow=on_overflow)  # fmt: skip
+        self.handle.plan_per_shape(self.shape_plans)
+        return self.shape_plans
 
     def set_budget(self, budget: int | float | str | None) -> None:
         """Change the budget; the next update plans for it. Raises BudgetError below the feasible minimum."""
@@ -327,6 +345,7 @@ class PGAC:
         pool = list(self.threshold_scores(list(ranking))) if self.threshold_scores is not None else ranking
         self._tau = self._gamma * quantile(pool, self.q)
         stored = score_mask(ranking, self._tau)
+        self.stored_mask = list(stored)
         fitted = self._fit(stored) if self._fitter is not None else None
         if fitted is not None:
             self._apply(fitted)
@@ -408,6 +427,45 @@ class PGAC:
 
 
 SYNC_MODES = (None, "local", "global")
+
+
+class PerShape(ShapePlans):
+    """PGAC's plans per input shape: the last update's score mask fitted, each forward, to the costs at the
+    forward's shape bucket (one mask fitter per bucket, made the first time the bucket is seen)."""
+
+    def __init__(self, pgac: PGAC, shapes: ShapeCosts, budget: int, **options: Any) -> None:
+        super().__init__(shapes, budget, strategy="pgac", **options)
+        self.pgac = pgac
+        self.fitters: dict[tuple[int, int], tuple[CostTable, Any]] = {}
+
+    def plan_for(self, batch: int, seq: int) -> Plan:
+        shape = (batch, seq)
+        key = self.seen.setdefault(shape, self.buckets.of(batch, seq))
+        if shape in self.refused:
+            raise self.refused[shape]
+        if key in self.plans:  # a bucket over the budget, run under on_overflow's plan
+            return self.plans[key]
+        started = time.perf_counter()
+        try:
+            if key not in self.fitters:
+                self.planned += 1
+                table = self.costs.at(*key)
+                try:
+                    self.fitters[key] = (table, self.pgac._make_fitter(table))  # BudgetError below its minimum
+                except BudgetError as err:
+                    self.plans[key] = self.last = self._overflow(key, shape, err)
+                    return self.last
+        except ShapeBudgetError as err:
+            self.refused[shape] = err
+            raise
+        finally:
+            self.planning_s += time.perf_counter() - started
+        table, fitter = self.fitters[key]
+        fitted = fitter.fit(self.pgac.stored_mask, self.pgac._ranking())
+        plan = Plan.from_actions(table, list(fitted.actions), "pgac", self.budget_bytes, how=fitted.how)
+        plan.options["shape"] = list(key)
+        self.last = plan
+        return plan
 
 
 def check_options(
