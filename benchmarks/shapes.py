@@ -17,6 +17,12 @@ before its first block (counted, with the error's largest fitting sizes); every 
 bitwise with a plain copy's on the same batch and seed; the time spent choosing and setting plans is summed
 against the steps' time.
 
+Part 3, real text with dynamic padding: Shakespeare's paragraphs (UTF-8 bytes, at most 512), batches of 8 drawn at
+random and padded to their longest paragraph (``attention_mask``, padding left out of the loss), every tenth batch
+short (3 paragraphs, an epoch's last batch); GPT-2 profiled at the largest batch (8 paragraphs of 512 bytes) and
+run ``--text-steps`` steps under keep-all's predicted peak at 8 x 256, each step's peak and gradients measured as in
+part 2.
+
 Records go to ``--out`` (JSON lines) as they are measured; a markdown summary to ``--markdown``.
 """
 
@@ -175,6 +181,89 @@ def run(steps: int, emit: Any) -> None:
           "plans": plans.describe()})
 
 
+def paragraphs(limit: int = 4000) -> list[list[int]]:
+    """Shakespeare's paragraphs (blank-line separated) as UTF-8 bytes, 16 to 512 of them each."""
+    from remat.bench import get_tokenizer, shakespeare_files
+
+    tokenizer = get_tokenizer("bytes")
+    found: list[list[int]] = []
+    for path in shakespeare_files():
+        for paragraph in path.read_text(errors="replace").split("\n\n"):
+            ids = tokenizer.encode(paragraph.strip())[:512]
+            if len(ids) >= 16:
+                found.append(ids)
+        if len(found) >= limit:
+            break
+    return found
+
+
+def padded(rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Rows padded to the longest (dynamic padding): the pad id 256, masked, and left out of the loss."""
+    longest = max(len(r) for r in rows)
+    ids = torch.full((len(rows), longest), 256, dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def text_run(steps: int, emit: Any) -> None:
+    import transformers
+
+    texts = paragraphs()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=257, n_positions=512, bos_token_id=256,
+                                     eos_token_id=256, use_cache=False, attn_implementation="eager")  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).train()
+    plain = copy.deepcopy(model)
+    longest = sorted(texts, key=len)[-8:]
+    shapes = remat.profile_shapes(model, padded(longest), holds_output=False)
+    budget = remat.plan(shapes.at(8, 256), "none").predicted_peak_bytes
+    handle = remat.apply(model, remat.plan(shapes.reference, "none"))
+    plans = remat.ShapePlans(shapes, budget)
+    handle.plan_per_shape(plans)
+    rng = random.Random(1)
+    over = refused = ran = not_bitwise = 0
+    worst, step_seconds = 0.0, 0.0
+    lengths = []
+    for k in range(steps):
+        batch = padded(rng.sample(texts, 3 if k % 10 == 9 else 8))
+        rows, positions = batch["input_ids"].shape
+        lengths.append(positions)
+        torch.manual_seed(k)
+        started = time.perf_counter()
+        try:
+            with remat.measure() as measured:
+                step(model, batch)
+        except remat.ShapeBudgetError as err:
+            refused += 1
+            model.zero_grad(set_to_none=True)
+            emit({"part": "text", "step": k, "shape": [rows, positions], "refused": True,
+                  "fitting_seq": err.fitting_seq, "fitting_batch": err.fitting_batch})
+            continue
+        step_seconds += time.perf_counter() - started
+        ran += 1
+        ratio = measured.activation_bytes / budget
+        worst, over = max(worst, ratio), over + (ratio > 1.02)
+        torch.manual_seed(k)
+        step(plain, batch)
+        bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(),
+                                                                  strict=True))
+        not_bitwise += not bitwise
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        emit({"part": "text", "step": k, "shape": [rows, positions], "refused": False,
+              "peak_over_budget": round(ratio, 4), "bitwise": bitwise})
+    handle.remove()
+    emit({"part": "text_summary", "steps": steps, "ran": ran, "refused": refused, "over_budget": over,
+          "worst_peak_over_budget": round(worst, 4), "not_bitwise": not_bitwise, "budget": budget,
+          "paragraphs": len(texts), "padded_lengths": [min(lengths), int(statistics.median(lengths)), max(lengths)],
+          "buckets_planned": plans.planned, "switch_s": plans.switch_s, "planning_s": plans.planning_s,
+          "step_s": step_seconds})
+
+
 def summary(records: list[dict[str, Any]], command: str) -> str:
     lines = ["# Budgets across input shapes", "", f"Command: `{command}`", "",
              "| model | shape | strategy | predicted / measured peak | predicted / measured step |",
@@ -193,6 +282,15 @@ def summary(records: list[dict[str, Any]], command: str) -> str:
                   f"{r['step_s']:.1f} s of steps ({100 * r['switch_share']:.3f}%), of which planning the new shapes "
                   f"{r['planning_s'] * 1e3:.1f} ms: {100 * r['switch_without_planning_share']:.4f}% a step without "
                   "it.", "", "```", r["plans"], "```"]
+    for r in [r for r in records if r["part"] == "text_summary"]:
+        low, middle, high = r["padded_lengths"]
+        lines += ["", f"Shakespeare with dynamic padding: {r['steps']} batches of 8 paragraphs (3 every tenth) padded "
+                  f"to their longest, {low}-{high} bytes (median {middle}), on GPT-2 under "
+                  f"{remat.format_bytes(r['budget'])}: {r['ran']} ran, {r['refused']} refused before their first "
+                  f"block; {r['over_budget']} over the budget by more than 2% (worst {r['worst_peak_over_budget']}x); "
+                  f"{r['not_bitwise']} steps whose gradients differ from a plain step's; {r['buckets_planned']} "
+                  f"plannings; choosing and setting plans {1e3 * (r['switch_s'] - r['planning_s']):.1f} ms of "
+                  f"{r['step_s']:.1f} s of steps without planning, planning {1e3 * r['planning_s']:.1f} ms."]
     return "\n".join(lines) + "\n"
 
 
@@ -201,6 +299,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,llama,bert,t5")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--text-steps", type=int, default=200, help="steps of the dynamic-padding run (0: none)")
     parser.add_argument("--out", default="docs/results/shapes.jsonl")
     parser.add_argument("--markdown", default="docs/results/shapes.md")
     args = parser.parse_args()
@@ -220,6 +319,8 @@ def main() -> None:
         predictions(name, args.repeats, emit)
     if args.steps:
         run(args.steps, emit)
+    if args.text_steps:
+        text_run(args.text_steps, emit)
     command = "python -m benchmarks.shapes " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
     Path(args.markdown).write_text(summary(records, command))
 

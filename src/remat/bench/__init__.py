@@ -39,11 +39,13 @@ _NAMES = {
     "emit": "childproc",
     "environment": "runner",
     "format_table": "arch_check",
+    "get_tokenizer": "tokenizers",
     "load_dataset": "data",
     "median_interval": "stats",
     "parse": "childproc",
     "parse_model_id": "models",
     "runner": None,
+    "shakespeare_files": "data_sources",
     "uniform_plan": "static_plans",
 }
 
