@@ -11,9 +11,12 @@ keep-all's predicted peak, one step's activation peak is measured (``remat.measu
 ``--repeats`` steps after one untimed), against the plan's predictions for that shape.
 
 Part 2, a run: GPT-2 trains ``--steps`` steps on random batches (batch 1 to 8, sequence 32 to 512) under a byte
-budget, keep-all's predicted peak at batch 4 x 256, with ``handle.plan_per_shape(remat.ShapePlans(...))`` (sequence
-buckets of 64). Every step's measured peak is compared with the budget; a step whose shape no plan fits is refused
-before its first block (counted, with the error's largest fitting sizes); every step's gradients are compared
+budget, keep-all's predicted peak at batch 4 x 256, through each of ``--doors``: ``remat.apply`` with
+``handle.plan_per_shape(remat.ShapePlans(...))`` (sequence buckets of 64), ``remat.fit(model, memory, batch=...,
+shapes=True)`` (memory: parameters, gradients and keep-all's measured activations at 8 x 256; the largest batch,
+8 x 512, profiled; the budget is the activation bytes the fit leaves), and PGAC with ``plan_per_shape`` (its
+update after every step). Every step's measured peak is compared with the budget; a step whose shape no plan fits is
+refused before its first block (counted, with the error's largest fitting sizes); every step's gradients are compared
 bitwise with a plain copy's on the same batch and seed; the time spent choosing and setting plans is summed
 against the steps' time.
 
@@ -130,14 +133,38 @@ def predictions(name: str, repeats: int, emit: Any) -> None:
                   "step_ratio": round(plan.predicted_step_s / seconds, 3) if plan.predicted_step_s else None})
 
 
-def run(steps: int, emit: Any) -> None:
+DOORS = ("apply", "fit", "pgac")
+
+
+def run(steps: int, emit: Any, door: str = "apply") -> None:
+    """Part 2 through one door: ``remat.apply`` with ``handle.plan_per_shape``, ``remat.fit(..., shapes=True)``
+    (the whole step's memory, with the largest batch, 8 x 512, profiled), or PGAC's ``plan_per_shape``."""
     model = build("gpt2")
     plain = copy.deepcopy(model)
-    shapes = remat.profile_shapes(model, make_batch(*REFERENCE, seed=0), holds_output=False)
-    budget = remat.plan(shapes.at(4, 256), "none").predicted_peak_bytes
-    handle = remat.apply(model, remat.plan(shapes.reference, "none"))
-    plans = remat.ShapePlans(shapes, budget, buckets=remat.Buckets(seq_multiple=64))
-    handle.plan_per_shape(plans)
+    pgac = None
+    if door == "fit":
+        largest = make_batch(8, 512, seed=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # no state; the weights stay as they are
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        with remat.measure() as keep_all:
+            step(model, make_batch(8, 256, seed=0))
+        model.zero_grad(set_to_none=True)
+        memory = 2 * weights + keep_all.activation_bytes  # parameters, gradients and keep-all's at 8 x 256
+        handle = remat.fit(model, memory, batch=largest, optimizer=optimizer, shapes=True,
+                           step=remat.StepSpec(holds_output=False))  # fmt: skip
+        plans = handle.shape_plans
+        budget = plans.budget_bytes
+    else:
+        shapes = remat.profile_shapes(model, make_batch(*REFERENCE, seed=0), holds_output=False)
+        budget = remat.plan(shapes.at(4, 256), "none").predicted_peak_bytes
+        if door == "pgac":
+            pgac = remat.PGAC(model, budget, costs=shapes.reference)
+            plans = pgac.plan_per_shape(shapes, buckets=remat.Buckets(seq_multiple=64))
+            handle = pgac.handle
+        else:
+            handle = remat.apply(model, remat.plan(shapes.reference, "none"))
+            plans = remat.ShapePlans(shapes, budget, buckets=remat.Buckets(seq_multiple=64))
+            handle.plan_per_shape(plans)
     rng = random.Random(0)
     over = refused = ran = not_bitwise = 0
     worst = 0.0
@@ -153,7 +180,7 @@ def run(steps: int, emit: Any) -> None:
         except remat.ShapeBudgetError as err:
             refused += 1
             model.zero_grad(set_to_none=True)
-            emit({"part": "run", "step": k, "shape": [rows, positions], "refused": True,
+            emit({"part": "run", "door": door, "step": k, "shape": [rows, positions], "refused": True,
                   "fitting_seq": err.fitting_seq, "fitting_batch": err.fitting_batch, "floor": err.floor})
             continue
         step_seconds += time.perf_counter() - started
@@ -166,13 +193,15 @@ def run(steps: int, emit: Any) -> None:
         bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(),
                                                                   strict=True))
         not_bitwise += not bitwise
+        plan_ran = "".join(a[0].upper() for a in handle.plan.actions.values())
+        if pgac is not None:
+            pgac.step()  # scores from this step's gradients; the next forward fits the mask to its shape
         model.zero_grad(set_to_none=True)
         plain.zero_grad(set_to_none=True)
-        emit({"part": "run", "step": k, "shape": [rows, positions], "refused": False,
-              "peak_over_budget": round(ratio, 4), "bitwise": bitwise,
-              "plan": "".join(a[0].upper() for a in handle.plan.actions.values())})
-    handle.remove()
-    emit({"part": "run_summary", "steps": steps, "ran": ran, "refused": refused, "over_budget": over,
+        emit({"part": "run", "door": door, "step": k, "shape": [rows, positions], "refused": False,
+              "peak_over_budget": round(ratio, 4), "bitwise": bitwise, "plan": plan_ran})
+    (pgac or handle).remove()
+    emit({"part": "run_summary", "door": door, "steps": steps, "ran": ran, "refused": refused, "over_budget": over,
           "worst_peak_over_budget": round(worst, 4), "not_bitwise": not_bitwise, "budget": budget,
           "buckets_planned": plans.planned, "switch_s": plans.switch_s, "planning_s": plans.planning_s,
           "step_s": step_seconds, "switch_share": round(plans.switch_s / step_seconds, 5) if step_seconds else None,
@@ -273,8 +302,11 @@ def summary(records: list[dict[str, Any]], command: str) -> str:
             lines.append(f"| {r['model']} | {r['shape'][0]}x{r['shape'][1]} | {r['strategy']} | {r['peak_ratio']:.3f} "
                          f"| {r['step_ratio'] if r['step_ratio'] is not None else '-'} |")
     run_rows = [r for r in records if r["part"] == "run_summary"]
+    doors = {"apply": "remat.apply + handle.plan_per_shape", "fit": "remat.fit(..., shapes=True)",
+             "pgac": "PGAC + plan_per_shape"}
     for r in run_rows:
-        lines += ["", f"Run of {r['steps']} random shapes (batch 1-8, sequence 32-512) on GPT-2 under "
+        lines += ["", f"{doors[r.get('door', 'apply')]}: run of {r['steps']} random shapes (batch 1-8, sequence "
+                  f"32-512) on GPT-2 under "
                   f"{remat.format_bytes(r['budget'])}: {r['ran']} ran, {r['refused']} refused before their first "
                   f"block; {r['over_budget']} over the budget by more than 2% (worst {r['worst_peak_over_budget']}x); "
                   f"{r['not_bitwise']} steps whose gradients differ from a plain step's; {r['buckets_planned']} "
@@ -298,6 +330,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,llama,bert,t5")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--doors", default=",".join(DOORS), help="the doors of part 2: apply, fit, pgac")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--text-steps", type=int, default=200, help="steps of the dynamic-padding run (0: none)")
     parser.add_argument("--out", default="docs/results/shapes.jsonl")
@@ -318,7 +351,8 @@ def main() -> None:
     for name in [m for m in args.models.split(",") if m]:
         predictions(name, args.repeats, emit)
     if args.steps:
-        run(args.steps, emit)
+        for door in [d for d in args.doors.split(",") if d]:
+            run(args.steps, emit, door)
     if args.text_steps:
         text_run(args.text_steps, emit)
     command = "python -m benchmarks.shapes " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ...chains import profiled_blocks, resolve_blocks
-from ...core import CHECKPOINT, KEEP, BudgetError, CostTable, ShapeCosts, StepSpec, normalize_budget
+from ...core import CHECKPOINT, KEEP, BudgetError, CostTable, ShapeCosts, StepSpec, format_bytes, normalize_budget
 from ...meters import MemoryReport, measure, model_device
 from ...planning import Buckets, Plan, ShapeBudgetError, ShapePlans, resolve_budget
 from ...runtime import RematHandle, apply
@@ -437,6 +437,19 @@ class PerShape(ShapePlans):
         super().__init__(shapes, budget, strategy="pgac", **options)
         self.pgac = pgac
         self.fitters: dict[tuple[int, int], tuple[CostTable, Any]] = {}
+        self.last_masks: dict[tuple[int, int], Sequence[str]] = {}  # each bucket's actions, as last fitted
+
+    def describe(self) -> str:
+        """The buckets seen, their shapes and the actions each was last fitted to."""
+        lines = [f"PGAC's masks per shape within {format_bytes(self.budget_bytes)} ({self.planned} buckets):"]
+        for key in sorted(self.last_masks):
+            shapes = sorted(s for s, b in self.seen.items() if b == key)
+            counts: dict[str, int] = {}
+            for action in self.last_masks[key]:
+                counts[action] = counts.get(action, 0) + 1
+            actions = ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+            lines.append(f"  {list(key)} for {[list(s) for s in shapes]}: last {actions}")
+        return "\n".join(lines)
 
     def plan_for(self, batch: int, seq: int) -> Plan:
         shape = (batch, seq)
@@ -462,6 +475,7 @@ class PerShape(ShapePlans):
             self.planning_s += time.perf_counter() - started
         table, fitter = self.fitters[key]
         fitted = fitter.fit(self.pgac.stored_mask, self.pgac._ranking())
+        self.last_masks[key] = fitted.actions
         plan = Plan.from_actions(table, list(fitted.actions), "pgac", self.budget_bytes, how=fitted.how)
         plan.options["shape"] = list(key)
         self.last = plan
