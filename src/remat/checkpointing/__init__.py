@@ -7,7 +7,8 @@ partition variants.
 * :mod:`.policies` (``remat.policies``) with :mod:`.op_kinds`, :mod:`.replayed_draws` and :mod:`.host_copies`;
   :mod:`.knapsack`: a block's save set chosen from its own operators;
 * :mod:`.offload_streams`: the ``offload`` action's copies on side streams, bounded (invariants 1-2 there);
-* :mod:`.rng`: RNG snapshots replayed in recomputation; :mod:`.regions`: checkpoint frames opened by hooks;
+* :mod:`.rng`: RNG snapshots replayed in recomputation, extra streams (Megatron's, DeepSpeed's trackers) included;
+  :mod:`.regions`: checkpoint frames opened by hooks;
 * :mod:`.compression`, :mod:`.input_compression`, :mod:`.recompute_compression`: the lossy actions' storage;
 * :mod:`.compiled_partitions`: ``partition:<budget>`` variants of compiled blocks (invariants 1-3 there).
 """
@@ -43,9 +44,11 @@ from .regions import (
     output_refs,
     same_tensor,
 )
-from .rng import Forked, RngSnapshot
+from .rng import Forked, RngSnapshot, register_stream, unregister_stream
 
 __all__ = [
+    "register_stream",
+    "unregister_stream",
     "MAX_CALLS_IN_FLIGHT",
     "CallRecord",
     "CopyEngine",
