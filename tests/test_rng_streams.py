@@ -1,10 +1,13 @@
-"""RNG streams beyond torch's (``remat.checkpointing.rng``): a block that draws dropout inside a framework's
-tracker of named RNG states (Megatron-Core's ``get_cuda_rng_tracker().fork()``, DeepSpeed's model-parallel tracker)
-is recomputed from the state its forward started from, so every exact action gives the gradients of a plain step.
+"""Other libraries' recomputation. RNG streams beyond torch's (``remat.checkpointing.rng``): a block that draws
+dropout inside a framework's tracker of named RNG states (Megatron-Core's ``get_cuda_rng_tracker().fork()``,
+DeepSpeed's model-parallel tracker) is recomputed from the state its forward started from, so every exact action
+gives the gradients of a plain step.
 
 The tracker here follows Megatron-Core's pattern on the CPU (a named state swapped in by ``fork()`` and written back
 when it ends). Megatron-Core's own tracker runs here where ``megatron-core`` is installed, with its CUDA state calls
-mapped to the CPU's generator for the test alone (its users run on GPUs)."""
+mapped to the CPU's generator for the test alone (its users run on GPUs). Blocks that torch's checkpoint wrapper or
+Megatron-Core's recompute re-run already are refused by ``remat.profile`` and ``remat.apply``, naming the wrapper.
+"""
 
 from __future__ import annotations
 
@@ -165,3 +168,32 @@ def test_megatron_cores_tracker_is_replayed_without_registering(monkeypatch) -> 
             assert torch.equal(a, b)
     snapshot = remat.checkpointing.RngSnapshot.take()
     assert "megatron.core.tensor_parallel.random" in snapshot.streams
+
+
+# ---------------------------------------------------------------- blocks another library recomputes already
+
+
+def test_blocks_wrapped_by_torchs_checkpoint_wrapper_are_refused_naming_the_wrapper() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = nn.Sequential(*[checkpoint_wrapper(nn.Sequential(nn.Linear(8, 8), nn.Tanh())) for _ in range(3)])
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match=r"block '0' is recomputed already by torch's checkpoint_wrapper"):
+        remat.profile(model, x)
+    with pytest.raises(RuntimeError, match="CheckpointWrapper: torchtitan's FullAC"):
+        remat.apply(model, remat.Plan({str(i): "keep" for i in range(3)}))
+    unwrapped = nn.Sequential(*[m._checkpoint_wrapped_module for m in model])  # built without it: planned
+    assert len(remat.profile(unwrapped, x, repeats=1)) == 3
+
+
+def test_megatron_cores_own_recompute_is_refused() -> None:
+    class Config:
+        recompute_granularity = "full"
+        recompute_method = "uniform"
+
+    class Layer(nn.Linear):
+        config = Config()
+
+    model = nn.Sequential(*[Layer(8, 8) for _ in range(2)])
+    with pytest.raises(RuntimeError, match="Megatron-Core's recompute .config.recompute_granularity='full'."):
+        remat.apply(model, remat.Plan({"0": "keep", "1": "keep"}))

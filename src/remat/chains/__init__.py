@@ -29,7 +29,14 @@ from .blocks import (
     without_caches,
 )
 from .chain import chain_name, find_blocks, find_chains, model_chains
-from .hf_guards import cache_configs, profiled_step, refuse_hf_checkpointing, training_forward_guards
+from .hf_guards import (
+    cache_configs,
+    profiled_step,
+    recomputed_by,
+    refuse_hf_checkpointing,
+    refuse_recomputed_blocks,
+    training_forward_guards,
+)
 from .model_state import detached_from_step, extra_run
 from .training_step import (
     batch_structure,
@@ -67,7 +74,9 @@ __all__ = [
     "profiled_step",
     "ratios_text",
     "ratios_to_first",
+    "recomputed_by",
     "refuse_hf_checkpointing",
+    "refuse_recomputed_blocks",
     "replace_slot",
     "resolve_blocks",
     "profiled_blocks",

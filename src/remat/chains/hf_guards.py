@@ -15,6 +15,12 @@ attributes (``config.use_cache``, ``module.gradient_checkpointing``) and the out
   and a plan would recompute them twice. ``remat.profile`` switches it off for the profiled step with a warning;
   ``remat.apply`` refuses (:func:`refuse_hf_checkpointing`).
 * collected outputs (:func:`outputs_not_collected`): see :mod:`remat.chains.model_state`.
+
+Other libraries' checkpointing is checked here too (:func:`refuse_recomputed_blocks`, called by ``remat.profile``
+and ``remat.apply``): blocks wrapped by torch's ``checkpoint_wrapper`` (``CheckpointWrapper``: torchtitan's
+``FullAC``, ``apply_activation_checkpointing``), marked by torch's composable ``checkpoint(module)``, or recomputed
+by Megatron-Core (``config.recompute_granularity``). A profile of them would measure recomputed blocks and a plan
+would recompute them twice, so they are refused with the wrapper named and how to turn it off.
 """
 
 from __future__ import annotations
@@ -133,6 +139,37 @@ def refuse_hf_checkpointing(model: nn.Module) -> None:
             "(and leave TrainingArguments(gradient_checkpointing=False)) before remat.apply, or use "
             "remat.integrations.hf.enable, which switches it off for you."
         )
+
+
+def recomputed_by(module: nn.Module) -> str | None:
+    """What other checkpointing recomputes ``module`` already, in words, or None."""
+    if type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
+        return (
+            "torch's checkpoint_wrapper (CheckpointWrapper: torchtitan's FullAC, apply_activation_checkpointing); "
+            "build the model without it (torchtitan: activation_checkpoint.mode 'none') and let remat plan the layers"
+        )
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    registry = getattr(contract, "_get_registry", None)
+    if registry is not None and "checkpoint" in (registry(module) or {}):
+        return "torch's composable checkpoint(module); leave it out where remat plans the blocks"
+    config = getattr(module, "config", None)
+    if getattr(config, "recompute_granularity", None) is not None and hasattr(config, "recompute_method"):
+        return (
+            f"Megatron-Core's recompute (config.recompute_granularity={config.recompute_granularity!r}); set "
+            "recompute_granularity=None where remat plans the layers"
+        )
+    return None
+
+
+def refuse_recomputed_blocks(chain: list[tuple[str, nn.Module]]) -> None:
+    """Raise where a block of ``chain`` is recomputed by other checkpointing already (:func:`recomputed_by`)."""
+    for fqn, module in chain:
+        why = recomputed_by(module)
+        if why is not None:
+            raise RuntimeError(
+                f"block {fqn!r} is recomputed already by {why}. A remat profile would measure recomputed blocks and "
+                "a plan would recompute them twice."
+            )
 
 
 def _hf_collector() -> Any:

@@ -59,6 +59,7 @@ from ..chains import (
     default_loss,
     extra_run,
     profiled_step,
+    refuse_recomputed_blocks,
     resolve_chains,
     run_step,
     stepped_before,
@@ -448,6 +449,7 @@ def profile(
     if repeats is None:  # the steps replace every exact action's isolated figures but its recomputation
         repeats = 1 if actions_in_steps and device == "cpu" else 3
     chains = resolve_chains(model, step.blocks)
+    refuse_recomputed_blocks([pair for chain in chains for pair in chain])
     io = block_ios([pair for chain in chains for pair in chain], main_input, main_output)
     profiler = BlockProfiler(
         model,

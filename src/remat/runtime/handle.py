@@ -35,6 +35,7 @@ from ..chains import (
     extra_run,
     names_calls,
     refuse_hf_checkpointing,
+    refuse_recomputed_blocks,
     resolve_blocks,
     training_forward_guards,
 )
@@ -532,6 +533,7 @@ def apply(
     applied.refuse_overlap(model)
     refuse_hf_checkpointing(model)
     chain = resolve_blocks(model, spec.blocks)
+    refuse_recomputed_blocks(chain)
     io = block_ios(chain, spec.main_input, spec.main_output)
     handle = RematHandle(model, chain, plan, time_recompute=time_recompute, io=io)
     handle._hooks += training_forward_guards(model, wrap=applied.CopyRefusingHook)
