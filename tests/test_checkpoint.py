@@ -4,6 +4,8 @@ policies. Each behaviour is checked by what it does to memory (bytes alive after
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -432,3 +434,32 @@ def test_checkpoint_fn_with_torch_checkpoint_wrapper() -> None:
     out.square().sum().backward()
     assert counted.calls == 2
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(reference.parameters(), counted.parameters(), strict=True))
+
+
+def test_checkpoint_fn_says_once_that_it_runs_the_non_reentrant_form(monkeypatch) -> None:
+    from remat.checkpointing import api
+
+    monkeypatch.setattr(api, "_REENTRANT_WARNED", False)
+    block, x = mlp(), torch.randn(4, 32, requires_grad=True)
+    with pytest.warns(UserWarning, match="use_reentrant=True and runs torch's non-reentrant checkpoint"):
+        remat.checkpoint_fn(block, x, use_reentrant=True).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remat.checkpoint_fn(block, x, use_reentrant=True).sum().backward()  # once per process
+        remat.checkpoint_fn(block, x, use_reentrant=False).sum().backward()
+    with pytest.raises(ValueError, match="use_reentrant=True is not supported"):
+        remat.checkpoint(block, x, use_reentrant=True)
+
+
+def test_checkpoint_fn_refuses_a_policy_with_a_context_fn_and_names_its_own_policy_argument() -> None:
+    block, x = mlp(), torch.randn(4, 32, requires_grad=True)
+    with pytest.raises(ValueError, match="got policy= and context_fn="):
+        remat.checkpoint_fn(block, x, policy="dots_saveable", context_fn=lambda: None)
+
+    def scaled(t: torch.Tensor, policy: str = "double") -> torch.Tensor:
+        return block(t) * (2 if policy == "double" else 1)
+
+    with pytest.raises(ValueError, match=r"bind it first: checkpoint_fn\(functools.partial"):
+        remat.checkpoint_fn(scaled, x, policy="double")
+    bound = remat.checkpoint_fn(functools.partial(scaled, policy="double"), x)  # the way out the error names
+    assert torch.equal(bound, scaled(x, policy="double"))

@@ -6,8 +6,14 @@ outputs may be any containers of tensors and other values; keyword arguments pas
 the RNG state is preserved by default, so dropout gives the same gradients as without checkpointing.
 
 ``use_reentrant=False``, which torch's documentation asks every caller to pass, is accepted and changes
-nothing; ``use_reentrant=True`` is refused, since the reentrant form supports neither keyword arguments nor
-policies. A second backward pass through a region (``retain_graph=True`` twice, or ``create_graph=True`` for
+nothing. ``use_reentrant=True`` is refused by :func:`checkpoint`, :func:`checkpointed` and :class:`Checkpoint`,
+since the reentrant form supports neither keyword arguments nor policies. :func:`checkpoint_fn`, the drop-in that
+torch's ``checkpoint_wrapper``, Hugging Face and DeepSpeed call with whatever options their own callers chose, runs
+the non-reentrant form then and says so once (a warning): its gradients are those of either form wherever the
+reentrant one gives gradients at all. It takes ``policy=`` for itself, so a checkpointed function's own ``policy``
+argument is bound first (``functools.partial``); ``policy=`` and ``context_fn=`` together are refused.
+
+A second backward pass through a region (``retain_graph=True`` twice, or ``create_graph=True`` for
 gradients of gradients) works, and gives the gradients of the uncheckpointed function, unless a ``policy``
 saves operator outputs: torch's selective checkpointing hands out each saved output once (see
 :mod:`remat.planning.strategies`).
@@ -16,6 +22,7 @@ saves operator outputs: torch's selective checkpointing hands out each saved out
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -101,11 +108,25 @@ def checkpoint_fn(function: Callable[..., Any], *args: Any, **kwargs: Any) -> An
     ``context_fn``, ``policy``...) are taken out of ``kwargs``; remat always uses the non-reentrant form.
     """
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in _CHECKPOINT_OPTIONS}
+    if options.get("policy") is not None and options.get("context_fn") is not None:
+        raise ValueError(
+            "checkpoint_fn got policy= and context_fn=: both choose what the region saves; give one (a policy "
+            "builds its own context_fn)"
+        )
+    if options.get("use_reentrant"):
+        _warn_reentrant_once()
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     extra: dict[str, Any] = {}
     if options.get("policy") is not None:
-        extra["context_fn"] = _context_fn(options["policy"])
+        try:
+            extra["context_fn"] = _context_fn(options["policy"])
+        except (ValueError, TypeError) as err:
+            raise type(err)(
+                f"{err} checkpoint_fn takes policy= for itself (remat's per-operator policy); where the checkpointed "
+                "function has a policy argument of its own, bind it first: checkpoint_fn(functools.partial(fn, "
+                "policy=...), ...)"
+            ) from None
     elif options.get("context_fn") is not None:
         extra["context_fn"] = options["context_fn"]
     for name in ("determinism_check", "debug", "early_stop"):
@@ -118,6 +139,22 @@ def checkpoint_fn(function: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         preserve_rng_state=options.get("preserve_rng_state", True),
         **extra,
         **kwargs,
+    )
+
+
+_REENTRANT_WARNED = False
+
+
+def _warn_reentrant_once() -> None:
+    global _REENTRANT_WARNED
+    if _REENTRANT_WARNED:
+        return
+    _REENTRANT_WARNED = True
+    warnings.warn(
+        "remat.checkpoint_fn was called with use_reentrant=True and runs torch's non-reentrant checkpoint: remat "
+        "uses that form only (keyword arguments, policies, nesting, inputs without gradients); gradients are the "
+        "same wherever the reentrant form gives them. Pass use_reentrant=False to silence this.",
+        stacklevel=3,
     )
 
 
