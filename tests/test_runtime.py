@@ -356,13 +356,13 @@ def test_plan_naming_a_block_not_in_the_model() -> None:
     assert "_remat_handle" not in model.__dict__
     assert all(hook_count(b) == 0 for _, b in remat.find_blocks(model))
     handle = remat.apply(model, remat.plan(chain_costs(model), "full"))
-    with pytest.raises(ValueError, match=r"missing \['blocks\.2'\]"):
+    with pytest.raises(ValueError, match=r"gives no action for blocks \['blocks\.2'\]"):
         handle.set_plan(Plan({"blocks.0": "keep", "blocks.1": "keep"}))
-    with pytest.raises(ValueError, match="every block in chain order"):
-        handle.set_plan(Plan({"blocks.1": "keep", "blocks.0": "keep", "blocks.2": "keep"}))
     with pytest.raises(ValueError, match="unknown policy"):
         handle.set_plan(Plan(dict.fromkeys(handle.fqns, "selective:no_such_policy")))
     assert handle.plan.strategy == "full"  # a rejected plan leaves the current one in place
+    handle.set_plan(Plan({"blocks.1": "keep", "blocks.0": "keep", "blocks.2": "keep"}))  # named: put in order
+    assert list(handle.plan.actions) == ["blocks.0", "blocks.1", "blocks.2"]
     handle.remove()
 
 
@@ -470,3 +470,23 @@ def test_an_input_larger_than_the_plan_was_made_for_is_warned_about_once_per_sha
         assert not [w for w in seen if "its plan was made for" in str(w.message)]
     finally:
         handle.remove()
+
+
+def test_a_plan_naming_the_blocks_in_another_order_runs_reordered_and_a_split_group_is_named() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    shuffled = Plan({"2": "checkpoint", "0": "segment:0", "1": "segment:0", "3": "keep"})  # groups stay whole
+    handle = remat.apply(model, shuffled)
+    model(x).sum().backward()
+    assert list(handle.plan.actions) == ["0", "1", "2", "3"]
+    assert all(torch.equal(a, p.grad) for a, p in zip(want, model.parameters(), strict=True))
+    handle.remove()
+    split = Plan({"0": "segment:0", "2": "segment:0", "1": "keep", "3": "keep"})  # in chain order, not consecutive
+    with pytest.raises(ValueError, match=r"position 1 holds '2' where '1' belongs.*must be consecutive blocks"):
+        remat.apply(model, split)
+    with pytest.raises(ValueError, match=r"gives no action for blocks \['3'\]"):
+        remat.apply(model, Plan({"0": "keep", "1": "keep", "2": "keep"}))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core import (
+    Action,
     CostTable,
     Unit,
     current_action,
@@ -22,7 +23,7 @@ from ..core import (
     validate_action,
     warn_legacy,
 )
-from .plan_files import plan_fields
+from .plan_files import chain_mismatch, plan_fields
 from .simulator import simulate
 from .unit_terms import unit_terms
 
@@ -81,13 +82,20 @@ class Plan:
         return cls.from_actions(costs, in_table_order, strategy, budget_bytes).in_order(list(actions))
 
     def in_order(self, fqns: Sequence[str]) -> Plan:
-        """This plan with its blocks listed in the order ``fqns`` (a model's chains in module order) when it plans
-        several chains (``options["chains"]``) listed in another order (the order the step runs them); else
-        itself. Each chain moves as a whole, so its groups stay whole."""
-        chains = self.options.get("chains")
-        if not chains or list(self.actions) == list(fqns) or set(self.actions) != set(fqns):
+        """This plan with its blocks listed in the order ``fqns`` (the chain's order) when it names the same blocks
+        in another order (several chains listed in the order the step runs them, a plan file written by hand), and
+        each group (segment, memory-poor group) stays one run of consecutive blocks in that order; else itself
+        (:meth:`units_for` then says what is wrong). A block's action is keyed by its name, so the order of single
+        actions carries nothing."""
+        if list(self.actions) == list(fqns) or set(self.actions) != set(fqns) or len(self.actions) != len(fqns):
             return self
-        return replace(self, actions={fqn: self.actions[fqn] for fqn in fqns})
+        actions = {fqn: self.actions[fqn] for fqn in fqns}
+        texts = list(actions.values())
+        for label in {text for text in texts if Action.choice(text).is_group}:
+            where = [i for i, text in enumerate(texts) if text == label]
+            if where[-1] - where[0] + 1 != len(where):
+                return self
+        return replace(self, actions=actions)
 
     @property
     def fits(self) -> bool:
@@ -110,7 +118,12 @@ class Plan:
             missing = [f for f in fqns if f not in self.actions]
             if unknown:
                 raise ValueError(f"plan names blocks not in the model's chain: {unknown}; the chain is {list(fqns)}")
-            raise ValueError(f"plan must give an action for every block in chain order; missing {missing}")
+            if missing:
+                raise ValueError(f"plan gives no action for blocks {missing} of the chain {list(fqns)}")
+            raise ValueError(
+                chain_mismatch(list(self.actions), list(fqns), "the model's chain")
+                + "; a group (segment, memory-poor group) must be consecutive blocks of the chain"
+            )
         return self.units()
 
     def count(self, action: str) -> int:
