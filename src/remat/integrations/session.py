@@ -44,7 +44,7 @@ from ..core import CHECKPOINT, AutocastArg, AutocastSpec, CostTable, StepSpec, n
 from ..dynamic import PGAC
 from ..fitting import MemoryFit, activation_budget, activations_within, device_memory, fit_memory, fixed_memory
 from ..meters import model_device
-from ..planning import STRATEGIES, Buckets, Plan, ShapePlans, make_plan
+from ..planning import STRATEGIES, Buckets, Plan, ShapePlans, check_plan_options, make_plan
 from ..profiling import BlockProfiler, profile, profile_shapes
 from ..runtime import RecomputeStats, RematHandle, apply
 
@@ -118,10 +118,11 @@ class RematSession:
         step: StepSpec | None = None,
         memory: int | str | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        holds_output: bool | None = None,
         **options: Any,
     ) -> None:
         spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, main_input=main_input, main_output=main_output,
-                           autocast=autocast)  # fmt: skip
+                           autocast=autocast, holds_output=holds_output)  # fmt: skip
         blocks = spec.blocks
         if memory is not None:
             if strategy != "optimal":
@@ -154,6 +155,10 @@ class RematSession:
             self.options = dict(options)
             shapes = self.options.pop("shapes", False)
             on_overflow = self.options.pop("on_overflow", "raise")
+            if strategy != "pgac":  # checked before any profile runs (PGAC checks its own below)
+                plan_strategy = "optimal" if memory is not None else strategy
+                fit_own = ("policies", "rounds", "clock") if memory is not None else ()
+                check_plan_options(plan_strategy, self.options, also=fit_own, where="remat.fit")
             self.shape_plans: ShapePlans | None = None  # plans per input shape (shapes=True), docs/shapes.md
             if shapes and (memory is None or batch is None or plan is not None or costs is not None):
                 raise ValueError(

@@ -23,10 +23,11 @@ from .shape_plans import Buckets, ShapeBudgetError, ShapePlans
 from .simulator import Simulation, no_checkpoint_peak, resolve_budget, simulate
 from .stages import SCHEDULES, check_schedule, in_flight, micro_batch_budget, split_stages, stage_costs, stage_share
 from .static import memory_poor, per_chain, segments
-from .strategies import STRATEGIES, minimum_peak_bytes
+from .strategies import STRATEGIES, check_plan_options, minimum_peak_bytes
 from .strategies import plan as make_plan
 
 __all__ = [
+    "check_plan_options",
     "Buckets",
     "ShapeBudgetError",
     "ShapePlans",

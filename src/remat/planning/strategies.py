@@ -16,7 +16,8 @@ none of the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..core import Action, BudgetError, CostTable, format_bytes, plan_choices
@@ -56,6 +57,30 @@ def minimum_peak_bytes(costs: CostTable, actions: list[str] | None = None) -> in
     """The least predicted peak activation memory any plan reaches on ``costs`` (with ``actions`` only: single
     actions and the group kinds ``"segment"``/``"memory_poor"``; default every profiled action and both kinds)."""
     return optimal_plan.min_peak_bytes(costs, actions)
+
+
+def plan_options(strategy: str) -> set[str]:
+    """The options :func:`plan` takes for ``strategy`` (beyond ``costs`` and ``budget``)."""
+    if strategy not in STRATEGIES:
+        known = ", ".join(sorted(STRATEGIES))
+        raise ValueError(f"unknown strategy {strategy!r}; known strategies: {known}")
+    parameters = inspect.signature(STRATEGIES[strategy]).parameters.values()
+    named = {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {"costs", "budget"}
+    if strategy == "optimal":
+        named |= {"allow_lossy", "max_grad_error"}
+    return named | {"double_backward", "strict"}
+
+
+def check_plan_options(strategy: str, options: Mapping[str, Any], also: Iterable[str] = (), where: str = "") -> None:
+    """Raise TypeError, naming what is taken, where ``options`` holds one that :func:`plan` does not take for
+    ``strategy`` (nor one of ``also``, the caller's own): before any profile runs, not after."""
+    allowed = plan_options(strategy) | set(also)
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(
+            f"{where or 'remat.plan'}: unknown option{'s' if len(unknown) > 1 else ''} {unknown} for strategy "
+            f"{strategy!r}; it takes {sorted(allowed)}"
+        )
 
 
 def plan(
@@ -107,6 +132,8 @@ def plan(
 
 __all__ = [
     "STRATEGIES",
+    "check_plan_options",
+    "plan_options",
     "BudgetError",
     "check_double_backward",
     "double_backward_actions",

@@ -1,0 +1,40 @@
+"""Flows users hit: options checked before any work, a plan's blocks in any order, and what the front door and the
+Hugging Face door take. Each test here failed before its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat
+
+pytest.importorskip("transformers")
+
+
+def _batch(rows: int = 2, positions: int = 16) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 256, (rows, positions), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def test_an_unknown_option_is_refused_before_any_profile_runs(make_gpt2, monkeypatch) -> None:
+    import remat.integrations.session as session
+
+    model = make_gpt2(n_layer=2, n_embd=32, seed=0)
+    profiled = []
+    monkeypatch.setattr(session, "profile", lambda *a, **k: profiled.append(1))
+    monkeypatch.setattr(session, "fit_memory", lambda *a, **k: profiled.append(1))
+    with pytest.raises(TypeError, match=r"unknown option \['resolutoin'\] for strategy 'optimal'; it takes"):
+        remat.fit(model, "1GiB", batch=_batch(), resolutoin=4096)
+    with pytest.raises(TypeError, match=r"unknown option \['k'\] for strategy 'full'"):
+        remat.fit(model, activations=0.5, strategy="full", batch=_batch(), k=2)
+    assert not profiled and getattr(model, "_remat_session", None) is None
+
+
+def test_the_hugging_face_door_takes_holds_output(make_gpt2) -> None:
+    from remat.integrations import hf
+
+    model = make_gpt2(n_layer=2, n_embd=32, dropout=0.0, seed=0)
+    session = hf.enable(model, "optimal", 0.6, batch=_batch(), holds_output=False)
+    assert session.costs is not None and session.costs.info["holds_output"] is False
+    model(**_batch()).loss.backward()
+    session.remove()
