@@ -38,3 +38,20 @@ def test_the_hugging_face_door_takes_holds_output(make_gpt2) -> None:
     assert session.costs is not None and session.costs.info["holds_output"] is False
     model(**_batch()).loss.backward()
     session.remove()
+
+
+def test_a_second_backward_through_a_policy_that_keeps_outputs_says_what_to_do() -> None:
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = remat.checkpoint(mlp, x, policy="dots_saveable").square().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"backward an extra time.*double_backward=True"):
+        loss.backward()
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(2)])
+    handle = remat.apply(model, remat.Plan({"0": "selective:dots_saveable", "1": "keep"}))
+    loss = model(x).square().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"backward an extra time.*leaves such policies out"):
+        loss.backward()
+    handle.remove()

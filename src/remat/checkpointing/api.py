@@ -77,7 +77,24 @@ def checkpoint(
     options: dict[str, Any] = {}
     if policy is not None:
         options["context_fn"] = _context_fn(policy)
+        fn = _naming_second_backward(fn)
     return _torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs)
+
+
+def _naming_second_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, whose re-run under a policy raises torch's second-backward error with what to do."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as err:
+            clearer = _policies.second_backward_error(err)
+            if clearer is None:
+                raise
+            raise clearer from None
+
+    return run
 
 
 def checkpointed(

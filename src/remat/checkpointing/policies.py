@@ -72,6 +72,7 @@ from .op_kinds import (
 )
 
 __all__ = [
+    "second_backward_error",
     "ATTENTION_OPS",
     "DOT_OPS",
     "MATMUL_OPS",
@@ -391,3 +392,16 @@ def expand(policies: str | Iterable[str | Policy]) -> list[str]:
             names_ = [get(item.strip() if isinstance(item, str) else item).name]
         out.extend(n for n in names_ if n not in out)
     return out
+
+
+def second_backward_error(error: BaseException) -> RuntimeError | None:
+    """torch's error for a second backward through a region whose policy keeps operator outputs (each kept output
+    is handed out once), with what to do; None for any other error."""
+    if not isinstance(error, RuntimeError) or "backward an extra time" not in str(error):
+        return None
+    return RuntimeError(
+        f"{error} A per-operator policy that keeps operator outputs allows one backward through its region. For a "
+        "second one (retain_graph=True twice, create_graph=True for gradients of gradients) plan with "
+        "remat.plan(costs, 'optimal', budget, double_backward=True), which leaves such policies out, or use "
+        "checkpoint or a policy that keeps nothing on the device (nothing_saveable, offload_dots)."
+    )

@@ -459,7 +459,13 @@ class RematHandle:
 
     def _recompute_block(self, record: CallRecord, main: torch.Tensor) -> None:
         with self._recomputing(), Forked(record.rng.devices, record.rng.device_type):
-            self._run_block(record, main)
+            try:
+                self._run_block(record, main)
+            except RuntimeError as err:
+                clearer = policies.second_backward_error(err)
+                if clearer is None:
+                    raise
+                raise clearer from None
 
     def _enter_segment_block(self, i: int, p: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Note [1]
