@@ -55,3 +55,32 @@ def test_a_second_backward_through_a_policy_that_keeps_outputs_says_what_to_do()
     with pytest.raises(RuntimeError, match=r"backward an extra time.*leaves such policies out"):
         loss.backward()
     handle.remove()
+
+
+def test_the_five_minute_examples_config_draws_no_warning_from_transformers() -> None:
+    import logging
+    import re
+    from pathlib import Path
+
+    import transformers
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    block = readme.read_text().split("## Five minutes", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    config_text = re.search(r"GPT2Config\((.*?)\)\)", block, re.S).group(1)
+    config = eval(f"transformers.GPT2Config({config_text})", {"transformers": transformers})  # noqa: S307
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("transformers")
+    handler = Collect()
+    logger.addHandler(handler)
+    try:
+        model = transformers.GPT2LMHeadModel(config)
+        ids = torch.randint(0, config.vocab_size, (2, 8))
+        model(input_ids=ids, labels=ids)
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in seen if "bos_token_id" in m or "eos_token_id" in m], seen
