@@ -84,3 +84,28 @@ def test_the_five_minute_examples_config_draws_no_warning_from_transformers() ->
     finally:
         logger.removeHandler(handler)
     assert not [m for m in seen if "bos_token_id" in m or "eos_token_id" in m], seen
+
+
+def test_the_use_cache_note_comes_once_per_model_and_not_where_its_config_says_false(make_gpt2, caplog) -> None:
+    import transformers
+
+    model = make_gpt2(n_layer=2, n_embd=32, dropout=0.0, seed=0, use_cache=True)
+    with caplog.at_level("WARNING", logger="remat"):
+        for _ in range(2):  # profiled, applied, stepped: one note for the model
+            costs = remat.profile(model, _batch(), repeats=1)
+            handle = remat.apply(model, remat.plan(costs, "full"))
+            model(**_batch()).loss.backward()
+            handle.remove()
+    assert sum("use_cache=True in a training step" in r.getMessage() for r in caplog.records) == 1
+    caplog.clear()
+    config = transformers.T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    t5 = transformers.T5ForConditionalGeneration(config).train()
+    t5.config.use_cache = False  # the user's word; the decoder stack keeps a copy of the config saying True
+    assert t5.decoder.config.use_cache is True
+    with caplog.at_level("WARNING", logger="remat"):
+        handle = remat.apply(t5, remat.plan(remat.profile(t5, _batch(), repeats=1), "full"))
+        t5(**_batch()).loss.backward()
+        handle.remove()
+    assert not [r for r in caplog.records if "use_cache" in r.getMessage()]
+    assert t5.decoder.config.use_cache is True  # as it was

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -59,18 +60,23 @@ def hf_checkpointing_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
 
 
+_NOTED_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models told about use_cache once
+
+
 class _CacheOff:
     """Forward hooks on the model: a training forward runs with ``use_cache=False`` and the configs as before."""
 
     def __init__(self, model: nn.Module) -> None:
         self.configs = cache_configs(model)
-        self.noted = False
         self._switched: list[list[Any]] = []
 
     def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not (module.training and torch.is_grad_enabled()):
             self._switched.append([])
             return None
+        # Once per model, and not where the model's own config says use_cache=False: a sub-model's copy of the
+        # config (T5's decoder stack) still saying True is switched off silently, as the user asked.
+        user_off = getattr(getattr(module, "config", None), "use_cache", None) is False
         configs = [config for config in self.configs if config.use_cache is True]
         for config in configs:
             config.use_cache = False
@@ -78,8 +84,8 @@ class _CacheOff:
         asked = kwargs.get("use_cache") is True
         if asked:
             kwargs = {**kwargs, "use_cache": False}
-        if (asked or configs) and not self.noted:
-            self.noted = True
+        if (asked or (configs and not user_off)) and module not in _NOTED_MODELS:
+            _NOTED_MODELS.add(module)
             log.warning(USE_CACHE_NOTE)
         return (args, kwargs) if asked else None
 
