@@ -98,3 +98,43 @@ def test_the_meta_estimate_refuses_several_chains_and_says_what_to_do() -> None:
     model = arch.build()
     with pytest.raises(ValueError, match=r"one chain at a time.*find_chains\(model\)\[i\].*remat.profile"):
         meta_cost_table(model, arch.batch(), blocks=remat.find_chains(model))
+
+
+def test_each_fitted_action_stays_with_its_block_when_the_step_runs_the_chains_in_another_order() -> None:
+    class Block(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(torch.tanh(self.up(x)))
+
+    class TwoTowers(torch.nn.Module):  # text listed first, vision run first; the towers' blocks differ in size
+        def __init__(self) -> None:
+            super().__init__()
+            self.text = torch.nn.ModuleList([Block(8) for _ in range(2)])
+            self.vision = torch.nn.ModuleList([Block(48) for _ in range(3)])
+
+        def forward(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+            for block in self.vision:
+                image = block(image)
+            for block in self.text:
+                text = block(text)
+            return image.square().mean() + text.square().mean()
+
+    torch.manual_seed(0)
+    model = TwoTowers()
+    batch = {"text": torch.randn(16, 8), "image": torch.randn(16, 48)}
+    chains = remat.find_chains(model)
+    assert [fqn for fqn, _ in chains[0]] == ["text.0", "text.1"]
+    costs = remat.profile(model, batch, blocks=chains, repeats=1)
+    assert costs.fqns[0] == "vision.0"  # the table lists the chains as the step runs them
+    pgac = remat.PGAC(model, 0.7, blocks=chains, costs=costs)
+    for _ in range(3):
+        model(**batch).backward()
+        pgac.step()
+        model.zero_grad()
+        fitted = MaskFitter(pgac.costs, pgac.budget_bytes, fqns=pgac.fqns).fit(pgac.stored_mask, pgac._ranking())
+        assert pgac.plan.actions == dict(zip(pgac.fqns, fitted.actions, strict=True))
+        assert pgac.plan.predicted_peak_bytes <= pgac.budget_bytes
+    pgac.remove()

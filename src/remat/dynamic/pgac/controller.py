@@ -390,8 +390,9 @@ class PGAC:
         # from the simulator, as every plan: peak, recompute and step time predicted on the same table
         dropped = [self.fqns[i] for i in fitted.dropped]
         plan = Plan.from_actions(
-            self.costs, list(fitted.actions), "pgac", self.budget_bytes, how=fitted.how, dropped=dropped
-        )
+            self.costs, _by_name(self.costs, self.fqns, fitted.actions), "pgac", self.budget_bytes, how=fitted.how,
+            dropped=dropped,
+        )  # fmt: skip
         self.handle.set_plan(plan)
 
     def _set_costs(self, costs: CostTable) -> None:
@@ -476,10 +477,18 @@ class PerShape(ShapePlans):
         table, fitter = self.fitters[key]
         fitted = fitter.fit(self.pgac.stored_mask, self.pgac._ranking())
         self.last_masks[key] = fitted.actions
-        plan = Plan.from_actions(table, list(fitted.actions), "pgac", self.budget_bytes, how=fitted.how)
+        plan = Plan.from_actions(table, _by_name(table, self.pgac.fqns, fitted.actions), "pgac", self.budget_bytes,
+                                 how=fitted.how)  # fmt: skip
         plan.options["shape"] = list(key)
         self.last = plan
         return plan
+
+
+def _by_name(costs: CostTable, fqns: Sequence[str], actions: Sequence[str]) -> dict[str, str]:
+    """``actions``, given in PGAC's block order ``fqns`` (a model's chains in module order), keyed by block and
+    listed in the table's order (the order the step runs the chains): each action stays with its block."""
+    named = dict(zip(fqns, actions, strict=True))
+    return {fqn: named[fqn] for fqn in costs.fqns}
 
 
 def check_options(
