@@ -109,3 +109,21 @@ def test_the_use_cache_note_comes_once_per_model_and_not_where_its_config_says_f
         handle.remove()
     assert not [r for r in caplog.records if "use_cache" in r.getMessage()]
     assert t5.decoder.config.use_cache is True  # as it was
+
+
+def test_the_hugging_face_door_on_a_sharded_model_says_to_plan_before_sharding(make_gpt2, free_port) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from remat.integrations import hf
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = make_gpt2(n_layer=2, n_embd=32, dropout=0.0, seed=0)
+        for layer in model.transformer.h:
+            fully_shard(layer)
+        fully_shard(model)
+        with pytest.raises(ValueError, match="already sharded with fully_shard; activation checkpointing goes on"):
+            hf.enable(model, "optimal", 0.5, batch=_batch())
+    finally:
+        dist.destroy_process_group()

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..core import CostTable
 from ..planning import Plan
-from .session import RematSession, is_sharded, is_wrapped
+from .session import ALREADY_SHARDED, RematSession, is_sharded, is_wrapped
 
 
 def free_port() -> int:
@@ -72,10 +72,7 @@ def prepare(
             "wrap it: session = prepare(model, ...); model = DistributedDataParallel(model)"
         )
     if is_sharded(model):
-        raise ValueError(
-            "the model is already sharded with fully_shard; activation checkpointing goes on before sharding: "
-            "session = prepare(model, ..., batch=sample); then fully_shard_blocks(model, session, mesh=...)"
-        )
+        raise ValueError(ALREADY_SHARDED)
     return RematSession(
         model,
         strategy,

@@ -124,6 +124,8 @@ class RematSession:
         spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, main_input=main_input, main_output=main_output,
                            autocast=autocast, holds_output=holds_output)  # fmt: skip
         blocks = spec.blocks
+        if batch is not None and costs is None and plan is None and is_sharded(model):
+            raise ValueError(ALREADY_SHARDED)
         if memory is not None:
             if strategy != "optimal":
                 raise ValueError(
@@ -526,6 +528,13 @@ def distributed_world(process_group: Any = None) -> int:
 
 # ----------------------------------------------------------------------------------------------------
 # Whether a model was already wrapped for data parallelism (DDP, FSDP, DeepSpeed) or sharded with FSDP2.
+
+
+ALREADY_SHARDED = (
+    "the model is already sharded with fully_shard; activation checkpointing goes on before sharding: "
+    "session = prepare(model, ..., batch=sample) (or remat.fit / hf.enable), then fully_shard_blocks(model, session, "
+    "mesh=...)"
+)
 
 
 def is_sharded(model: nn.Module) -> bool:
