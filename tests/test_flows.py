@@ -127,3 +127,22 @@ def test_the_hugging_face_door_on_a_sharded_model_says_to_plan_before_sharding(m
             hf.enable(model, "optimal", 0.5, batch=_batch())
     finally:
         dist.destroy_process_group()
+
+
+def test_the_plan_table_reads_an_overhead_within_noise_as_zero_and_keeps_long_actions_aligned() -> None:
+    from remat.core import BlockCost, CostTable
+
+    def row(fqn: str) -> BlockCost:
+        return BlockCost(fqn, 1e-3, 2e-3, 10, 10,
+                         {"keep": 100, "checkpoint": 10, "selective:dots_every_other_saveable": 40},
+                         {"keep": 0.0, "checkpoint": 1e-3, "selective:dots_every_other_saveable": 5e-4},
+                         overhead_s={"checkpoint": -2e-5, "selective:dots_every_other_saveable": 3e-3})  # fmt: skip
+
+    costs = CostTable([row(f"h.{i}") for i in range(3)], info={"time_noise_s": 1e-4})
+    plan = remat.Plan.from_actions(costs, ["checkpoint", "selective:dots_every_other_saveable", "keep"])
+    lines = plan.table(costs).splitlines()
+    assert "within the profile's noise, 0.100 ms a block, reads 0" in lines[1]
+    header, body = lines[2], lines[3:]
+    assert len({len(line) for line in [header, *body]}) == 1  # columns aligned past the longest action
+    overheads = [float(line.split()[-1]) for line in body]
+    assert overheads == [0.0, 3.0, 0.0]  # -0.02 ms is noise; 3 ms is not

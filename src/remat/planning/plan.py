@@ -162,9 +162,14 @@ class Plan:
         if self.predicted_step_s is not None:
             lines[0] += f"  step {self.predicted_step_s * 1e3:.2f} ms"
         width = max([len(f) for f in self.actions] + [5])
-        header = f"{'block':<{width}}  {'action':<24}"
+        action_width = max([len(a) for a in self.actions.values()] + [6])
+        header = f"{'block':<{width}}  {'action':<{action_width}}"
+        noise = 0.0
         if costs is not None:
             header += f"  {'bytes kept':>12}  {'recompute ms':>12}  {'overhead ms':>11}"
+            noise = float(self.options.get("time_noise_s", costs.info.get("time_noise_s", 0.0)) or 0.0)
+            if noise > 0:
+                lines.append(f"(an overhead within the profile's noise, {noise * 1e3:.3f} ms a block, reads 0)")
         lines.append(header)
         terms_by_block: dict[int, tuple[int, float, float]] = {}
         if costs is not None:
@@ -175,9 +180,10 @@ class Plan:
                     share = terms.recompute_s / unit.size
                     terms_by_block[i] = (kept, share, terms.overhead_s / unit.size)
         for i, (fqn, action) in enumerate(self.actions.items()):
-            line = f"{fqn:<{width}}  {action:<24}"
+            line = f"{fqn:<{width}}  {action:<{action_width}}"
             if i in terms_by_block:
                 kept, rec, over = terms_by_block[i]
+                over = 0.0 if abs(over) <= noise else over  # a difference the profile cannot tell from 0
                 line += f"  {format_bytes(kept):>12}  {rec * 1e3:>12.3f}  {over * 1e3:>11.3f}"
             lines.append(line)
         return "\n".join(lines)
