@@ -146,3 +146,26 @@ def test_the_plan_table_reads_an_overhead_within_noise_as_zero_and_keeps_long_ac
     assert len({len(line) for line in [header, *body]}) == 1  # columns aligned past the longest action
     overheads = [float(line.split()[-1]) for line in body]
     assert overheads == [0.0, 3.0, 0.0]  # -0.02 ms is noise; 3 ms is not
+
+
+def test_a_copy_of_a_model_with_dtr_attached_is_its_own_plain_model_and_pickling_says_what_to_do(tmp_path) -> None:
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                                      torch.nn.Linear(32, 8)) for _ in range(3)])  # fmt: skip
+    x = torch.randn(4, 8)
+    dtr = remat.DTR(model, "1MiB").attach()
+    with pytest.warns(UserWarning, match="the copy is the plain model"):
+        twin = copy.deepcopy(model)
+    for p in twin.parameters():
+        torch.nn.init.zeros_(p)
+    assert torch.equal(twin(x), torch.zeros(4, 8))  # its own (zeroed) weights, not the original's
+    twin(x).sum().backward()
+    assert all(p.grad is None for p in model.parameters())  # the gradients land on the copy
+    assert "forward" not in twin.__dict__ and "forward" in model.__dict__  # DTR stays with the original
+    with pytest.raises(TypeError, match=r"cannot be pickled \(torch.save\(model\)\).*state_dict\(\)"):
+        torch.save(model, tmp_path / "model.pt")
+    dtr.detach()
+    torch.save(model, tmp_path / "model.pt")  # detached: the plain model
+    assert "__deepcopy__" not in model.__dict__

@@ -43,7 +43,9 @@ dispatch mode stays on the stack (at its bottom) from a forward until the next f
 
 from __future__ import annotations
 
+import copy
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +64,31 @@ from .predict import OutputPredictor
 from .runtime import DTRRuntime, StepStats
 
 __all__ = ["DTR", "DTRStats", "HEURISTICS", "StepStats"]
+
+
+_ATTACHED = ("__deepcopy__", "__reduce_ex__")
+
+
+def _plain_copy(model: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy`` of a model DTR is attached to: the plain model (DTR stays with the original)."""
+    held = {k: model.__dict__.pop(k) for k in ("forward", *_ATTACHED) if k in model.__dict__}
+    try:
+        copied = copy.deepcopy(model, memo)
+    finally:
+        model.__dict__.update(held)
+    warnings.warn(
+        "copy.deepcopy of a model with DTR attached: the copy is the plain model (DTR stays with the original); "
+        "attach a DTR of its own to the copy: remat.DTR(copy, budget).attach()",
+        stacklevel=3,
+    )
+    return copied
+
+
+def _refuse_pickle(protocol: int) -> Any:
+    raise TypeError(
+        "a model with DTR attached cannot be pickled (torch.save(model)): its forward runs through DTR. Save "
+        "model.state_dict() (torch's advice for saving models), or call dtr.detach() first"
+    )
 
 
 @dataclass
@@ -179,6 +206,10 @@ class DTR:
             return self._attached_forward(original, args, kwargs)
 
         model.forward = forward
+        # The wrapper holds this model: a deep copy would call it (the copy training the original), and pickle
+        # cannot store it. A copy is made of the plain model instead; pickling says what to do.
+        model.__dict__["__deepcopy__"] = functools.partial(_plain_copy, model)
+        model.__dict__["__reduce_ex__"] = _refuse_pickle
         return self
 
     def detach(self) -> None:
@@ -190,6 +221,8 @@ class DTR:
             self.model.forward = self._forward
         else:
             del self.model.__dict__["forward"]
+        for name in _ATTACHED:
+            self.model.__dict__.pop(name, None)
         self._forward = None
 
     def _attached_forward(self, original: Any, args: tuple, kwargs: dict) -> Any:
