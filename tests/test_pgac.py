@@ -358,3 +358,25 @@ def test_measures_the_activation_peak_of_sampled_steps():
     assert measured[1] is None and measured[3] is None
     assert all(0 < m <= pgac.budget_bytes for m in measured[::2])
     pgac.remove()
+
+
+def test_a_learned_gamma_restored_in_place_takes_the_decisions_of_a_run_without_the_round_trip():
+    def run(round_trip: bool) -> list[tuple[float, float, tuple[str, ...]]]:
+        model = gpt2(n_layer=4)
+        costs = uniform_costs(model)
+        budget = remat.simulate(costs, ["checkpoint"] * 2 + ["keep"] * 2).peak_bytes
+        pgac = remat.PGAC(model, budget, alpha=0.5, costs=costs, gamma="learned")
+        ticks = iter(range(10_000))
+        pgac.clock = lambda: next(ticks) * 0.01 + (0.002 * pgac.step_count) ** 2  # fixed, and not linear
+        seen = []
+        for t in range(14):
+            if round_trip and t == 8:
+                pgac.load_state_dict(pgac.state_dict())
+            x = batch(t)
+            model(x, labels=x).loss.backward()
+            pgac.step()
+            seen.append((pgac.gamma, pgac.tau, tuple(pgac.plan.actions.values())))
+        pgac.remove()
+        return seen
+
+    assert run(round_trip=True) == run(round_trip=False)

@@ -25,7 +25,9 @@ per update, one broadcast of the profiled table) are at the end of the module.
 from __future__ import annotations
 
 import math
+import os
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -249,12 +251,19 @@ class PGAC:
                 "costs": self.costs.to_dict() if self.costs is not None else None,
                 "budget": self._budget_spec,
                 "actions": dict(self.handle.plan.actions),
+                # Where the next step's time starts: meaningful only to this clock in this process (an in-place
+                # restore resumes exactly); elsewhere the first step after loading is timed from its forward.
+                "clock": {"owner": self._clock_owner(), "last_update": self._last_update},
             },
             "PGAC.state_dict()",
         )
 
+    def _clock_owner(self) -> str:
+        return f"{_PROCESS}:{id(self.clock)}"
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`; the first step after it measures its time from its first forward."""
+        """Resume from :meth:`state_dict`. Loaded into the PGAC that saved it (same clock, same process), the next
+        step is timed from the last update, as without the round trip; elsewhere from its first forward."""
         self._check_live()
         check_state(state, self.fqns)
         self.step_count = int(state["step"])
@@ -267,7 +276,9 @@ class PGAC:
             self._profiling = False
             self._set_costs(CostTable.from_dict(state["costs"]))
         self.handle.set_plan(Plan.from_named_actions(self.costs, dict(state["actions"]), "pgac", self.budget_bytes))
-        self._last_update = None
+        clock = state.get("clock") or {}
+        same_clock = clock.get("owner") == self._clock_owner() and clock.get("last_update") is not None
+        self._last_update = float(clock["last_update"]) if same_clock else None
 
     # ----- step boundaries -----
     def _on_forward(self, module: nn.Module, args: Any) -> None:
@@ -482,6 +493,9 @@ class PerShape(ShapePlans):
         plan.options["shape"] = list(key)
         self.last = plan
         return plan
+
+
+_PROCESS = f"{os.getpid()}-{uuid.uuid4().hex}"  # this process, for state that only it can read back
 
 
 def _by_name(costs: CostTable, fqns: Sequence[str], actions: Sequence[str]) -> dict[str, str]:
