@@ -169,3 +169,23 @@ def test_a_copy_of_a_model_with_dtr_attached_is_its_own_plain_model_and_pickling
     dtr.detach()
     torch.save(model, tmp_path / "model.pt")  # detached: the plain model
     assert "__deepcopy__" not in model.__dict__
+
+
+def test_the_block_memory_legend_stays_inside_the_figure(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from remat.bench import plots
+
+    actions = ["keep", "checkpoint", "selective:dots_saveable", "selective:all_but_pointwise_saveable",
+               "selective:attention_saveable", "selective:dots_every_other_saveable"]  # fmt: skip
+    saved = {a: [(i + 1) * 2**20 * (k + 1) for i in range(6)] for k, a in enumerate(actions)}
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))  # kept open to read the legend's place
+    plots.block_memory([f"transformer.h.{i}" for i in range(6)], saved, tmp_path / "block_memory.png", "footer")
+    fig = figures[0]
+    fig.canvas.draw()
+    legend = fig.axes[0].get_legend().get_window_extent()
+    axes_box = fig.axes[0].get_window_extent()
+    assert axes_box.x0 <= legend.x0 and legend.x1 <= axes_box.x1  # the legend fits the axes' width
+    assert (tmp_path / "block_memory.png").stat().st_size > 0

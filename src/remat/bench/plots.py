@@ -8,6 +8,7 @@ report still says where and how it was made.
 from __future__ import annotations
 
 import textwrap
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,12 @@ def _finish(fig: Any, path: Path, footer: str) -> Path:
     text = "\n".join(textwrap.wrap(footer, 130))
     lines = text.count("\n") + 1
     fig.text(0.01, 0.005, text, fontsize=6.5, color="0.35", va="bottom", ha="left", family="monospace")
-    fig.tight_layout(rect=(0, 0.012 * lines + 0.02, 1, 1))
+    with warnings.catch_warnings(record=True) as caught:  # "Tight layout not applied": the figure is cropped instead
+        warnings.simplefilter("always")
+        fig.tight_layout(rect=(0, 0.012 * lines + 0.02, 1, 1))
+    tight = not any("Tight layout not applied" in str(w.message) for w in caught)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, **({} if tight else {"bbox_inches": "tight"}))
     plt.close(fig)
     return path
 
@@ -131,11 +135,13 @@ def block_memory(fqns: Sequence[str], saved: Mapping[str, Sequence[int | None]],
     ax.set_xticks(range(len(fqns)))
     ax.set_xticklabels(fqns, rotation=30, ha="right", fontsize=7)
     top = max((b for values in saved.values() for b in values if b is not None), default=0) / MIB
-    ax.set_ylim(0, top * 1.35 if top > 0 else 1)
+    columns = min(len(actions), 3)  # a legend row per three actions, inside the axes
+    legend_rows = -(-len(actions) // columns) if actions else 0
+    ax.set_ylim(0, top * (1.2 + 0.15 * legend_rows) if top > 0 else 1)
     ax.set_ylabel("bytes kept after forward (MiB)")
     ax.set_title("Per-block activation memory by action (profiled CostTable, seed 0)")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, ncol=len(actions), loc="upper center")
+    ax.legend(fontsize=7, ncol=columns, loc="upper center")
     return _finish(fig, path, footer)
 
 
