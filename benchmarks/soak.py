@@ -7,6 +7,13 @@ allocations do not mix with another's. The figure to read is growth against ``no
 Python's caches grow a little in any long run.
 
     python -m benchmarks.soak [--steps 1000] [--warmup 50] [--layers 4] [--hidden 128] [--json PATH]
+
+``--budget-runs clip:pgac,t5:pgac,clip:fit,t5:fit`` runs, instead, models of several chains (the harness's tiny
+CLIP and T5, built from their configs) through PGAC (``remat.PGAC(model, 0.5, blocks=remat.find_chains(model))``,
+its first step profiled) or the front door (``remat.fit(model, activations=0.5, batch=..., optimizer=...)``) for
+``--steps`` steps with AdamW, each step's activation peak measured by ``remat.measure()`` and compared with the
+plan's budget: the steps over it (by more than 2%), the worst ratio, and the growth of the resident set after the
+first 50 steps.
 """
 
 from __future__ import annotations
@@ -82,6 +89,51 @@ def run_one(strategy: str, args: argparse.Namespace) -> dict:
     return result
 
 
+def budget_run(model_name: str, door: str, steps: int) -> dict:
+    """``steps`` steps of ``model_name`` through ``door`` (pgac or fit), every step's peak against its budget."""
+    import torch
+
+    import remat
+    from remat.bench import architectures
+
+    torch.set_num_threads(1)
+    arch = next(a for a in architectures() if a.name == model_name)
+    model = arch.build()
+    batch = arch.batch()
+    loss_of = arch.loss or (lambda out: out.loss)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if door == "pgac":
+        controller = remat.PGAC(model, 0.5, blocks=remat.find_chains(model), total_steps=steps).attach(optimizer)
+        budget_of, remove = (lambda: controller.budget_bytes), controller.remove
+    else:
+        session = remat.fit(model, activations=0.5, batch=batch, optimizer=optimizer)
+        budget_of, remove = (lambda: session.plan.budget_bytes), session.remove
+    over, worst, measured_steps = 0, 0.0, 0
+    warmup = min(50, steps // 2)  # RSS growth is read from here on: the first steps allocate AdamW's state
+    rss0, start = rss_bytes(), time.perf_counter()
+    for step in range(steps):
+        if step == warmup:
+            gc.collect()
+            rss0 = rss_bytes()
+        torch.manual_seed(step)
+        with remat.measure() as measured:
+            loss_of(model(**batch)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        budget = budget_of()
+        if budget is None or (door == "pgac" and step == 0):  # PGAC's first step is its profile
+            continue
+        ratio = measured.activation_bytes / budget
+        measured_steps += 1
+        worst = max(worst, ratio)
+        over += ratio > 1.02
+    result = {"model": model_name, "door": door, "steps": steps, "measured_steps": measured_steps,
+              "over_budget": over, "worst_peak_over_budget": round(worst, 4), "budget_bytes": budget_of(),
+              "seconds": round(time.perf_counter() - start, 1), "rss_growth_bytes": rss_bytes() - rss0}
+    remove()
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000)
@@ -90,10 +142,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--budget-runs", default=None,
+                        help="model:door pairs (clip, t5; pgac, fit): every step's peak against its budget")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print("SOAK " + json.dumps(run_one(args.child, args)), flush=True)
+        if ":" in args.child:
+            print("SOAK " + json.dumps(budget_run(*args.child.split(":"), args.steps)), flush=True)
+        else:
+            print("SOAK " + json.dumps(run_one(args.child, args)), flush=True)
+        return 0
+    if args.budget_runs:
+        rows = []
+        for pair in args.budget_runs.split(","):
+            cmd = [sys.executable, __file__, "--child", pair, "--steps", str(args.steps)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SOAK ")]
+            if proc.returncode != 0 or not lines:
+                print(f"{pair}: failed\n{proc.stderr[-2000:]}")
+                return 1
+            r = json.loads(lines[-1][5:])
+            rows.append(r)
+            print(f"{r['model']:5s} {r['door']:5s} {r['steps']} steps in {r['seconds']:6.1f} s  over budget "
+                  f"{r['over_budget']} of {r['measured_steps']} (worst {r['worst_peak_over_budget']}x of "
+                  f"{r['budget_bytes'] / 2**10:.1f} KiB)  RSS {r['rss_growth_bytes'] / 2**20:+.1f} MiB", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
         return 0
     rows = []
     for strategy in args.strategies.split(","):
