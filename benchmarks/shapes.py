@@ -38,6 +38,7 @@ import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,50 @@ def predictions(name: str, repeats: int, emit: Any) -> None:
                   "step_ratio": round(plan.predicted_step_s / seconds, 3) if plan.predicted_step_s else None})
 
 
+@dataclass
+class Tally:
+    """Steps run under a byte budget: each one's peak measured and its gradients compared with a plain copy's on
+    the same batch and seed, or the step refused before its first block."""
+
+    budget: int
+    ran: int = 0
+    refused: int = 0
+    over: int = 0  # steps over the budget by more than 2%
+    not_bitwise: int = 0
+    worst: float = 0.0
+    seconds: float = 0.0  # the steps that ran, timed with their peak meter
+
+    def step(self, model: nn.Module, plain: nn.Module, batch: dict[str, torch.Tensor], seed: int) -> dict[str, Any]:
+        """One step of ``model`` and of ``plain``: the record's fields. The gradients of a step that ran are left
+        for the caller to read and clear; a refused step's are cleared here."""
+        shape = list(batch["input_ids"].shape)
+        torch.manual_seed(seed)
+        started = time.perf_counter()
+        try:
+            with remat.measure() as measured:
+                step(model, batch)
+        except remat.ShapeBudgetError as err:
+            self.refused += 1
+            model.zero_grad(set_to_none=True)
+            return {"shape": shape, "refused": True, "fitting_seq": err.fitting_seq,
+                    "fitting_batch": err.fitting_batch, "floor": err.floor}
+        self.seconds += time.perf_counter() - started
+        self.ran += 1
+        ratio = measured.activation_bytes / self.budget
+        self.worst, self.over = max(self.worst, ratio), self.over + (ratio > 1.02)
+        torch.manual_seed(seed)
+        step(plain, batch)
+        bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(),
+                                                                  strict=True))
+        self.not_bitwise += not bitwise
+        return {"shape": shape, "refused": False, "peak_over_budget": round(ratio, 4), "bitwise": bitwise}
+
+    def totals(self) -> dict[str, Any]:
+        return {"ran": self.ran, "refused": self.refused, "over_budget": self.over,
+                "worst_peak_over_budget": round(self.worst, 4), "not_bitwise": self.not_bitwise,
+                "budget": self.budget}
+
+
 DOORS = ("apply", "fit", "pgac")
 
 
@@ -166,43 +211,20 @@ def run(steps: int, emit: Any, door: str = "apply") -> None:
             plans = remat.ShapePlans(shapes, budget, buckets=remat.Buckets(seq_multiple=64))
             handle.plan_per_shape(plans)
     rng = random.Random(0)
-    over = refused = ran = not_bitwise = 0
-    worst = 0.0
-    step_seconds = 0.0
+    tally = Tally(budget)
     for k in range(steps):
         rows, positions = rng.randint(1, 8), rng.randint(32, 512)
-        batch = make_batch(rows, positions, seed=100 + k)
-        torch.manual_seed(k)
-        started = time.perf_counter()
-        try:
-            with remat.measure() as measured:
-                step(model, batch)
-        except remat.ShapeBudgetError as err:
-            refused += 1
+        fields = tally.step(model, plain, make_batch(rows, positions, seed=100 + k), seed=k)
+        if not fields["refused"]:
+            fields["plan"] = "".join(a[0].upper() for a in handle.plan.actions.values())
+            if pgac is not None:
+                pgac.step()  # scores from this step's gradients; the next forward fits the mask to its shape
             model.zero_grad(set_to_none=True)
-            emit({"part": "run", "door": door, "step": k, "shape": [rows, positions], "refused": True,
-                  "fitting_seq": err.fitting_seq, "fitting_batch": err.fitting_batch, "floor": err.floor})
-            continue
-        step_seconds += time.perf_counter() - started
-        ran += 1
-        ratio = measured.activation_bytes / budget
-        worst = max(worst, ratio)
-        over += ratio > 1.02
-        torch.manual_seed(k)
-        step(plain, batch)
-        bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(),
-                                                                  strict=True))
-        not_bitwise += not bitwise
-        plan_ran = "".join(a[0].upper() for a in handle.plan.actions.values())
-        if pgac is not None:
-            pgac.step()  # scores from this step's gradients; the next forward fits the mask to its shape
-        model.zero_grad(set_to_none=True)
-        plain.zero_grad(set_to_none=True)
-        emit({"part": "run", "door": door, "step": k, "shape": [rows, positions], "refused": False,
-              "peak_over_budget": round(ratio, 4), "bitwise": bitwise, "plan": plan_ran})
+            plain.zero_grad(set_to_none=True)
+        emit({"part": "run", "door": door, "step": k, **fields})
     (pgac or handle).remove()
-    emit({"part": "run_summary", "door": door, "steps": steps, "ran": ran, "refused": refused, "over_budget": over,
-          "worst_peak_over_budget": round(worst, 4), "not_bitwise": not_bitwise, "budget": budget,
+    step_seconds = tally.seconds
+    emit({"part": "run_summary", "door": door, "steps": steps, **tally.totals(),
           "buckets_planned": plans.planned, "switch_s": plans.switch_s, "planning_s": plans.planning_s,
           "step_s": step_seconds, "switch_share": round(plans.switch_s / step_seconds, 5) if step_seconds else None,
           "switch_without_planning_share": round((plans.switch_s - plans.planning_s) / step_seconds, 6)
@@ -254,43 +276,21 @@ def text_run(steps: int, emit: Any) -> None:
     plans = remat.ShapePlans(shapes, budget)
     handle.plan_per_shape(plans)
     rng = random.Random(1)
-    over = refused = ran = not_bitwise = 0
-    worst, step_seconds = 0.0, 0.0
+    tally = Tally(budget)
     lengths = []
     for k in range(steps):
         batch = padded(rng.sample(texts, 3 if k % 10 == 9 else 8))
-        rows, positions = batch["input_ids"].shape
-        lengths.append(positions)
-        torch.manual_seed(k)
-        started = time.perf_counter()
-        try:
-            with remat.measure() as measured:
-                step(model, batch)
-        except remat.ShapeBudgetError as err:
-            refused += 1
+        lengths.append(batch["input_ids"].shape[1])
+        fields = tally.step(model, plain, batch, seed=k)
+        if not fields["refused"]:
             model.zero_grad(set_to_none=True)
-            emit({"part": "text", "step": k, "shape": [rows, positions], "refused": True,
-                  "fitting_seq": err.fitting_seq, "fitting_batch": err.fitting_batch})
-            continue
-        step_seconds += time.perf_counter() - started
-        ran += 1
-        ratio = measured.activation_bytes / budget
-        worst, over = max(worst, ratio), over + (ratio > 1.02)
-        torch.manual_seed(k)
-        step(plain, batch)
-        bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(),
-                                                                  strict=True))
-        not_bitwise += not bitwise
-        model.zero_grad(set_to_none=True)
-        plain.zero_grad(set_to_none=True)
-        emit({"part": "text", "step": k, "shape": [rows, positions], "refused": False,
-              "peak_over_budget": round(ratio, 4), "bitwise": bitwise})
+            plain.zero_grad(set_to_none=True)
+        emit({"part": "text", "step": k, **fields})
     handle.remove()
-    emit({"part": "text_summary", "steps": steps, "ran": ran, "refused": refused, "over_budget": over,
-          "worst_peak_over_budget": round(worst, 4), "not_bitwise": not_bitwise, "budget": budget,
-          "paragraphs": len(texts), "padded_lengths": [min(lengths), int(statistics.median(lengths)), max(lengths)],
+    emit({"part": "text_summary", "steps": steps, **tally.totals(), "paragraphs": len(texts),
+          "padded_lengths": [min(lengths), int(statistics.median(lengths)), max(lengths)],
           "buckets_planned": plans.planned, "switch_s": plans.switch_s, "planning_s": plans.planning_s,
-          "step_s": step_seconds})
+          "step_s": tally.seconds})
 
 
 def summary(records: list[dict[str, Any]], command: str) -> str:
