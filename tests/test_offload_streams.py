@@ -83,6 +83,14 @@ def _plan(model: nn.Module, actions: list[str]) -> Plan:
     return Plan({fqn: a for (fqn, _), a in zip(remat.find_blocks(model), actions, strict=True)})
 
 
+def _applied_with_late_copies(model: nn.Module, actions: list[str]) -> tuple[remat.RematHandle, LateCopies]:
+    """``actions`` applied to ``model``, its offloaded blocks copied by a :class:`LateCopies`."""
+    handle = remat.apply(model, _plan(model, actions))
+    engine = LateCopies()
+    handle._offload.engine_for = lambda device: engine
+    return handle, engine
+
+
 @pytest.mark.parametrize("late", [False, True])
 def test_offloaded_blocks_give_the_outputs_gradients_and_buffers_of_a_plain_step(late: bool) -> None:
     plain, model = _model(), _model()
@@ -108,9 +116,7 @@ def test_offloaded_blocks_give_the_outputs_gradients_and_buffers_of_a_plain_step
 
 def test_at_most_two_block_calls_hold_device_memory_for_copies_that_lag() -> None:
     model = _model(n=6)
-    handle = remat.apply(model, _plan(model, ["offload"] * 6))
-    engine = LateCopies()
-    handle._offload.engine_for = lambda device: engine
+    handle, _ = _applied_with_late_copies(model, ["offload"] * 6)
     _step(model, torch.randn(32, 16))
     stats = handle.offload_stats
     # Copies that never end by themselves: without invariant 1 all six calls would hold their device tensors.
@@ -123,9 +129,7 @@ def test_at_most_two_block_calls_hold_device_memory_for_copies_that_lag() -> Non
 
 def test_every_block_but_the_last_is_copied_back_ahead_of_its_backward() -> None:
     model = _model(n=5)
-    handle = remat.apply(model, _plan(model, ["offload"] * 5))
-    engine = LateCopies()
-    handle._offload.engine_for = lambda device: engine
+    handle, _ = _applied_with_late_copies(model, ["offload"] * 5)
     _step(model, torch.randn(32, 16))
     stats = handle.offload_stats
     calls = handle._offload._calls
@@ -141,9 +145,7 @@ def test_every_block_but_the_last_is_copied_back_ahead_of_its_backward() -> None
 def test_parameters_and_block_inputs_are_not_copied() -> None:
     model = _model(n=2)
     x = torch.randn(32, 16, requires_grad=True)
-    handle = remat.apply(model, _plan(model, ["offload", "offload"]))
-    engine = LateCopies()
-    handle._offload.engine_for = lambda device: engine
+    handle, engine = _applied_with_late_copies(model, ["offload", "offload"])
     inputs: list[int] = []
     model[1].register_forward_pre_hook(lambda module, args: inputs.append(args[0].data_ptr()))
     model(x).sum().backward()
