@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from .offload_streams import SavedTensor, engine_for
+from .offload_streams import SavedTensor, engine_for, restored
 
 ON_DEVICE_TYPES = frozenset({"cpu", "meta"})
 
@@ -89,13 +89,7 @@ def _pack_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.device, torch.Si
 
 
 def _unpack_from_host(packed: tuple[torch.Tensor, torch.device, torch.Size, tuple[int, ...]]) -> torch.Tensor:
-    host, device, size, stride = packed
-    if host.device == device and host.stride() == stride:
-        return host
-    # The strides the forward saved, not the host copy's dense ones: compiled backward graphs assert them.
-    back = torch.empty_strided(size, stride, dtype=host.dtype, device=device)
-    back.copy_(host, non_blocking=host.is_pinned())
-    return back
+    return restored(*packed)  # the strides the forward saved, not the host copy's dense ones
 
 
 def saved_on_host() -> torch.autograd.graph.saved_tensors_hooks:

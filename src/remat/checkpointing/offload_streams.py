@@ -293,11 +293,7 @@ class OffloadQueue:
             return back
         self.stats.copied_back_late += 1
         saved.unpacks %= saved.packs
-        if saved.host.device == saved.device and saved.host.stride() == saved.stride:
-            return saved.host
-        back = torch.empty_strided(saved.size, saved.stride, dtype=saved.host.dtype, device=saved.device)
-        back.copy_(saved.host, non_blocking=saved.host.is_pinned())
-        return back
+        return restored(saved.host, saved.device, saved.size, saved.stride)
 
     # ----- releasing -----
     def _copies_finished(self, call: BlockCopies) -> bool:
@@ -328,6 +324,16 @@ class OffloadQueue:
         stats.most_bytes_in_flight = max(stats.most_bytes_in_flight, held)
 
 
+def restored(host: torch.Tensor, device: torch.device, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+    """``host`` on ``device`` with the sizes and strides it was saved with (compiled backward graphs assert them),
+    copied on the current stream; ``host`` itself where it is that already."""
+    if host.device == device and host.stride() == stride:
+        return host
+    back = torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+    back.copy_(host, non_blocking=host.is_pinned())
+    return back
+
+
 def _storage(tensor: torch.Tensor) -> int:
     try:
         return tensor.untyped_storage().data_ptr()
@@ -353,4 +359,5 @@ __all__ = [
     "SameMemory",
     "SavedTensor",
     "engine_for",
+    "restored",
 ]
