@@ -202,8 +202,7 @@ class Bench:
 
         for label, budget in budgets.items():
             fraction = budget / none.peak
-            k = self.hand_k(budget, none.peak, full.peak, n, reference_grads, contenders, label)
-            del k
+            self.hand_k(budget, none.peak, full.peak, n, reference_grads, contenders, label)
             try:
                 plan = remat.plan(costs, "optimal", budget=fraction)
                 sim = remat.simulate(costs, plan.actions)
@@ -212,21 +211,22 @@ class Bench:
                 contenders.append(self.measure(c, reference_grads))
             except remat.BudgetError as err:
                 self.emit("refused", key=f"optimal-{label}", why=str(err))
+            self.handle.remove()  # the fit applies its own plans to the model while it chooses
             try:
-                self.handle.remove()
                 chosen = measured_fit(self.model, self.batch, fraction, costs=costs, autocast="bf16",
                                       holds_output=False, rounds=args.fit_rounds)
-                plan = chosen.plan
                 chosen.handle.remove()
+            except remat.BudgetError as err:
+                chosen = None
+                self.emit("refused", key=f"fit-{label}", why=str(err))
+            finally:
                 self.handle = remat.apply(self.model, self.keep_plan)
+            if chosen is not None:
+                plan = chosen.plan
                 sim = remat.simulate(costs, plan.actions)
                 c = Contender(f"fit-{label}", "remat fit", label, lambda p=plan: self.use_plan(p), plan=plan,
                               predicted_peak=sim.peak_bytes, predicted_step_s=sim.step_s, detail=_short(plan))
                 contenders.append(self.measure(c, reference_grads))
-            except remat.BudgetError as err:
-                if self.handle is None or getattr(self.handle, "_removed", False):
-                    self.handle = remat.apply(self.model, self.keep_plan)
-                self.emit("refused", key=f"fit-{label}", why=str(err))
 
         self.time_rounds(contenders)
         self.write_table(contenders, budgets, none, full, rows, time.perf_counter() - started)
@@ -235,9 +235,9 @@ class Bench:
             self.compiled(args.compile_budget, none)
 
     def hand_k(self, budget: int, none_peak: int, full_peak: int, n: int, reference: list[torch.Tensor],
-               contenders: list[Contender], label: str) -> int | None:
-        """The smallest k whose measured peak fits ``budget``: a first guess on the line from no checkpointing to
-        full, then one block more or fewer while measurement says so."""
+               contenders: list[Contender], label: str) -> None:
+        """Adds the hand-written contender of the smallest k whose measured peak fits ``budget``: a first guess on
+        the line from no checkpointing to full, then one block more or fewer while measurement says so."""
         guess = max(0, min(n, -(-(none_peak - budget) * n // max(1, none_peak - full_peak))))
         peaks: dict[int, int] = {}
 
@@ -254,7 +254,7 @@ class Bench:
             k -= 1
         if peak_at(k) > budget:
             self.emit("refused", key=f"hand-k-{label}", why="no k fits")
-            return None
+            return
         existing = next((c for c in contenders if c.key == f"hand-k{k}"), None)
         if existing is None:
             c = Contender(f"hand-k{k}", "torch checkpoint, first k blocks", label,
@@ -262,7 +262,6 @@ class Bench:
             contenders.append(self.measure(c, reference))
         else:
             existing.budget += f",{label}"
-        return k
 
     def measure(self, c: Contender, reference: list[torch.Tensor]) -> Contender:
         c.select()
