@@ -449,8 +449,9 @@ def profile(
     if repeats is None:  # the steps replace every exact action's isolated figures but its recomputation
         repeats = 1 if actions_in_steps and device == "cpu" else 3
     chains = resolve_chains(model, step.blocks)
-    refuse_recomputed_blocks([pair for chain in chains for pair in chain])
-    io = block_ios([pair for chain in chains for pair in chain], main_input, main_output)
+    joined = [pair for chain in chains for pair in chain]
+    refuse_recomputed_blocks(joined)
+    io = block_ios(joined, main_input, main_output)
     profiler = BlockProfiler(
         model,
         chains,
