@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from ..core import COMPRESS, Action
 from .host_copies import saved_on_host
+from .offload_streams import block_tensors
 
 BLOCK = 128  # elements per scale in the block-scaled formats
 MIN_BYTES = 4096
@@ -180,17 +180,6 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return -1
 
 
-def block_tensors(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors that exist before ``module`` runs on ``args``/``kwargs``: its parameters, buffers and
-    tensor arguments (a wrapper with a ``module`` attribute, as the profiler's timer, is looked through)."""
-    inner = getattr(module, "module", module)
-    tensors: list[torch.Tensor] = []
-    if isinstance(inner, torch.nn.Module):
-        tensors += list(inner.parameters()) + list(inner.buffers())
-    leaves, _ = tree_flatten((args, kwargs))
-    return tensors + [x for x in leaves if isinstance(x, torch.Tensor)]
-
-
 def compressed_saving(action: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A context manager storing what ``module`` saves for backward under ``action`` (``compress:...``)
     compressed, while it runs on ``args``/``kwargs``."""
@@ -208,7 +197,6 @@ def saving_context(action: str, module: Any, args: tuple[Any, ...], kwargs: dict
 __all__ = [
     "CompressingHooks",
     "Packed",
-    "block_tensors",
     "compressed_saving",
     "fp8_supported",
     "pack",

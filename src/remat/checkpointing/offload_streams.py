@@ -224,7 +224,7 @@ class OffloadQueue:
         call = BlockCopies(label, self._position)
         self._calls.append(call)
         self._in_flight.append(call)
-        resident = {_storage(t) for t in _tensors_of(module, args, kwargs)}
+        resident = {_storage(t) for t in block_tensors(module, args, kwargs)}
         stats = self.stats
 
         def pack(tensor: torch.Tensor) -> Any:
@@ -341,7 +341,10 @@ def _storage(tensor: torch.Tensor) -> int:
         return id(tensor)
 
 
-def _tensors_of(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+def block_tensors(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors that exist before ``module`` runs on ``args``/``kwargs``: its parameters, buffers and tensor
+    arguments (a wrapper with a ``module`` attribute, as the profiler's timer, is looked through). Storing them
+    elsewhere (offloaded, compressed) would free nothing."""
     inner = getattr(module, "module", module)
     tensors: list[torch.Tensor] = []
     if isinstance(inner, torch.nn.Module):
@@ -358,6 +361,7 @@ __all__ = [
     "QueueStats",
     "SameMemory",
     "SavedTensor",
+    "block_tensors",
     "engine_for",
     "restored",
 ]

@@ -26,7 +26,8 @@ import torch
 
 from ..chains import BlockIO
 from ..core import COMPRESS, RECOMPUTE_COMPRESS, Action, AutocastSpec
-from .compression import CompressingHooks, Packed, block_tensors, saving_context
+from .compression import CompressingHooks, Packed, saving_context
+from .offload_streams import block_tensors
 from .regions import CallRecord
 from .rng import Forked
 
