@@ -12,6 +12,7 @@ first lines carry a marker comment is treated specially:
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -70,10 +71,15 @@ def test_doc_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.Monkey
         pytest.skip("; ".join(reason for _, reason in blocks if reason))
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": f"docs.{path.stem}"}
+    environment = dict(os.environ)
     try:
         for i, code in runnable:
             exec(compile(code, f"{path.name} (python block {i + 1})", "exec"), namespace)
     finally:
+        # What a file's examples set for their own process (LOCAL_RANK for DeepSpeed) must not reach the next
+        # file's, where launchers read it (Hugging Face's Trainer, Lightning).
+        os.environ.clear()
+        os.environ.update(environment)
         if "compile" in path.stem:
             torch._dynamo.reset()  # compiled code of the examples is not kept for other tests
 

@@ -43,6 +43,11 @@ def one_rank(free_port: Callable[[], int]) -> Iterator[None]:
     env["MASTER_PORT"] = str(free_port())
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # A process group of an earlier test (docs/deepspeed.md's example) was destroyed; DeepSpeed still caches its
+    # world group, which the engines made here must not use.
+    import deepspeed.utils.groups as ds_groups
+
+    ds_groups._WORLD_GROUP = None
     deepspeed.init_distributed(dist_backend="gloo")
     yield
     if dist.is_initialized():
@@ -160,3 +165,202 @@ def test_remat_plan_under_deepspeed_engine_zero1() -> None:
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
     assert handle.stats.calls == {"1": 2, "2": 2, "3": 2}
     handle.remove()
+
+
+# ----------------------------------------------------------------------------------------------------
+# remat.fit(engine, memory): the whole step under ZeRO-1, DeepSpeed's own buffers included.
+
+
+class Wide(nn.Module):
+    def __init__(self, d: int = 128) -> None:
+        super().__init__()
+        self.up, self.down, self.drop = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.relu(self.up(x))))
+
+
+WIDE_BATCH = torch.randn(1024, 32, generator=torch.Generator().manual_seed(3))
+BUCKET = 1_000_000  # reduce_bucket_size in elements: a 4 MB float32 bucket, allocated in every backward
+ZERO1 = {
+    "train_micro_batch_size_per_gpu": 1024,
+    "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": BUCKET},
+    "zero_allow_untested_optimizer": True,
+}
+
+
+def wide_engine() -> Any:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), *[Wide() for _ in range(6)], nn.Linear(128, 4))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ZERO1)
+    return engine
+
+
+def held_bytes(root: Any) -> int:
+    """Every tensor storage reachable from ``root`` through attributes, containers and modules, each once: what
+    the engine holds between steps (parameters, DeepSpeed's float32 copies, gradient partitions, optimizer
+    state)."""
+    seen_objects: set[int] = set()
+    storages: dict[int, int] = {}
+    pending = [root]
+    while pending:
+        obj = pending.pop()
+        if id(obj) in seen_objects or isinstance(obj, str | bytes | int | float | bool | type(None)):
+            continue
+        seen_objects.add(id(obj))
+        if torch.is_tensor(obj):
+            if obj.device.type == "cpu":
+                storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+            if obj.grad is not None:
+                pending.append(obj.grad)
+            continue
+        if isinstance(obj, dict):
+            pending += list(obj.keys()) + list(obj.values())
+        elif isinstance(obj, list | tuple | set | frozenset):
+            pending += list(obj)
+        elif (
+            hasattr(obj, "__dict__")
+            and not isinstance(obj, type)
+            and type(obj).__module__.split(".")[0]
+            in (
+                "deepspeed",
+                "torch",
+            )
+        ):
+            pending += list(vars(obj).values())
+    return sum(storages.values())
+
+
+def engine_steps(engine: Any, steps: int) -> tuple[list[int], list[float]]:
+    """``steps`` training steps through the engine (forward, ``loss.backward()``, ``engine.step()``): each step's
+    whole peak (what the engine holds before it plus the peak of what the step makes) and its loss."""
+    peaks, losses = [], []
+    for step in range(steps):
+        torch.manual_seed(20 + step)  # dropout masks, replayed by remat's recomputation
+        resident = held_bytes(engine)
+        with remat.measure() as meter:
+            loss = engine(WIDE_BATCH).square().mean()
+            loss.backward()
+            engine.step()
+        peaks.append(resident + meter.peak_bytes)
+        losses.append(loss.item())
+    return peaks, losses
+
+
+@pytest.fixture(scope="module")
+def zero1_plain() -> tuple[int, list[float], list[torch.Tensor]]:
+    engine = wide_engine()
+    peaks, losses = engine_steps(engine, 3)
+    return max(peaks), losses, [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("share", [0.9, 0.75])
+def test_remat_fit_on_a_zero1_engine_keeps_the_whole_step_within_memory_exactly(
+    zero1_plain: tuple[int, list[float], list[torch.Tensor]], share: float
+) -> None:
+    plain, plain_losses, plain_weights = zero1_plain
+    memory = int(plain * share)
+    engine = wide_engine()
+    session = remat.fit(engine, memory, batch=WIDE_BATCH, loss_fn=lambda out: out.square().mean())
+    assert session.model is engine.module and session.plan.action_counts() != "6 keep"
+    parts = session.fitted.fixed.parts()
+    assert parts["parameter copies (DeepSpeedZeroOptimizer)"] == parts["parameters"]  # ZeRO's float32 copies
+    assert parts["optimizer state (DeepSpeedZeroOptimizer)"] == parts["parameters"]  # momentum, before step 1
+    peaks, losses = engine_steps(engine, 3)
+    assert max(peaks) <= memory * 1.02, (peaks, memory, session.describe())
+    assert losses == plain_losses  # bitwise: the fit's own runs left DeepSpeed's gradients and steps alone
+    assert all(torch.equal(p, q) for p, q in zip(engine.module.parameters(), plain_weights, strict=True))
+    assert sum(session.stats.calls.values()) > 0
+    session.remove()
+
+
+def test_remat_fit_on_a_zero1_engine_refuses_what_nothing_fits_naming_deepspeeds_parts(
+    zero1_plain: tuple[int, list[float], list[torch.Tensor]],
+) -> None:
+    engine = wide_engine()
+    with pytest.raises(remat.BudgetError, match=r"parameter copies \(DeepSpeedZeroOptimizer\)") as caught:
+        remat.fit(engine, int(zero1_plain[0] * 0.5), batch=WIDE_BATCH, loss_fn=lambda out: out.square().mean())
+    assert "the least any plan reaches is" in str(caught.value)
+    _, losses = engine_steps(engine, 1)  # the refused fit left the engine training as before
+    assert losses == zero1_plain[1][:1]
+    with pytest.raises(ValueError, match="pass batch="):
+        remat.fit(engine, int(zero1_plain[0] * 0.8))
+
+
+def gpt2_engine(torch_adam: bool) -> tuple[Any, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1000, n_positions=128, bos_token_id=0,
+                        eos_token_id=0)  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    model.gradient_checkpointing_enable()
+    adam = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": torch_adam}}
+    ds_config = {**ZERO1, "train_micro_batch_size_per_gpu": 4, "optimizer": adam}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine, model
+
+
+GPT2_IDS = torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(0))
+
+
+def gpt2_steps(engine: Any, steps: int) -> tuple[list[int], list[float]]:
+    peaks, losses = [], []
+    for step in range(steps):
+        torch.manual_seed(30 + step)
+        resident = held_bytes(engine)
+        with remat.measure() as meter:
+            loss = engine(input_ids=GPT2_IDS, labels=GPT2_IDS).loss
+            loss.backward()
+            engine.step()
+        peaks.append(resident + meter.peak_bytes)
+        losses.append(loss.item())
+    return peaks, losses
+
+
+def test_a_hugging_face_model_under_zero1_goes_through_the_hf_door_within_memory(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine, model = gpt2_engine(torch_adam=True)
+    model.gradient_checkpointing_disable()
+    plain_peaks, plain_losses = gpt2_steps(engine, 2)
+    engine, model = gpt2_engine(torch_adam=True)
+    memory = int(max(plain_peaks) * 0.85)
+    with caplog.at_level("WARNING", logger="remat"):
+        session = remat.fit(engine, memory, batch={"input_ids": GPT2_IDS, "labels": GPT2_IDS})
+    assert type(session).__name__ == "HFSession" and model.config.use_cache is False
+    assert session.plan.action_counts() != "4 keep"
+    assert sum("gradient checkpointing was on" in r.message for r in caplog.records) == 1
+    assert not model.transformer.gradient_checkpointing
+    peaks, losses = gpt2_steps(engine, 2)
+    assert max(peaks) <= memory * 1.02, (peaks, memory, session.describe())
+    assert losses == plain_losses
+    session.remove()
+    assert model.transformer.gradient_checkpointing  # Hugging Face's flag back on
+
+
+def test_deepspeeds_fused_adam_is_measured_once_it_has_state_and_refused_before() -> None:
+    engine, _ = gpt2_engine(torch_adam=False)
+    batch = {"input_ids": GPT2_IDS, "labels": GPT2_IDS}
+    with pytest.raises(RuntimeError, match=r"native kernels .* \"torch_adam\": true"):
+        remat.fit(engine, "1GiB", batch=batch)
+
+
+def test_a_first_step_profiled_under_zero1_does_not_count_the_reduce_bucket_as_activations(
+    zero1_plain: tuple[int, list[float], list[torch.Tensor]],
+) -> None:
+    from remat.planning import no_checkpoint_peak
+
+    bucket = 50_000_000  # 200 MB of float32, about ten times the step's activations
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), *[Wide() for _ in range(6)], nn.Linear(128, 4))
+    config = {**ZERO1, "zero_optimization": {"stage": 1, "reduce_bucket_size": bucket}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    session = remat.fit(engine, activations=0.5, loss_fn=lambda out: out.square().mean())
+    assert session.profiling
+    _, losses = engine_steps(engine, 3)  # the first step is profiled, the plan runs from the second
+    assert not session.profiling and session.plan.action_counts() != "6 keep"
+    assert no_checkpoint_peak(session.costs) < bucket * 4 / 4  # the 200 MB bucket is DeepSpeed's, not the step's
+    assert losses == zero1_plain[1]
+    session.remove()

@@ -102,7 +102,7 @@ def timed_step(
     zeroed in place with ``set_to_none=False``; the CUDA devices of the parameters synchronised around it). The
     caller restores gradients and RNG state if it cares."""
     devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
-    model.zero_grad(set_to_none=set_to_none)
+    nn.Module.zero_grad(model, set_to_none=set_to_none)  # a wrapper's own zero_grad (DeepSpeed's) takes other arguments
     for device in devices:
         torch.cuda.synchronize(device)
     start = clock()

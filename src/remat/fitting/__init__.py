@@ -20,10 +20,10 @@ from .advice import ModelAdvice, advise, advise_costs, model_state_bytes
 from .compile_budget import DEFAULT_BUDGETS, CompileBudgetFit, fit_compile_budget
 from .compiled_blocks import compile_blocks, uncompile_blocks
 from .compiled_choice import CompiledFit, fit_compiled
-from .device_fit import MemoryFit, MemoryFitError, activation_budget, activations_within, fit_memory
+from .device_fit import MemoryFit, MemoryFitError, StepWrapper, activation_budget, activations_within, fit_memory
 from .measured_fit import PlanFit, fit
 from .trial import Fit, Trial
-from .whole_step import FixedMemory, StepPeak, device_memory, fixed_memory, whole_step_peak
+from .whole_step import FixedMemory, StepPeak, device_memory, fixed_memory, stepping_optimizer, whole_step_peak
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -36,6 +36,7 @@ __all__ = [
     "ModelAdvice",
     "PlanFit",
     "StepPeak",
+    "StepWrapper",
     "Trial",
     "activation_budget",
     "activations_within",
@@ -49,6 +50,7 @@ __all__ = [
     "fit_memory",
     "fixed_memory",
     "model_state_bytes",
+    "stepping_optimizer",
     "uncompile_blocks",
     "whole_step_peak",
 ]

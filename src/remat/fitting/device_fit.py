@@ -27,8 +27,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -45,6 +46,20 @@ from .measured_fit import fit as fit_activations
 from .whole_step import FixedMemory, MemoryArg, StepPeak, device_memory, fixed_memory, whole_step_peak
 
 ATTEMPTS = 4  # plans measured over the memory before giving up (each lowers the budget by its overshoot)
+
+
+class StepWrapper(Protocol):
+    """A wrapper whose forward the training step calls (a DeepSpeed engine), around the model a fit plans."""
+
+    module: nn.Module  # the wrapper itself: whole steps are measured through it
+
+    def held_off(self) -> AbstractContextManager[Any]:
+        """The wrapper's hooks on the model held off while the fit runs the model on its own."""
+        ...
+
+    def step(self) -> AbstractContextManager[Any]:
+        """One forward and backward through the wrapper, run as one of its steps."""
+        ...
 
 
 class MemoryFitError(BudgetError):
@@ -116,12 +131,33 @@ def fit_memory(
     policies: str | tuple[str, ...] = PROFILED_BY_DEFAULT,
     rounds: int = 5,
     clock: Callable[[], float] = time.perf_counter,
+    through: StepWrapper | None = None,
     **options: Any,
 ) -> MemoryFit:
     """The fastest plan whose whole step on ``batch`` measures within ``memory`` (module docstring).
 
     ``options`` go to :func:`remat.plan` (``allow_lossy=True``...); with options the measured choice between
-    the two ``optimal`` plans is skipped. Raises :class:`MemoryFitError` where nothing fits."""
+    the two ``optimal`` plans is skipped. ``through``: the wrapper whose forward the training step calls (a
+    DeepSpeed engine, :class:`StepWrapper`): whole steps run through it, so that its buckets are measured, and
+    its hooks are held off while the fit runs ``model`` on its own (profiles, trials); plans are ``model``'s.
+    Raises :class:`MemoryFitError` where nothing fits."""
+    with through.held_off() if through is not None else nullcontext():
+        return _fit_memory(model, batch, memory, optimizer, step, costs, policies, rounds, clock, through, options)
+
+
+def _fit_memory(
+    model: nn.Module,
+    batch: Batch,
+    memory: MemoryArg,
+    optimizer: torch.optim.Optimizer | None,
+    step: StepSpec | None,
+    costs: CostTable | None,
+    policies: str | tuple[str, ...],
+    rounds: int,
+    clock: Callable[[], float],
+    through: StepWrapper | None,
+    options: dict[str, Any],
+) -> MemoryFit:
     spec = step or StepSpec()
     device = model_device(model)
     limit = device_memory(memory, device)
@@ -134,7 +170,11 @@ def fit_memory(
 
     def run() -> None:
         with torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type):
-            run_step(model, batch, spec.loss_fn, autocast=setting, holds_output=spec.holds_output)
+            if through is None:
+                run_step(model, batch, spec.loss_fn, autocast=setting, holds_output=spec.holds_output)
+                return
+            with through.step():
+                run_step(through.module, batch, spec.loss_fn, autocast=setting, holds_output=spec.holds_output)
 
     plain = whole_step_peak(model, run, fixed)
     seconds["plain step"] = time.perf_counter() - start

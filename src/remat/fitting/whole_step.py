@@ -14,8 +14,13 @@ Invariants, enforced here:
    parameters, buffers and optimizer state on the model's device, and one gradient per trainable parameter (its
    size and dtype). State an optimizer has not made yet (before its first step) and the temporaries of its step
    are measured by running its ``step`` on ``meta`` copies of the parameters under the live-tensor tracker
-   (foreach where the real step would use it); nothing is assumed per optimizer. On CUDA whatever else is
-   allocated on the device when the fit starts is counted too, as ``other tensors on the device``.
+   (foreach where the real step would use it); nothing is assumed per optimizer. An optimizer of a library
+   whose steps call native kernels (:data:`NATIVE_STEPS`: DeepSpeed's fused Adam, apex, bitsandbytes), which
+   cannot run on ``meta``, is measured once its state exists, and refused with what to do before. An optimizer
+   that wraps the one that steps (DeepSpeed's ZeRO optimizers, accelerate's and Lightning's hold it as
+   ``.optimizer``) is measured through it, and the tensors it steps that are not the model's parameters (the
+   float32 copies DeepSpeed's ZeRO keeps) count as ``parameter copies``. On CUDA whatever else is allocated on
+   the device when the fit starts is counted too, as ``other tensors on the device``.
 3. A whole step's peak is the larger of its two phases, each measured: forward and backward (what is resident
    with the gradients cleared, plus the state the optimizer will make, plus the measured peak of what the phase
    creates, gradients included) and the optimizer step (the fixed memory plus the step's temporaries).
@@ -37,6 +42,9 @@ from ..meters import LiveTensorTracker, measure, model_device, storage_key
 from ..profiling import GradsRestored
 
 MemoryArg = int | str
+
+# Rule 2: packages whose optimizers step with native kernels that cannot run on meta tensors.
+NATIVE_STEPS = ("deepspeed.ops.", "apex.", "bitsandbytes.", "transformer_engine.", "torchao.")
 
 
 def device_memory(memory: MemoryArg, device: torch.device) -> int:
@@ -94,16 +102,19 @@ class FixedMemory:
     state_to_make: int = 0  # the part of optimizer_state its first step has yet to allocate
     optimizer_step_bytes: int = 0  # temporaries of the optimizer's step, above the fixed memory
     optimizer: str = ""
+    parameter_copies: int = 0  # what the optimizer steps in place of the model's parameters (ZeRO's float32 copies)
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state + self.buffers + self.other
+        held = self.parameters + self.parameter_copies + self.gradients + self.optimizer_state + self.buffers
+        return held + self.other
 
     def parts(self) -> dict[str, int]:
         """Each fixed part by name (parts of 0 bytes left out)."""
         state = f"optimizer state ({self.optimizer})" if self.optimizer else "optimizer state"
         named = {
             "parameters": self.parameters,
+            f"parameter copies ({self.optimizer})": self.parameter_copies,
             "gradients": self.gradients,
             state: self.optimizer_state,
             "buffers": self.buffers,
@@ -116,29 +127,57 @@ class FixedMemory:
         return ", ".join(f"{name} {format_bytes(size)}" for name, size in self.parts().items()) or "nothing"
 
 
-def fixed_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> FixedMemory:
-    """Rule 2: the fixed memory of a training step of ``model`` with ``optimizer`` (None: no optimizer state)."""
+def stepping_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """Rule 2: the ``torch.optim.Optimizer`` that steps, found through the wrappers that hold it as ``.optimizer``
+    (DeepSpeed's ZeRO optimizers, accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``)."""
+    inner, seen = optimizer, set()
+    while not isinstance(inner, torch.optim.Optimizer):
+        if id(inner) in seen or getattr(inner, "optimizer", None) is None:
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__}: remat measures the state of a torch.optim.Optimizer, or of "
+                "a wrapper that holds one as .optimizer; give that optimizer"
+            )
+        seen.add(id(inner))
+        inner = inner.optimizer
+    return inner
+
+
+def fixed_memory(model: nn.Module, optimizer: Any = None) -> FixedMemory:
+    """Rule 2: the fixed memory of a training step of ``model`` with ``optimizer`` (None: no optimizer state; a
+    wrapper is measured through the optimizer it holds)."""
     device = model_device(model)
     seen: set[int] = set()
     parameters = _storage_bytes(model.parameters(), device, seen)
     buffers = _storage_bytes(model.buffers(), device, seen)
     trainable = {id(p): p for p in model.parameters() if p.requires_grad and p.device == device}
     gradients = sum(p.numel() * p.element_size() for p in trainable.values())
-    state = to_make = step_bytes = 0
+    state = to_make = step_bytes = copies = 0
     name = ""
     if optimizer is not None:
         name = type(optimizer).__name__
+        optimizer = stepping_optimizer(optimizer)
+        copies = _storage_bytes((p for group in optimizer.param_groups for p in group["params"]), device, seen)
         state = _storage_bytes((t for s in optimizer.state.values() for t in s.values()), device, seen)
-        made, step_bytes = optimizer_dry_run(optimizer, device)
+        if not type(optimizer).__module__.startswith(NATIVE_STEPS):
+            made, step_bytes = optimizer_dry_run(optimizer, device)
+        elif any(optimizer.state.values()):
+            made, step_bytes = state, 0  # its state is there to measure; its step's temporaries are not known
+        else:
+            raise RuntimeError(
+                f"cannot measure the state {type(optimizer).__module__}.{type(optimizer).__name__} will make: its "
+                "step runs native kernels that cannot run on the meta tensors remat measures with. Take one "
+                "training step before remat.fit (its state is then measured), or use a torch.optim optimizer "
+                '(DeepSpeed: "torch_adam": true in the optimizer\'s params)'
+            )
         if made > state:
             to_make = made - state
             state = made
     other = 0
     if device.type == "cuda":
         grads_held = _storage_bytes((p.grad for p in trainable.values()), device, set())
-        known = parameters + buffers + (state - to_make) + grads_held
+        known = parameters + buffers + copies + (state - to_make) + grads_held
         other = max(0, torch.cuda.memory_allocated(device) - known)
-    return FixedMemory(parameters, gradients, state, buffers, other, to_make, step_bytes, name)
+    return FixedMemory(parameters, gradients, state, buffers, other, to_make, step_bytes, name, copies)
 
 
 def optimizer_dry_run(optimizer: torch.optim.Optimizer, device: torch.device) -> tuple[int, int]:
@@ -205,7 +244,10 @@ def whole_step_peak(model: nn.Module, run: Callable[[], Any], fixed: FixedMemory
             torch.cuda.synchronize(device)
             resident = torch.cuda.memory_allocated(device)
         else:
-            resident = fixed.parameters + fixed.buffers + fixed.optimizer_state - fixed.state_to_make + fixed.other
+            resident = (
+                fixed.parameters + fixed.parameter_copies + fixed.buffers + fixed.optimizer_state
+                - fixed.state_to_make + fixed.other
+            )  # fmt: skip
         with measure(device) as meter:
             run()
     forward_backward = resident + fixed.state_to_make + meter.peak_bytes

@@ -48,7 +48,7 @@ from torch import nn
 from ..checkpointing import PolicyLike, checkpoint_fn
 from ..core import AutocastSpec, CostTable, StepSpec
 from ..planning import Plan
-from .session import RematSession
+from .session import RematSession, is_deepspeed
 
 log = logging.getLogger("remat.integrations.hf")
 
@@ -91,14 +91,15 @@ class HFSession(RematSession):
     """A :class:`~remat.integrations.session.RematSession` on a Hugging Face model; made by :func:`enable`."""
 
     def __init__(self, model: nn.Module, strategy: str, budget: Any, **kwargs: Any) -> None:
-        config = getattr(model, "config", None)
+        hf_model = model.module if is_deepspeed(model) else model  # the engine's model is the Hugging Face one
+        config = getattr(hf_model, "config", None)
         self._config = config
         self._use_cache = getattr(config, "use_cache", None)
-        self._flag_modules = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        self._flag_modules = [m for m in hf_model.modules() if hasattr(m, "gradient_checkpointing")]
         if config is not None and getattr(config, "use_cache", None):
             config.use_cache = False
         self._warned: set[str] = set()
-        self._guard = model.register_forward_pre_hook(self._training_guard, with_kwargs=True)
+        self._guard = hf_model.register_forward_pre_hook(self._training_guard, with_kwargs=True)
         try:
             super().__init__(model, strategy, budget, **kwargs)
         except BaseException:

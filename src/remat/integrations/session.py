@@ -42,11 +42,20 @@ from torch import nn
 from ..chains import profiled_blocks, resolve_blocks
 from ..core import CHECKPOINT, AutocastArg, AutocastSpec, CostTable, StepSpec, normalize_budget, precision_mismatch
 from ..dynamic import PGAC
-from ..fitting import MemoryFit, activation_budget, activations_within, device_memory, fit_memory, fixed_memory
+from ..fitting import (
+    MemoryFit,
+    activation_budget,
+    activations_within,
+    device_memory,
+    fit_memory,
+    fixed_memory,
+    stepping_optimizer,
+)
 from ..meters import model_device
 from ..planning import STRATEGIES, Buckets, Plan, ShapePlans, check_plan_options, make_plan
 from ..profiling import BlockProfiler, profile, profile_shapes
 from ..runtime import RecomputeStats, RematHandle, apply
+from .deepspeed import EngineSteps
 
 log = logging.getLogger("remat.integrations")
 
@@ -137,6 +146,14 @@ class RematSession:
             device_memory(memory, model_device(model))  # a malformed memory fails here, not after the first step
         else:
             check_strategy(strategy, budget)
+        # A DeepSpeed engine: plans go on the model it holds, whole steps are measured through it (its buckets).
+        self.engine: nn.Module | None = model if is_deepspeed(model) else None
+        self._engine_steps = EngineSteps(model) if self.engine is not None else None
+        if self.engine is not None:
+            if memory is not None and batch is None and plan is None and costs is None:
+                raise ValueError(DEEPSPEED_NEEDS_BATCH)
+            optimizer = optimizer if optimizer is not None else self.engine.optimizer
+            model = self.engine.module
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be None (automatic), 'local' (a plan per rank) or 'global', got {sync!r}")
         if sync is None:
@@ -209,7 +226,7 @@ class RematSession:
                     _refuse_compiled(chain)
                     self._warn_without_optimizer()
                     self.fitted = fit_memory(model, batch, memory, optimizer=optimizer, step=profiled_step,
-                                             **self.options)  # fmt: skip
+                                             through=self._engine_steps, **self.options)  # fmt: skip
                     self.costs = self.fitted.costs
                     plan = self._shared_plan(self.fitted.plan)
                     if shapes:
@@ -334,6 +351,8 @@ class RematSession:
                     "batch> or costs= (see remat.integrations.distributed.prepare)"
                 )
             self._profiler = BlockProfiler(self.model, self._profiled, io=self.handle.io)
+            if self._engine_steps is not None:
+                self._engine_steps.allocate_bucket()  # DeepSpeed's buffer, not the step's activations
             self._profiler.__enter__()
         else:  # a second training forward before any optimizer step: the profiled step has ended
             self._finish_profiling()
@@ -365,6 +384,8 @@ class RematSession:
         if owns is None:
             params = {id(p) for p in self.model.parameters()}
             owns = any(id(p) in params for group in optimizer.param_groups for p in group["params"])
+            # A wrapper given (DeepSpeed's ZeRO optimizer) steps its own copies through the optimizer it holds.
+            owns = owns or (self.optimizer is not None and stepping_optimizer(self.optimizer) is optimizer)
             self._owners[optimizer] = owns
         return owns
 
@@ -446,7 +467,9 @@ class RematSession:
         memory, what is fixed and what was measured."""
         if self._waiting:
             return f"{self!r}: the plan is made at the end of the first training step"
-        parts = [self.plan.table(self.costs) if self.costs is not None else repr(self.plan)]
+        parts = [self.plan.table(self.costs)] if self.costs is not None else []
+        if self.fitted is None and self.costs is None:
+            parts.append(f"plan: {self.plan.action_counts()}")
         if self.fitted is not None:
             parts.append(self.fitted.describe())
         if self.shape_plans is not None:
@@ -544,6 +567,17 @@ def is_sharded(model: nn.Module) -> bool:
     except ImportError:  # torch built without distributed
         return False
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+DEEPSPEED_NEEDS_BATCH = (
+    "remat.fit(engine, memory) measures whole steps through the DeepSpeed engine (its buckets and float32 copies "
+    "count) before training: pass batch=<a sample batch>, or give activations= to profile the first step instead"
+)
+
+
+def is_deepspeed(model: nn.Module) -> bool:
+    """Whether ``model`` is a DeepSpeed engine (``deepspeed.initialize``'s), which remat plans through."""
+    return type(model).__name__ == "DeepSpeedEngine"
 
 
 def is_wrapped(model: nn.Module) -> bool:
