@@ -23,6 +23,7 @@ from .compiled_partitions import (
     budgeted_backend,
     partition_actions,
     remove_partitions,
+    restore_partitions,
     saves_draws_under,
 )
 from .compression import compressed_saving
@@ -83,6 +84,7 @@ __all__ = [
     "partition_actions",
     "policies",
     "remove_partitions",
+    "restore_partitions",
     "run_compressed_input",
     "run_recompute_compressed",
     "same_tensor",

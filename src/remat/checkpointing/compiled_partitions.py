@@ -248,10 +248,16 @@ def add_partitions(module: nn.Module, budgets: Iterable[float], **compile_option
     return actions
 
 
-def remove_partitions(module: nn.Module) -> None:
+def remove_partitions(module: nn.Module) -> Any:
     """Forget ``module``'s partition variants (nothing happens where it has none); its compiled call is left as
-    it is."""
-    module.__dict__.pop(_ATTRIBUTE, None)
+    it is. Returns them (None where it had none), for :func:`restore_partitions`."""
+    return module.__dict__.pop(_ATTRIBUTE, None)
+
+
+def restore_partitions(module: nn.Module, variants: Any) -> None:
+    """Give ``module`` back the partition variants :func:`remove_partitions` returned (None: nothing)."""
+    if variants is not None:
+        module.__dict__[_ATTRIBUTE] = variants
 
 
 def _refusing_draws(variant: Callable[..., Any], module: nn.Module, action: str) -> Callable[..., Any]:

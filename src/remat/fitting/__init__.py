@@ -8,7 +8,8 @@
 * :mod:`.compiled_choice`: :func:`fit_compiled`, the faster compiled route that fits (:class:`CompiledFit`);
 * :mod:`.whole_step`: the device's memory for a whole training step, what is fixed in it (parameters, gradients,
   optimizer state, buffers) and a step's measured peak; :mod:`.device_fit`: :func:`fit_memory`, the plan whose
-  whole step fits that memory (``remat.fit``'s work);
+  whole step fits that memory (``remat.fit``'s work), and :func:`fit_memory_compiled`, the fastest route that
+  fits it, eager or compiled (``remat.fit(..., compile=True)``);
 * :mod:`.advice`: :func:`advise` (``remat.advise``, measured on the model) and :func:`advise_costs` (from a cost
   table): whether the model fits, which plan fits, and whether the memory freed buys a
   larger batch.
@@ -20,7 +21,16 @@ from .advice import ModelAdvice, advise, advise_costs, model_state_bytes
 from .compile_budget import DEFAULT_BUDGETS, CompileBudgetFit, fit_compile_budget
 from .compiled_blocks import compile_blocks, uncompile_blocks
 from .compiled_choice import CompiledFit, fit_compiled
-from .device_fit import MemoryFit, MemoryFitError, StepWrapper, activation_budget, activations_within, fit_memory
+from .device_fit import (
+    CompiledMemoryFit,
+    MemoryFit,
+    MemoryFitError,
+    StepWrapper,
+    activation_budget,
+    activations_within,
+    fit_memory,
+    fit_memory_compiled,
+)
 from .measured_fit import PlanFit, fit
 from .trial import Fit, Trial
 from .whole_step import FixedMemory, StepPeak, device_memory, fixed_memory, stepping_optimizer, whole_step_peak
@@ -29,6 +39,7 @@ __all__ = [
     "DEFAULT_BUDGETS",
     "CompileBudgetFit",
     "CompiledFit",
+    "CompiledMemoryFit",
     "Fit",
     "FixedMemory",
     "MemoryFit",
@@ -48,6 +59,7 @@ __all__ = [
     "fit",
     "fit_compiled",
     "fit_memory",
+    "fit_memory_compiled",
     "fixed_memory",
     "model_state_bytes",
     "stepping_optimizer",

@@ -10,23 +10,26 @@ Below the peak of ``torch.compile(model)`` a compiled step fits a byte budget in
   (:func:`remat.fitting.compiled_blocks.compile_blocks`): a graph and a budget per block, which reaches
   lower peaks.
 
-Which is faster where both fit depends on the model (within a few percent either way round in that document).
-:func:`fit_compiled` measures both on the caller's step: each route's peak by the allocator's events, then their
-steps head to head with ``torch.compile``'s unbudgeted step in interleaved rounds; it leaves the model set up for
-the faster route that fits and returns a :class:`CompiledFit`. Every whole-model fraction whose peak fits runs in
-those rounds, not only the one the grid's own few trial steps ranked first: where a step is long and noisy
-(bf16 matmuls emulated on a CPU) those few steps misrank fractions whose steps differ by a third.
+Which is faster where both fit depends on the model (within a few percent either way round in that document). A
+third contender may join: remat's **eager** plan for the same bytes, made and measured by the caller
+(``remat.fit(..., compile=True)`` passes the plan of its whole-step fit), so that compiling is chosen only where it
+measures faster. :func:`fit_compiled` measures the compiled routes on the caller's step: each route's peak by the
+allocator's events, then their steps head to head with ``torch.compile``'s unbudgeted step in interleaved rounds; it
+leaves the model set up for the faster route that fits and returns a :class:`CompiledFit`. Every whole-model
+fraction whose peak fits runs in those rounds, not only the one the grid's own few trial steps ranked first: where a
+step is long and noisy (bf16 matmuls emulated on a CPU) those few steps misrank fractions whose steps differ by a
+third.
 
 Invariants, enforced here:
 
-1. One meter, one step: both routes' peaks are ``remat.measure(..., allocations=True)`` of the same training
-   step (:func:`remat.chains.training_step.timed_step`), and a route fits when its *measured* peak does. A blocks plan
-   predicted to fit but measured over is planned again (up to ``REPLANS`` times), each time for the byte budget
-   less the most a prediction has missed by so far.
+1. One meter, one step: every route's peak (the eager plan's too) is ``remat.measure(..., allocations=True)`` of the
+   same training step (:func:`remat.chains.training_step.timed_step`), and a route fits when its *measured* peak
+   does. A blocks plan predicted to fit but measured over is planned again (up to ``REPLANS`` times), each time for
+   the byte budget less the most a prediction has missed by so far.
 2. The model ends set up for the chosen route only. ``"whole model"``: no plan applied and no block compiled;
-   ``CompiledFit.module`` is the compiled wrapper. ``"blocks"``: the plan applied to the compiled blocks;
-   ``module`` is the model and ``handle`` the plan's. Parameter gradients and the RNG state are as they were;
-   after an error the model is as it came.
+   ``CompiledFit.module`` is the compiled wrapper. ``"blocks"``: the plan applied to the compiled blocks; ``module``
+   is the model and ``handle`` the plan's. ``"eager"``: the eager plan applied to the plain blocks. Parameter
+   gradients and the RNG state are as they were; after an error the model is as it came.
 3. The model comes plain (no plan applied, no block compiled; else ValueError): both routes start from it.
 """
 
@@ -41,6 +44,7 @@ import torch
 from torch import nn
 
 from ..chains import resolve_blocks, timed_step
+from ..checkpointing import remove_partitions, restore_partitions
 from ..core import (
     KEEP,
     Action,
@@ -67,9 +71,9 @@ from .compile_budget import (
     least_peak_trial,
 )
 from .compiled_blocks import compile_blocks, uncompile_blocks
-from .trial import Fit, Trial, fastest, head_to_head, peak_of, with_ratios
+from .trial import Fit, Trial, fastest, head_to_head, over, peak_of, with_ratios
 
-WHOLE_MODEL, BLOCKS = "whole model", "blocks"
+WHOLE_MODEL, BLOCKS, EAGER = "whole model", "blocks", "eager"
 DEFAULT_PARTITIONS: tuple[float, ...] = (0.1, 0.25, 0.5)
 REPLANS = 2  # plans of the blocks made again after one measured over its budget
 _REFERENCE = "torch.compile, no budget"
@@ -121,6 +125,7 @@ def fit_compiled(
     clock: Callable[[], float] = time.perf_counter,
     holds_output: bool | None = None,
     set_to_none: bool = True,
+    eager: Plan | None = None,
 ) -> CompiledFit:
     """Measure both compiled routes of ``model`` on ``batch`` under ``max_bytes`` and set the model up for the
     faster that fits (module docstring): ``torch.compile``'s whole-model budget (fractions ``budgets``, default
@@ -133,11 +138,12 @@ def fit_compiled(
     its fields ``loss_fn``, ``blocks``, ``autocast``, ``holds_output`` as keywords) and ``clock`` are
     :func:`remat.profile`'s, ``backend``, ``mode``, ``options``,
     ``dynamic`` ``torch.compile``'s, ``set_to_none`` how the loop clears gradients (:func:`fit_compile_budget`).
-    ``whole``: the whole-model trials already measured for this model (or a copy with its weights) on this batch
-    and settings, by :func:`fit_compile_budget` or an earlier call's ``CompiledFit.budgets``: reused instead of
-    compiling and measuring the grid again, so fitting several byte budgets measures it once (give ``budgets``
-    or ``whole``, not both). Raises :class:`remat.BudgetError` (``floor``: the least peak either route reached)
-    when neither fits."""
+    ``whole``: the whole-model trials already measured for this model (or a copy with its weights) on this batch and
+    settings, by :func:`fit_compile_budget` or an earlier call's ``CompiledFit.budgets``: reused instead of
+    compiling and measuring the grid again, so fitting several byte budgets measures it once (give ``budgets`` or
+    ``whole``, not both). ``eager``: remat's eager plan for the same bytes (the caller's): a third contender, its
+    peak measured as the others', chosen where it measures fastest or where no compiled route fits. Raises
+    :class:`remat.BudgetError` (``floor``: the least peak either route reached) when no route fits."""
     spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, autocast=autocast, holds_output=holds_output)
     loss_fn, blocks, autocast, holds_output = spec.loss_fn, spec.blocks, spec.autocast, spec.holds_output
     if normalize_budget(max_bytes) is None:  # fit_compile_budget below is given the unbudgeted peak instead
@@ -167,7 +173,7 @@ def fit_compiled(
         torch.manual_seed(0)  # every contender draws what the others draw
         return timed_step(module, batch, loss_fn, autocast_setting, clock, holds_output, set_to_none)
 
-    routes = _Routes(model, chain, timed)
+    routes = _Routes(model, chain, timed, eager)
     device = model_device(model)
     try:
         with (
@@ -175,18 +181,30 @@ def fit_compiled(
             torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type),
         ):
             whole = _whole_routes(measured, limit)
+            eager_trial = None
+            if eager is not None:  # measured on the plain blocks, before any is compiled
+                routes.eager()
+                peak = peak_of(lambda: timed(model), device, allocations=True)  # Invariant 1: the same meter
+                eager_trial = Trial(EAGER, f"plan {eager.action_counts()}", plan=eager, peak_bytes=peak,
+                                    predicted_bytes=eager.predicted_peak_bytes, refused=over(peak, limit))  # fmt: skip
+                routes.undo()
             routes.prepare_blocks(partitions, compile_options)
             costs = profile(model, batch, step=replace(spec, blocks=chain), clock=clock)
             blocks_trial, blocks_plan = routes.plan_blocks(costs, limit)
             reference = Trial(_REFERENCE, "no activation_memory_budget", peak_bytes=reference_peak)
             trials = [reference, *whole, blocks_trial]
+            if eager_trial is not None:
+                trials.append(eager_trial)
             if all(t.refused for t in trials[1:]):
                 raise _neither_fits(limit, reference_peak, trials[1:])
             wrappers = {
                 t.label: measured.compile(model, NO_BUDGET if t.budget is None else t.budget)
-                for t in trials[:-1] if not t.refused
+                for t in trials if t.name in (_REFERENCE, WHOLE_MODEL) and not t.refused
             }  # fmt: skip
-            ratios = routes.head_to_head(wrappers, blocks=not blocks_trial.refused, rounds=rounds)
+            ratios = routes.head_to_head(
+                wrappers, blocks=not blocks_trial.refused, eager=eager is not None and not trials[-1].refused,
+                rounds=rounds,
+            )  # fmt: skip
             trials = with_ratios(trials, ratios)
             chosen = fastest(trials[1:], by=lambda t: t.step_ratio or 0.0)
             assert chosen is not None
@@ -194,22 +212,31 @@ def fit_compiled(
     except BaseException:
         routes.undo()
         raise
-    on_blocks = chosen.name == BLOCKS
+    planned = chosen.name in (BLOCKS, EAGER)
     return CompiledFit(
-        limit, chosen, tuple(trials), module, measured, blocks_plan if on_blocks else None,
-        routes.handle if on_blocks else None,
+        limit, chosen, tuple(trials), module, measured, chosen.plan if planned else None,
+        routes.handle if planned else None,
     )  # fmt: skip
 
 
 class _Routes:
-    """The model in one route's state at a time: blocks compiled with a plan applied, or plain for the whole-model
-    wrappers (the blocks' compiled calls set aside, so switching back recompiles nothing)."""
+    """The model in one route's state at a time: blocks compiled with a plan applied, plain for the whole-model
+    wrappers, or plain with the eager plan applied (the blocks' compiled calls set aside, so switching back
+    recompiles nothing)."""
 
-    def __init__(self, model: nn.Module, chain: list[tuple[str, nn.Module]], step: Callable[[nn.Module], float]):
+    def __init__(
+        self,
+        model: nn.Module,
+        chain: list[tuple[str, nn.Module]],
+        step: Callable[[nn.Module], float],
+        eager: Plan | None = None,
+    ) -> None:
         self.model, self.chain, self.step = model, chain, step
         self.handle: RematHandle | None = None
         self.plan: Plan | None = None
         self.set_aside: list[Any] | None = None
+        self.eager_plan = eager
+        self.eager_handle: RematHandle | None = None
 
     def prepare_blocks(self, partitions: Sequence[float], compile_options: dict[str, Any]) -> None:
         self.plan = Plan({fqn: KEEP for fqn, _ in self.chain})
@@ -242,21 +269,37 @@ class _Routes:
                       predicted_bytes=plan.predicted_peak_bytes, refused=refused)  # fmt: skip
         return trial, plan
 
+    def eager(self) -> None:
+        self.whole_model()
+        if self.eager_handle is None and self.eager_plan is not None:
+            self.eager_handle = apply(self.model, self.eager_plan, blocks=self.chain)
+
+    def _eager_off(self) -> None:
+        if self.eager_handle is not None:
+            self.eager_handle.remove()
+            self.eager_handle = None
+
     def whole_model(self) -> None:
+        self._eager_off()
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
-            self.set_aside = [block._compiled_call_impl for _, block in self.chain]
+            # the compiled calls and the partition variants (a plan's actions would swap them back in)
+            self.set_aside = [(block._compiled_call_impl, remove_partitions(block)) for _, block in self.chain]
             for _, block in self.chain:
                 block._compiled_call_impl = None
 
     def blocks(self) -> None:
+        self._eager_off()
         if self.handle is None and self.set_aside is not None and self.plan is not None:
-            for (_, block), call in zip(self.chain, self.set_aside, strict=True):
+            for (_, block), (call, variants) in zip(self.chain, self.set_aside, strict=True):
                 block._compiled_call_impl = call
+                restore_partitions(block, variants)
             self.handle = apply(self.model, self.plan, blocks=self.chain)
 
-    def head_to_head(self, wrappers: dict[str, nn.Module], blocks: bool, rounds: int) -> dict[str, tuple[float, ...]]:
+    def head_to_head(
+        self, wrappers: dict[str, nn.Module], blocks: bool, eager: bool, rounds: int
+    ) -> dict[str, tuple[float, ...]]:
         """Per contender, its step over the reference's in each of ``rounds`` interleaved rounds (the order
         reversed every other round, the whole-model wrappers next to each other to switch the model's state
         least), after one step of each untimed (a wrapper's first call on this model may compile)."""
@@ -265,10 +308,14 @@ class _Routes:
             if name == BLOCKS:
                 self.blocks()
                 return self.step(self.model)
+            if name == EAGER:
+                self.eager()
+                return self.step(self.model)
             self.whole_model()
             return self.step(wrappers[name])
 
-        names = [*wrappers, *([BLOCKS] if blocks else [])]  # the reference first: fit_compiled builds it first
+        # the reference first: fit_compiled builds it first
+        names = [*wrappers, *([BLOCKS] if blocks else []), *([EAGER] if eager else [])]
         return head_to_head(names, run, rounds)
 
     def finish(self, route: str, whole: nn.Module | None) -> nn.Module:
@@ -276,12 +323,18 @@ class _Routes:
         if route == BLOCKS:
             self.blocks()
             return self.model
+        if route == EAGER:
+            self.undo()
+            self.eager()
+            self.handle, self.eager_handle = self.eager_handle, None
+            return self.model
         assert whole is not None
         self.undo()
         return whole
 
     def undo(self) -> None:
         """The model as it came: no plan, no compiled block."""
+        self._eager_off()
         if self.handle is not None:
             self.handle.remove()
             self.handle = None

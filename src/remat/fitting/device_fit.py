@@ -8,7 +8,9 @@ temporaries) from the plain step, plans the activations within what is left by :
 (the measured-step choice between near-ties), and measures the chosen plan's whole step; a plan that
 measures over the memory lowers the activation budget by its overshoot and is planned again.
 :func:`activation_budget` is the same arithmetic from a first training step already profiled, where no step
-can be re-run (``remat.fit`` without a batch): gradients are then counted in full.
+can be re-run (``remat.fit`` without a batch): gradients are then counted in full. :func:`fit_memory_compiled`
+(``remat.fit(..., compile=True)``) turns the same memory into the bytes a step may add to what is resident and
+lets the eager plan compete with the compiled routes (:func:`remat.fitting.fit_compiled`) for them.
 
 Invariants, enforced here:
 
@@ -19,7 +21,7 @@ Invariants, enforced here:
    memory of at least that fits), the fixed parts by name and size, what the plans can change, and the
    levers (a smaller batch, computed; ``allow_lossy=True``; offload where the device has a host).
 3. The model ends with no hooks of the fit's (the caller applies the plan) and its gradients and RNG state as
-   they were.
+   they were; :func:`fit_memory_compiled` leaves it set up for the route it chose, and only for that one.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ..meters import model_device
 from ..planning import Plan, make_plan, minimum_peak_bytes, no_checkpoint_peak, simulate
 from ..profiling import cached_profile, keep_profile, price_segments
 from ..runtime import RematHandle, apply
+from .compiled_choice import CompiledFit, fit_compiled
 from .measured_fit import candidate_trials
 from .measured_fit import fit as fit_activations
 from .whole_step import FixedMemory, MemoryArg, StepPeak, device_memory, fixed_memory, whole_step_peak
@@ -348,3 +351,80 @@ def _infeasible(
     )
     error.costs = costs
     return error
+
+
+@dataclass(frozen=True)
+class CompiledMemoryFit:
+    """The route chosen for ``memory`` among the eager plan and the compiled ones, and the figures it was chosen
+    by: ``step_bytes``, what the memory leaves for the bytes a step adds to what is resident (every route's
+    measured peak is held to it); ``eager``, remat's eager whole-step fit (None where no eager plan fits)."""
+
+    memory: int
+    fixed: FixedMemory
+    compiled: CompiledFit
+    step_bytes: int
+    eager: MemoryFit | None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def route(self) -> str:
+        """``"eager"``, ``"whole model"`` or ``"blocks"``."""
+        return self.compiled.route
+
+    def describe(self) -> str:
+        lines = [
+            f"memory {format_bytes(self.memory)} for the whole step; fixed: {self.fixed.describe()}",
+            f"the step's own bytes within {format_bytes(self.step_bytes)}; route: {self.route}",
+            self.compiled.describe(),
+        ]
+        if self.seconds:
+            lines.append("time to plan: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items()))
+        return "\n".join(lines)
+
+
+def fit_memory_compiled(
+    model: nn.Module,
+    batch: Batch,
+    memory: MemoryArg,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: StepSpec | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    **compile_options: Any,
+) -> CompiledMemoryFit:
+    """The fastest route whose whole step on ``batch`` fits ``memory``: remat's eager plan (:func:`fit_memory`),
+    ``torch.compile`` of the whole model under a fitted budget, or remat's plan on compiled blocks
+    (:func:`remat.fitting.fit_compiled`, which takes ``compile_options``: ``backend``, ``mode``, ``options``,
+    ``dynamic``, ``budgets``, ``partition_budgets``, ``rounds``), chosen by their steps measured head to head. The
+    model is left set up for the chosen route (the whole model's compiled wrapper is ``compiled.module``). Raises
+    :class:`MemoryFitError` where no route fits, naming the least memory any reaches."""
+    spec = step or StepSpec()
+    device = model_device(model)
+    limit = device_memory(memory, device)
+    seconds: dict[str, float] = {}
+    fixed = fixed_memory(model, optimizer)
+    if fixed.total + fixed.optimizer_step_bytes > limit:
+        raise _fixed_too_large(limit, fixed)
+    resident = fixed.total - fixed.gradients  # rule 3 of whole_step: what a step starts from, its state made
+    begun = time.perf_counter()
+    eager: MemoryFit | None = None
+    eager_error: MemoryFitError | None = None
+    try:
+        eager = fit_memory(model, batch, memory, optimizer=optimizer, step=spec, clock=clock)
+    except MemoryFitError as error:
+        eager_error = error
+    seconds["eager fit"] = time.perf_counter() - begun
+    begun = time.perf_counter()
+    try:
+        compiled = fit_compiled(model, batch, limit - resident, step=spec, clock=clock,
+                                eager=eager.plan if eager is not None else None, **compile_options)  # fmt: skip
+    except BudgetError as error:
+        floors = [f for f in (eager_error.floor if eager_error else None,
+                              None if error.floor is None else error.floor + resident) if f is not None]  # fmt: skip
+        raise MemoryFitError(
+            f"remat.fit(compile=True): no route fits {format_bytes(limit)}. Eager: "
+            f"{eager_error if eager_error is not None else 'fits'}. Compiled: {error}",
+            floor=min(floors) if floors else None,
+        ) from error
+    seconds["compiled routes (compiling included)"] = time.perf_counter() - begun
+    return CompiledMemoryFit(limit, fixed, compiled, limit - resident, eager, seconds)

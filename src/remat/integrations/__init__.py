@@ -5,12 +5,14 @@ DeepSpeed:
 
 * :mod:`remat.integrations.front_door`: ``fit(model, "22GiB")``, ``remat.fit``: the one call, which picks the
   door below that the model needs and returns the same handle.
+* :mod:`remat.integrations.compiled_session`: the handle of ``remat.fit(..., compile=True)``, the fastest route
+  that fits, eager or compiled, set up on the model in place.
 * :mod:`remat.integrations.hf`: ``enable(model, strategy, budget)`` for Hugging Face models whose layers are
   ``GradientCheckpointingLayer`` (GPT-2, BERT, Llama, ViT...); works with the ``Trainer``.
 * :mod:`remat.integrations.distributed`: plans for DDP and FSDP2, applied before wrapping or sharding, the
   same plan on every rank; gradient helpers for tests.
 * :mod:`remat.integrations.deepspeed`: remat's checkpoint function as DeepSpeed's ``activation_checkpoint_func``
-  and in place of ``deepspeed.checkpointing.checkpoint``.
+  and in place of ``deepspeed.checkpointing.checkpoint``; ``remat.fit(engine, ...)`` measures through the engine.
 * :mod:`remat.integrations.lightning`: ``RematCallback`` for Lightning's ``Trainer``.
 * :mod:`remat.integrations.compile`: using plans and policies with ``torch.compile``.
 * :mod:`remat.integrations.pipeline`: ``torch.distributed.pipelining`` stages cut from a chain, GPipe or 1F1B,
@@ -26,7 +28,17 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-_SUBMODULES = ("compile", "deepspeed", "distributed", "front_door", "hf", "lightning", "pipeline", "session")
+_SUBMODULES = (
+    "compile",
+    "compiled_session",
+    "deepspeed",
+    "distributed",
+    "front_door",
+    "hf",
+    "lightning",
+    "pipeline",
+    "session",
+)
 # Names taken from a submodule, imported with it on first use.
 _NAMES = {"fit": "front_door", "RematSession": "session", "Stage": "pipeline", "split_chain": "pipeline"}
 

@@ -7,7 +7,9 @@ one warning). ``memory`` is the device's memory for the whole step (:mod:`remat.
 ``batch`` the plan is fitted by measuring whole steps and applies from the first step
 (:mod:`remat.fitting.device_fit`); without one, the first training step runs with every block checkpointed and
 is profiled, and the plan applies from the second. The other doors (``hf.enable``, the Lightning callback,
-``distributed.prepare``) take the same ``memory=`` and ``optimizer=`` and return the same handle.
+``distributed.prepare``) take the same ``memory=`` and ``optimizer=`` and return the same handle. With
+``compile=True`` (and a batch) the eager plan competes with the compiled routes and the fastest that fits is set
+up in place (:class:`~remat.integrations.compiled_session.CompiledSession`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from ..core import AutocastArg, BlocksArg, CostTable, StepSpec
 from ..planning import Plan
+from .compiled_session import CompiledSession
 from .session import RematSession
 
 
@@ -42,8 +45,9 @@ def fit(
     blocks: BlocksArg = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     autocast: AutocastArg = None,
+    compile: bool | dict[str, Any] = False,  # noqa: A002 (torch's word for it)
     **options: Any,
-) -> RematSession:
+) -> RematSession | CompiledSession:
     """Make ``model``'s training step fit ``memory`` at the smallest time cost, and return the handle.
 
     ``memory``: the device's memory for the whole step (parameters, gradients, optimizer state, buffers,
@@ -57,7 +61,11 @@ def fit(
     (``strategy="pgac"`` with ``activations=``). ``shapes=True`` (or a :class:`remat.Buckets`), with ``memory``
     and ``batch`` the largest batch the run will see: a plan per input shape within the same memory, switched
     before each forward's first block, and a batch no plan fits refused there (``on_overflow=``:
-    :class:`remat.ShapePlans`; ``docs/shapes.md``).
+    :class:`remat.ShapePlans`; ``docs/shapes.md``). ``compile=True`` (or a dict of ``backend``, ``mode``,
+    ``options``, ``dynamic``, ``budgets``, ``partition_budgets``, ``rounds``), with ``memory`` and ``batch``: the
+    fastest route whose whole step fits, among the eager plan, the whole model compiled under a fitted
+    ``activation_memory_budget`` and the plan on compiled blocks, measured head to head and set up in place
+    (``docs/compile.md``).
 
     The handle has ``plan``, ``costs``, ``stats``, ``describe()``, ``set_memory(...)`` and ``remove()``. Raises
     :class:`remat.BudgetError` where no plan fits, naming the least memory and what to do.
@@ -70,9 +78,38 @@ def fit(
     if memory is not None and activations is not None:
         raise ValueError("give memory (the whole step) or activations= (the activations alone), not both")
     spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, autocast=autocast)
+    _refuse_whole_model_compiled(model, compile)
+    if compile:
+        clock = options.pop("clock", None)
+        given = [name for name, value in (("activations=", activations), ("plan=", plan), ("costs=", costs),
+                                           ("options", options)) if value]  # fmt: skip
+        if memory is None or batch is None or given or strategy != "optimal":
+            raise ValueError(
+                "compile=True fits the whole step's memory with a sample batch: remat.fit(model, '22GiB', batch=..., "
+                f"compile=True), with no activations=, plan=, costs=, strategy or plan options (given: {given})"
+            )
+        compile_options = compile if isinstance(compile, dict) else {}
+        model._compiled_call_impl = None  # model.compile() undone: the fit compiles the route it chooses
+        return CompiledSession(model, memory, batch=batch, optimizer=optimizer, step=spec,
+                               compile_options=compile_options, clock=clock)  # fmt: skip
     arguments = dict(costs=costs, batch=batch, plan=plan, memory=memory, optimizer=optimizer, **options)
     if is_hugging_face(model):
         from .hf import enable
 
         return enable(model, strategy, activations, step=spec, **arguments)
     return RematSession(model, strategy, activations, step=spec, **arguments)
+
+
+def _refuse_whole_model_compiled(model: nn.Module, compile: bool | dict[str, Any]) -> None:
+    """A model compiled whole is never planned as if it ran eagerly: ``torch.compile``'s wrapper is refused (the
+    loop would call it, whatever route is chosen), and a model compiled in place needs ``compile=True``."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise ValueError(
+            "remat.fit was given torch.compile's wrapper: pass the model itself (wrapper._orig_mod) with "
+            "compile=True and train that model; remat compiles the route it chooses in place (docs/compile.md)"
+        )
+    if not compile and getattr(model, "_compiled_call_impl", None) is not None:
+        raise ValueError(
+            "the model is compiled (model.compile()): remat.fit(model, memory, batch=..., compile=True) fits it "
+            "on the faster of the compiled routes and the eager plan, set up in place (docs/compile.md)"
+        )

@@ -71,6 +71,17 @@ SYNC_MODES = (None, "local", "global")
 Blocks = Sequence[str] | Sequence[tuple[str, nn.Module]] | None
 
 
+def hf_flags_off(model: nn.Module) -> list[nn.Module]:
+    """Hugging Face's own checkpointing flag switched off, with one warning, on every module that has it on; the
+    modules are returned, for ``remove()`` to switch it back on."""
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if flagged:
+        log.warning(HF_FLAG_OFF)
+    for module in flagged:
+        module.gradient_checkpointing = False
+    return flagged
+
+
 def _refuse_compiled(chain: Sequence[tuple[str, nn.Module]]) -> None:
     compiled = [fqn for fqn, m in chain if getattr(m, "_compiled_call_impl", None) is not None]
     if compiled:
@@ -160,11 +171,7 @@ class RematSession:
             sync = "global" if distributed_world(process_group) > 1 else None
         self.model = model
         # Hugging Face's own checkpointing flag, on any door: switched off with one warning, back on at remove().
-        self._hf_flags = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-        if self._hf_flags:
-            log.warning(HF_FLAG_OFF)
-        for module in self._hf_flags:
-            module.gradient_checkpointing = False
+        self._hf_flags = hf_flags_off(model)
         try:
             self.strategy = strategy
             self.budget = budget

@@ -1,0 +1,128 @@
+"""The handle ``remat.fit(model, memory, batch=..., compile=True)`` returns: the fastest route whose whole step
+fits the memory, eager or compiled, set up on the model in place.
+
+The routes are :func:`remat.fitting.fit_memory_compiled`'s: remat's eager plan, ``torch.compile`` of the whole
+model under the ``activation_memory_budget`` fitted to the bytes, and remat's plan on compiled blocks with
+per-block partitions. The chosen route is set up so that the training loop keeps calling ``model``:
+
+* ``"eager"``: the plan applied to the plain blocks;
+* ``"blocks"``: the blocks compiled in place (``module.compile()``) with the plan applied;
+* ``"whole model"``: the model compiled in place (``model.compile()``) with the backend of the chosen budget.
+
+``remove()`` gives back the plain model (no plan, nothing compiled) and Hugging Face's flag where it was on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..chains import resolve_blocks, run_step
+from ..core import CostTable, StepSpec, autocast_spec
+from ..fitting import CompiledMemoryFit, fit_memory_compiled, uncompile_blocks
+from ..meters import model_device
+from ..planning import Plan
+from ..profiling import GradsRestored
+from ..runtime import RecomputeStats
+from .session import hf_flags_off
+
+COMPILE_OPTIONS = frozenset({"backend", "mode", "options", "dynamic", "budgets", "partition_budgets", "rounds"})
+
+
+class CompiledSession:
+    """What ``remat.fit(..., compile=True)`` set up: ``route``, ``plan`` (None on the whole model's route),
+    ``costs``, ``stats``, ``fitted`` (every route as measured), ``describe()`` and ``remove()``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        memory: int | str,
+        *,
+        batch: Any,
+        optimizer: torch.optim.Optimizer | None,
+        step: StepSpec,
+        compile_options: dict[str, Any],
+        clock: Any = None,
+    ) -> None:
+        unknown = set(compile_options) - COMPILE_OPTIONS
+        if unknown:
+            raise TypeError(f"compile= takes {sorted(COMPILE_OPTIONS)}, not {sorted(unknown)}")
+        self.model = model
+        self.memory = memory
+        self._chain = resolve_blocks(model, step.blocks)
+        self._hf_flags = hf_flags_off(model)
+        try:
+            timing = {} if clock is None else {"clock": clock}
+            self.fitted: CompiledMemoryFit = fit_memory_compiled(
+                model, batch, memory, optimizer=optimizer, step=step, **timing, **compile_options
+            )
+        except BaseException:
+            self._flags_on()
+            raise
+        compiled = self.fitted.compiled
+        self._handle = compiled.handle
+        if self.route == "whole model":
+            # In place, so that the loop keeps calling the model: the backend the fit measured for the budget,
+            # compiled now by one step (gradients and RNG put back), so that the time to plan counts it.
+            begun = time.perf_counter()
+            model.compile(backend=compiled.budgets.backends[compiled.budget], dynamic=compiled.budgets.dynamic)
+            device = model_device(model)
+            cpu = device.type == "cpu"
+            with GradsRestored(model), torch.random.fork_rng(devices=[] if cpu else None, device_type=device.type):
+                run_step(model, batch, step.loss_fn, autocast=autocast_spec(step.autocast, device.type),
+                         holds_output=step.holds_output)  # fmt: skip
+            self.fitted.seconds["compiling the model in place"] = time.perf_counter() - begun
+        self._removed = False
+
+    @property
+    def route(self) -> str:
+        """``"eager"``, ``"whole model"`` or ``"blocks"``."""
+        return self.fitted.route
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan on the blocks (eager or compiled); None where the whole model is compiled."""
+        return self.fitted.compiled.plan
+
+    @property
+    def costs(self) -> CostTable | None:
+        """The eager plan's profile, where an eager plan was made."""
+        eager = self.fitted.eager
+        return eager.costs if eager is not None else None
+
+    @property
+    def stats(self) -> RecomputeStats:
+        """Block re-executions in backward (none are counted where the whole model is compiled)."""
+        if self._handle is not None:
+            return self._handle.stats
+        return RecomputeStats([fqn for fqn, _ in self._chain])
+
+    @property
+    def removed(self) -> bool:
+        return self._removed
+
+    def describe(self) -> str:
+        """The route, the memory, what is fixed and every route as measured."""
+        return self.fitted.describe()
+
+    def remove(self) -> None:
+        """The plain model back: no plan, nothing compiled, Hugging Face's flag as it was."""
+        if self._removed:
+            return
+        if self._handle is not None:
+            self._handle.remove()
+        uncompile_blocks(self._chain)
+        self.model._compiled_call_impl = None
+        self._flags_on()
+        self._removed = True
+
+    def _flags_on(self) -> None:
+        for module in self._hf_flags:
+            module.gradient_checkpointing = True
+        self._hf_flags = []
+
+    def __repr__(self) -> str:
+        return f"CompiledSession(route={self.route!r}, memory={self.memory!r})"

@@ -1,0 +1,155 @@
+"""``remat.fit(model, memory, batch=..., compile=True)``: the fastest route whose whole step fits, among remat's
+eager plan, the whole model compiled under a fitted ``activation_memory_budget`` and remat's plan on compiled
+blocks, set up on the model in place; every route's whole step measured within the memory (the allocator's
+events, which see inside compiled code), gradients as the plain step's, ``remove()`` giving the plain model back.
+
+The backend is ``aot_eager_decomp_partition`` (torch's min-cut partitioner, which reads the budgets, without code
+generation), so each compilation takes a fraction of a second. Where a test needs one route to be the faster,
+its clock makes it so (without one, this backend's steps, which run decomposed operators without code
+generation, measure slower than the eager plan's, and the eager route is chosen)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from toy_models import resident_bytes
+
+import remat
+from remat.fitting import MemoryFitError
+from remat.runtime import owner_of
+
+COMPILE = {"backend": "aot_eager_decomp_partition", "budgets": (0.5,), "partition_budgets": (0.1,), "rounds": 2}
+X = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(6)])
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, list[torch.Tensor]]:
+    """One whole step, its peak read from the allocator's events plus what was resident, and its gradients."""
+    resident = resident_bytes(model, optimizer)
+    with remat.measure(allocations=True) as meter:
+        loss_fn(model(X)).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    return resident + meter.peak_bytes, grads
+
+
+@pytest.fixture(scope="module")
+def plain() -> tuple[int, list[list[torch.Tensor]]]:
+    """The plain eager step's whole peak once the optimizer's state exists, and two steps' gradients."""
+    model, optimizer = make()
+    (_, first), (peak, second) = train_step(model, optimizer), train_step(model, optimizer)
+    return peak, [first, second]
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return model._compiled_call_impl is not None or any(b._compiled_call_impl is not None for b in model)
+
+
+class EagerSteps:
+    """Steps read 1 s, and ``eager_s`` while remat's plan runs on plain blocks (the eager route)."""
+
+    def __init__(self, model: nn.Module, eager_s: float) -> None:
+        self.model, self.eager_s, self.now = model, eager_s, 0.0
+
+    def __call__(self) -> float:
+        eager = owner_of(self.model) is not None and not any(b._compiled_call_impl is not None for b in self.model)
+        self.now += self.eager_s if eager else 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("share, routes", [(0.9, {"whole model", "blocks"}), (0.7, {"blocks"})])
+def test_the_chosen_route_keeps_the_whole_step_within_memory(
+    plain: tuple[int, list[list[torch.Tensor]]], share: float, routes: set[str]
+) -> None:
+    memory = int(plain[0] * share)
+    model, optimizer = make()
+    handle = remat.fit(model, memory, batch=X, optimizer=optimizer, loss_fn=loss_fn, compile=COMPILE,
+                       clock=EagerSteps(model, 2.0))  # fmt: skip  # a compiled route measures faster
+    assert handle.route in routes, handle.describe()
+    assert is_compiled(model)  # set up in place: the loop keeps calling the model
+    assert {t.name for t in handle.fitted.compiled.trials} >= {"eager", "whole model", "blocks"}
+    for step in range(2):
+        peak, grads = train_step(model, optimizer)
+        assert peak <= memory * 1.02, (peak, memory, handle.describe())
+        for got, expected in zip(grads, plain[1][step], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    handle.remove()
+    assert not is_compiled(model) and owner_of(model) is None and not model[0]._forward_pre_hooks
+
+
+def test_the_eager_plan_is_chosen_where_it_measures_faster_with_exact_gradients(
+    plain: tuple[int, list[list[torch.Tensor]]],
+) -> None:
+    memory = int(plain[0] * 0.8)
+    model, optimizer = make()
+    handle = remat.fit(model, memory, batch=X, optimizer=optimizer, loss_fn=loss_fn, compile=COMPILE,
+                       clock=EagerSteps(model, 0.5))  # fmt: skip
+    assert handle.route == "eager" and handle.plan is not None, handle.describe()
+    assert handle.plan.action_counts() != "6 keep"
+    assert not is_compiled(model) and owner_of(model) is not None
+    for step in range(2):
+        peak, grads = train_step(model, optimizer)
+        assert peak <= memory * 1.02
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain[1][step], strict=True))  # eager: bitwise
+    assert sum(handle.stats.calls.values()) > 0
+    handle.remove()
+    assert owner_of(model) is None
+
+
+def test_where_no_route_fits_the_error_names_both_and_the_least(plain: tuple[int, list[list[torch.Tensor]]]) -> None:
+    model, optimizer = make()
+    with pytest.raises(MemoryFitError, match=r"no route fits .* Eager: .* Compiled: ") as caught:
+        remat.fit(model, int(plain[0] * 0.5), batch=X, optimizer=optimizer, loss_fn=loss_fn, compile=COMPILE)
+    assert caught.value.floor is not None and caught.value.floor > plain[0] * 0.5
+    assert not is_compiled(model) and owner_of(model) is None  # the model as it came
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"batch": None}, "with a sample batch"),
+        ({"memory": None, "activations": 0.5}, "no activations="),
+        ({"compile": {"bakend": "inductor"}}, r"compile= takes"),
+    ],
+)
+def test_compile_needs_memory_and_a_batch(arguments: dict[str, Any], message: str) -> None:
+    model, _ = make()
+    given = {"memory": "10MiB", "batch": X, "compile": True, **arguments}
+    memory = given.pop("memory")
+    with pytest.raises((ValueError, TypeError), match=message):
+        remat.fit(model, memory, **given)
+    assert not is_compiled(model)
+
+
+def test_a_model_compiled_whole_is_never_planned_as_if_eager() -> None:
+    model, optimizer = make()
+    with pytest.raises(ValueError, match=r"wrapper._orig_mod"):
+        remat.fit(torch.compile(model, backend="aot_eager"), "10MiB", batch=X, compile=True)
+    model.compile(backend="aot_eager")
+    with pytest.raises(ValueError, match=r"compile=True"):
+        remat.fit(model, "10MiB", batch=X, optimizer=optimizer, loss_fn=loss_fn)
+    handle = remat.fit(model, "10MiB", batch=X, optimizer=optimizer, loss_fn=loss_fn, compile=COMPILE)
+    assert handle.route in ("eager", "whole model", "blocks")
+    handle.remove()
