@@ -357,7 +357,9 @@ class RematSession:
                     "block's parameters after its forward). Make the plan before sharding: pass batch=<a sample "
                     "batch> or costs= (see remat.integrations.distributed.prepare)"
                 )
-            self._profiler = BlockProfiler(self.model, self._profiled, io=self.handle.io)
+            # The step runs with every block checkpointed: the profile reads its figures as such.
+            actions = list(self.handle.plan.actions.values())
+            self._profiler = BlockProfiler(self.model, self._profiled, io=self.handle.io, step_actions=actions)
             if self._engine_steps is not None:
                 self._engine_steps.allocate_bucket()  # DeepSpeed's buffer, not the step's activations
             self._profiler.__enter__()
