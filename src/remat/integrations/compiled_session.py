@@ -9,7 +9,8 @@ per-block partitions. The chosen route is set up so that the training loop keeps
 * ``"blocks"``: the blocks compiled in place (``module.compile()``) with the plan applied;
 * ``"whole model"``: the model compiled in place (``model.compile()``) with the backend of the chosen budget.
 
-``remove()`` gives back the plain model (no plan, nothing compiled) and Hugging Face's flag where it was on.
+``remove()`` gives back the plain model (no plan, nothing compiled) and Hugging Face's flag or Megatron-Core's
+recompute where it was on.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..meters import model_device
 from ..planning import Plan
 from ..profiling import GradsRestored
 from ..runtime import RecomputeStats
-from .session import hf_flags_off
+from .session import OwnRecomputeOff
 
 COMPILE_OPTIONS = frozenset({"backend", "mode", "options", "dynamic", "budgets", "partition_budgets", "rounds"})
 
@@ -53,7 +54,7 @@ class CompiledSession:
         self.model = model
         self.memory = memory
         self._chain = resolve_blocks(model, step.blocks)
-        self._hf_flags = hf_flags_off(model)
+        self._own_recompute = OwnRecomputeOff(model)
         try:
             timing = {} if clock is None else {"clock": clock}
             self.fitted: CompiledMemoryFit = fit_memory_compiled(
@@ -120,9 +121,7 @@ class CompiledSession:
         self._removed = True
 
     def _flags_on(self) -> None:
-        for module in self._hf_flags:
-            module.gradient_checkpointing = True
-        self._hf_flags = []
+        self._own_recompute.restore()
 
     def __repr__(self) -> str:
         return f"CompiledSession(route={self.route!r}, memory={self.memory!r})"

@@ -71,15 +71,40 @@ SYNC_MODES = (None, "local", "global")
 Blocks = Sequence[str] | Sequence[tuple[str, nn.Module]] | None
 
 
-def hf_flags_off(model: nn.Module) -> list[nn.Module]:
-    """Hugging Face's own checkpointing flag switched off, with one warning, on every module that has it on; the
-    modules are returned, for ``remove()`` to switch it back on."""
-    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if flagged:
-        log.warning(HF_FLAG_OFF)
-    for module in flagged:
-        module.gradient_checkpointing = False
-    return flagged
+MEGATRON_RECOMPUTE_OFF = (
+    "remat: Megatron-Core's recompute was on (config.recompute_granularity={!r}); remat switched it off (its plan "
+    "decides what is recomputed). remove() switches it back on."
+)
+
+
+class OwnRecomputeOff:
+    """Another library's own recomputation switched off on ``model``, with one warning each, and back on with
+    :meth:`restore`: Hugging Face's ``gradient_checkpointing`` flag on every module that has it on, and Megatron-Core's
+    ``config.recompute_granularity`` on every config its modules share (a plan on top of either would recompute the
+    blocks twice)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.hf_modules = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+        if self.hf_modules:
+            log.warning(HF_FLAG_OFF)
+        for module in self.hf_modules:
+            module.gradient_checkpointing = False
+        configs = {id(c): c for m in model.modules() if _megatron_recomputes(c := getattr(m, "config", None))}
+        self.megatron: list[tuple[Any, str]] = [(c, c.recompute_granularity) for c in configs.values()]
+        for config, granularity in self.megatron:
+            log.warning(MEGATRON_RECOMPUTE_OFF.format(granularity))
+            config.recompute_granularity = None
+
+    def restore(self) -> None:
+        for module in self.hf_modules:
+            module.gradient_checkpointing = True
+        for config, granularity in self.megatron:
+            config.recompute_granularity = granularity
+        self.hf_modules, self.megatron = [], []
+
+
+def _megatron_recomputes(config: Any) -> bool:
+    return getattr(config, "recompute_granularity", None) is not None and hasattr(config, "recompute_method")
 
 
 def _refuse_compiled(chain: Sequence[tuple[str, nn.Module]]) -> None:
@@ -171,7 +196,7 @@ class RematSession:
             sync = "global" if distributed_world(process_group) > 1 else None
         self.model = model
         # Hugging Face's own checkpointing flag, on any door: switched off with one warning, back on at remove().
-        self._hf_flags = hf_flags_off(model)
+        self._own_recompute = OwnRecomputeOff(model)
         try:
             self.strategy = strategy
             self.budget = budget
@@ -265,7 +290,7 @@ class RematSession:
 
                 self._global_hooks.append(register_optimizer_step_pre_hook(on_step))
         except BaseException:
-            self._restore_hf_flags()
+            self._restore_own_recompute()
             raise
 
     # ----- state -----
@@ -527,13 +552,11 @@ class RematSession:
             self.handle.remove()
         if getattr(self.model, "_remat_session", None) is self:
             del self.model._remat_session
-        self._restore_hf_flags()
+        self._restore_own_recompute()
         self._removed = True
 
-    def _restore_hf_flags(self) -> None:
-        for module in self._hf_flags:
-            module.gradient_checkpointing = True
-        self._hf_flags = []
+    def _restore_own_recompute(self) -> None:
+        self._own_recompute.restore()
 
     def _check_live(self) -> None:
         if self._removed:

@@ -1,0 +1,184 @@
+"""Megatron-Core's ``GPTModel`` under ``remat.fit``: its ``decoder.layers`` found and called with Megatron's
+keyword arguments, attention and hidden dropout drawn inside Megatron's RNG tracker replayed in recomputation
+(gradients bitwise those of no recompute over two training steps), the activations within the budget and the
+prediction, and Megatron's own recompute switched off with one warning and back on by ``remove()``.
+
+Megatron-Core targets GPUs; it runs here on the CPU with one gloo rank once three of its CUDA calls are mapped to
+the CPU, in this test only: ``torch.cuda.current_device()`` (where RoPE moves its frequencies), and the tracker's
+``_get_cuda_rng_state``/``_set_cuda_rng_state``, which then save and restore the CPU generator's state. Skipped,
+with the reason, where ``megatron-core`` does not install or import."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import remat
+from remat.planning import simulate
+
+try:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.transformer_config import TransformerConfig
+except Exception as err:  # ImportError, or its own errors where a dependency is missing
+    pytest.skip(f"megatron-core cannot be imported here ({type(err).__name__}: {err})", allow_module_level=True)
+
+SEQ, BATCH, VOCAB = 32, 4, 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_on_the_cpu(free_port: Callable[[], int]) -> Iterator[None]:
+    """One gloo rank and Megatron's model-parallel state of size 1; Megatron's CUDA calls mapped to the CPU."""
+    import torch.distributed as dist
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    patch.setattr(megatron_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    patch.setattr(megatron_random, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        patch.undo()
+
+
+def seed_tracker(seed: int) -> None:
+    """Megatron's tracker with its model-parallel state seeded (``model_parallel_cuda_manual_seed``'s work)."""
+    tracker = megatron_random.get_cuda_rng_tracker()
+    tracker.reset()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tracker.set_states({"model-parallel-rng": torch.get_rng_state()})  # a CPU state, as the mapping reads it
+
+
+def gpt(positions: str = "rope", **recompute: Any) -> GPTModel:
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                               attention_dropout=0.1, hidden_dropout=0.1, **recompute)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Apex is not installed": Megatron falls back to torch's norm
+        spec = get_gpt_layer_local_spec()
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type=positions)  # fmt: skip
+
+
+def batch(step: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+    causal = torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool).tril().logical_not()
+    return {"input_ids": ids, "position_ids": torch.arange(SEQ).expand(BATCH, -1), "attention_mask": causal,
+            "labels": ids}  # fmt: skip
+
+
+def loss_fn(per_token: torch.Tensor) -> torch.Tensor:
+    return per_token.float().mean()
+
+
+def train(model: GPTModel, steps: int = 2) -> list[list[torch.Tensor]]:
+    """``steps`` training steps, the RNG seeded once before the first (dropout draws as a run draws them)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(5)
+    seed_tracker(77)
+    grads = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Megatron: "CPU RNG state changed within GPU RNG context" (the mapping)
+        for step in range(steps):
+            loss_fn(model(**batch(step))).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+    return grads
+
+
+@pytest.fixture(scope="module", params=["rope", "learned_absolute"])
+def reference(request: pytest.FixtureRequest) -> tuple[str, list[list[torch.Tensor]]]:
+    return request.param, train(gpt(request.param))
+
+
+def bitwise(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    steps = zip(a, b, strict=True)
+    return all(torch.equal(x, y) for step_a, step_b in steps for x, y in zip(step_a, step_b, strict=True))
+
+
+@pytest.mark.parametrize("how", ["full", "optimal", "attention_saveable"])
+def test_gradients_are_bitwise_those_of_no_recompute_with_dropout(
+    reference: tuple[str, list[list[torch.Tensor]]], how: str
+) -> None:
+    positions, expected = reference
+    model = gpt(positions)
+    layers = [f"decoder.layers.{i}" for i in range(4)]
+    if how == "optimal":
+        seed_tracker(77)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handle = remat.fit(model, activations=0.5, batch=batch(99), loss_fn=loss_fn)
+        assert [f for f, _ in handle.handle.blocks] == layers  # Megatron's decoder layers, found
+        assert handle.plan.action_counts() != "4 keep"
+    else:
+        # (dots_saveable and all_but_pointwise_saveable save a matmul output Megatron's layers then change in place:
+        # remat.profile leaves them out of the layers' costs, and a plan naming them is refused in the backward)
+        action = "checkpoint" if how == "full" else f"selective:{how}"
+        handle = remat.apply(model, remat.Plan(dict.fromkeys(layers, action)))
+    assert bitwise(train(model), expected)
+    assert sum(handle.stats.calls.values()) > 0  # the layers were recomputed
+    handle.remove()
+
+
+def optimal_run() -> tuple[list[int], remat.Plan, int]:
+    model = gpt()
+    seed_tracker(77)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        costs = remat.profile(model, batch(99), loss_fn=loss_fn)
+        plan = remat.plan(costs, "optimal", budget=0.5)
+        handle = remat.apply(model, plan)
+        peaks = []
+        for step in range(2):
+            with remat.measure() as meter:
+                loss_fn(model(**batch(step))).backward()
+            model.zero_grad(set_to_none=True)
+            peaks.append(meter.peak_bytes)
+    handle.remove()
+    return peaks, plan, simulate(costs, plan.actions).peak_bytes
+
+
+def test_the_activations_stay_within_the_budget() -> None:
+    peaks, plan, _ = optimal_run()
+    assert plan.budget_bytes is not None and max(peaks) <= plan.budget_bytes, (peaks, plan.budget_bytes)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the simulator under-predicts recomputed Megatron layers: every layer checkpointed measures 1.76 MB "
+    "against 1.16 MB predicted (keep-all within 3%); the peak stays within the budget",
+)
+def test_the_activations_equal_the_prediction_within_5_percent() -> None:
+    peaks, _, predicted = optimal_run()
+    assert abs(max(peaks) - predicted) <= 0.05 * predicted, (peaks, predicted)
+
+
+def test_megatrons_own_recompute_is_switched_off_with_one_warning_and_back_on_by_remove(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    expected = train(gpt())
+    model = gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    with pytest.raises(RuntimeError, match="Megatron-Core's recompute"):
+        remat.profile(model, batch(99), loss_fn=loss_fn)  # the plain calls say what to do
+    seed_tracker(77)
+    with caplog.at_level(logging.WARNING, logger="remat"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = remat.fit(model, activations=0.5, batch=batch(99), loss_fn=loss_fn)
+    assert sum("Megatron-Core's recompute was on" in r.message for r in caplog.records) == 1
+    assert model.config.recompute_granularity is None
+    assert bitwise(train(model), expected)
+    handle.remove()
+    assert model.config.recompute_granularity == "full"
