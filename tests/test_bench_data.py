@@ -226,3 +226,16 @@ def test_load_dataset_for_rejects_a_mismatched_vocabulary():
     spec = build_model("gpt2", "tiny", vocab_size=257)
     with pytest.raises(ValueError, match="positions"):
         D.load_dataset_for(spec, seq_len=512, batch_size=2, tokenizer="bytes")
+
+
+def test_byte_tokens_asked_for_say_that_gpt2s_vocabulary_is_installed() -> None:
+    from remat.bench.data_sources import DataUnavailableError, bpe_vocab_file
+    from remat.bench.tokenizers import pick_tokenizer
+
+    try:
+        bpe_vocab_file()
+    except DataUnavailableError:
+        assert pick_tokenizer("bytes") == ("bytes", "")
+        return
+    name, note = pick_tokenizer("bytes")
+    assert name == "bytes" and "--tokenizer bpe" in note and "installed" in note

@@ -153,3 +153,10 @@ def test_a_model_compiled_whole_is_never_planned_as_if_eager() -> None:
     handle = remat.fit(model, "10MiB", batch=X, optimizer=optimizer, loss_fn=loss_fn, compile=COMPILE)
     assert handle.route in ("eager", "whole model", "blocks")
     handle.remove()
+    for block in model:  # compiled blocks: refused without compile=True, fitted with it
+        block.compile(backend="aot_eager")
+    with pytest.raises(RuntimeError, match=r"compile=True"):
+        remat.fit(model, "10MiB", batch=X, optimizer=optimizer, loss_fn=loss_fn)
+    handle = remat.fit(model, "10MiB", batch=X, optimizer=optimizer, loss_fn=loss_fn, compile=COMPILE)
+    assert handle.route in ("eager", "whole model", "blocks")
+    handle.remove()

@@ -265,6 +265,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     try:
         for spec, seed in pending:
             job = job_for(config, spec, seed, layers, budget)
+            bar.set_postfix(loss="-", refresh=False)  # not the previous run's loss on this run's first step
             bar.set_description(f"{spec.label} seed {seed}")
             run = run_one(job, spec, costs_by_seed[seed], steps_writer, bar, out, config)
             runs_writer.write(run)

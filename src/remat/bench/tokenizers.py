@@ -64,7 +64,14 @@ def pick_tokenizer(tokenizer: str) -> tuple[str, str]:
     if tokenizer not in ("auto", "bpe", "bytes"):
         raise ValueError(f"tokenizer must be 'auto', 'bpe' or 'bytes'; got {tokenizer!r}")
     if tokenizer == "bytes":
-        return "bytes", ""
+        try:
+            bpe_vocab_file()
+        except DataUnavailableError:
+            return "bytes", ""
+        return "bytes", (
+            "byte-level tokens as asked (GPT-2's vocabulary is installed: --tokenizer bpe uses it; with tiny models "
+            "its 50k-token logits, not the blocks, dominate activation memory)"
+        )
     try:
         bpe_vocab_file()
     except DataUnavailableError as err:

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..chains import resolve_blocks
 from ..core import AutocastArg, BlocksArg, CostTable, StepSpec
+from ..fitting import uncompile_blocks
 from ..planning import Plan
 from .compiled_session import CompiledSession
 from .session import RematSession
@@ -89,7 +91,9 @@ def fit(
                 f"compile=True), with no activations=, plan=, costs=, strategy or plan options (given: {given})"
             )
         compile_options = compile if isinstance(compile, dict) else {}
-        model._compiled_call_impl = None  # model.compile() undone: the fit compiles the route it chooses
+        # model.compile() and compiled blocks undone: the fit compiles the route it chooses
+        model._compiled_call_impl = None
+        uncompile_blocks(resolve_blocks(model, spec.blocks))
         return CompiledSession(model, memory, batch=batch, optimizer=optimizer, step=spec,
                                compile_options=compile_options, clock=clock)  # fmt: skip
     arguments = dict(costs=costs, batch=batch, plan=plan, memory=memory, optimizer=optimizer, **options)

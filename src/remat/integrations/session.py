@@ -112,7 +112,9 @@ def _refuse_compiled(chain: Sequence[tuple[str, nn.Module]]) -> None:
     if compiled:
         raise RuntimeError(
             f"blocks {compiled} are compiled (module.compile()): remat's profiler would make dynamo run them "
-            "eagerly from then on. Profile before compiling and pass costs=, or give batch= before compiling"
+            "eagerly from then on. remat.fit(model, memory, batch=..., compile=True) fits the compiled routes and "
+            "the eager plan and compiles the faster in place; or profile before compiling and pass costs=, or give "
+            "batch= before compiling"
         )
 
 
