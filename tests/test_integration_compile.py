@@ -127,10 +127,10 @@ def test_sessions_refuse_to_profile_compiled_blocks() -> None:
     model = chain()
     session = RematSession(model, "full")  # the plan would come from profiling the first step
     remat_compile.compile_blocks(model, backend="aot_eager")
-    with pytest.raises(RuntimeError, match="Profile before compiling"):
+    with pytest.raises(RuntimeError, match="profile before compiling"):
         model(X)
     session.remove()
-    with pytest.raises(RuntimeError, match="Profile before compiling"):
+    with pytest.raises(RuntimeError, match="profile before compiling"):
         RematSession(model, "full", batch=X)
     assert not hasattr(model, "_remat_handle")
 
