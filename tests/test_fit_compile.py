@@ -160,3 +160,26 @@ def test_a_model_compiled_whole_is_never_planned_as_if_eager() -> None:
     handle = remat.fit(model, "10MiB", batch=X, optimizer=optimizer, loss_fn=loss_fn, compile=COMPILE)
     assert handle.route in ("eager", "whole model", "blocks")
     handle.remove()
+
+
+def test_compilations_are_one_per_whole_model_budget_and_one_per_block_structure_and_partition() -> None:
+    """Six identical blocks share their graphs; each whole-model fraction and each partition budget adds one."""
+    from torch._dynamo.utils import counters
+
+    def graphs(budgets: tuple[float, ...], partitions: tuple[float, ...]) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        model, optimizer = make()
+        options = {**COMPILE, "budgets": budgets, "partition_budgets": partitions}
+        handle = remat.fit(model, int(3.8e6), batch=X, optimizer=optimizer, loss_fn=loss_fn, compile=options,
+                           clock=EagerSteps(model, 2.0))  # fmt: skip
+        handle.remove()
+        return counters["stats"]["unique_graphs"]
+
+    base = graphs((0.5,), (0.1,))
+    # the whole model unbudgeted and at 0.5; the blocks' own graph and their 0.1 partition, each once for the first
+    # block (an input without grad) and once for the others; no graph per block
+    assert base <= 2 + 2 * 2 + 1, base
+    assert graphs((0.3, 0.5), (0.1,)) == base + 1
+    assert graphs((0.5,), (0.1, 0.25)) == base + 1
+    torch._dynamo.reset()
