@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from toy_models import resident_bytes
 
 import remat
 from remat.planning import simulate
@@ -133,13 +134,13 @@ def test_gradients_are_bitwise_those_of_no_recompute_with_dropout(
     handle.remove()
 
 
-def optimal_run() -> tuple[list[int], remat.Plan, int]:
+def optimal_run(share: float) -> tuple[list[int], remat.Plan, int]:
     model = gpt()
     seed_tracker(77)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         costs = remat.profile(model, batch(99), loss_fn=loss_fn)
-        plan = remat.plan(costs, "optimal", budget=0.5)
+        plan = remat.plan(costs, "optimal", budget=share)
         handle = remat.apply(model, plan)
         peaks = []
         for step in range(2):
@@ -151,19 +152,75 @@ def optimal_run() -> tuple[list[int], remat.Plan, int]:
     return peaks, plan, simulate(costs, plan.actions).peak_bytes
 
 
-def test_the_activations_stay_within_the_budget() -> None:
-    peaks, plan, _ = optimal_run()
+def test_the_activations_stay_within_the_budget_at_half() -> None:
+    peaks, plan, _ = optimal_run(0.5)
     assert plan.budget_bytes is not None and max(peaks) <= plan.budget_bytes, (peaks, plan.budget_bytes)
+
+
+UNDER_PREDICTED = (
+    "the simulator under-predicts recomputed Megatron layers: every layer checkpointed measures 1.76 MB against "
+    "1.16 MB predicted (keeping every layer, within 3%), so below half of the activations a plan measures over its "
+    "budget; remat.fit(model, memory, batch=...) measures whole steps and holds the memory"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=UNDER_PREDICTED)
+def test_the_activations_stay_within_a_budget_of_0_4() -> None:
+    peaks, plan, _ = optimal_run(0.4)
+    assert plan.budget_bytes is not None and max(peaks) <= plan.budget_bytes, (peaks, plan.budget_bytes)
+
+
+@pytest.mark.xfail(strict=True, reason=UNDER_PREDICTED)
+def test_the_activations_equal_the_prediction_within_5_percent() -> None:
+    peaks, _, predicted = optimal_run(0.5)
+    assert abs(max(peaks) - predicted) <= 0.05 * predicted, (peaks, predicted)
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the simulator under-predicts recomputed Megatron layers: every layer checkpointed measures 1.76 MB "
-    "against 1.16 MB predicted (keep-all within 3%); the peak stays within the budget",
+    raises=torch.utils.checkpoint.CheckpointError,
+    reason="a memory-poor group of Megatron layers fails in the backward: a tensor saved in the recomputation has "
+    "other metadata than in the forward (torch's CheckpointError)",
 )
-def test_the_activations_equal_the_prediction_within_5_percent() -> None:
-    peaks, _, predicted = optimal_run()
-    assert abs(max(peaks) - predicted) <= 0.05 * predicted, (peaks, predicted)
+def test_a_memory_poor_group_of_megatron_layers_is_exact(reference: tuple[str, list[list[torch.Tensor]]]) -> None:
+    positions, expected = reference
+    model = gpt(positions)
+    layers = [f"decoder.layers.{i}" for i in range(4)]
+    handle = remat.apply(model, remat.Plan({**dict.fromkeys(layers[:3], "memory_poor:0"), layers[3]: "keep"}))
+    try:
+        assert bitwise(train(model), expected)
+    finally:
+        handle.remove()
+
+
+def test_the_front_door_holds_the_whole_steps_memory() -> None:
+    """remat.fit with memory= measures whole steps, so the prediction's miss cannot take the step over it."""
+    plain = gpt()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    seed_tracker(77)
+
+    def whole_step(model: GPTModel, optimizer: torch.optim.Optimizer, step: int) -> int:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            resident = resident_bytes(model, optimizer)
+            with remat.measure() as meter:
+                loss_fn(model(**batch(step))).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        return resident + meter.peak_bytes
+
+    whole_step(plain, optimizer, 0)
+    memory = int(whole_step(plain, optimizer, 1) * 0.6)
+    model = gpt()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seed_tracker(77)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = remat.fit(model, memory, batch=batch(99), optimizer=optimizer, loss_fn=loss_fn)
+    assert handle.plan.action_counts() != "4 keep"
+    peaks = [whole_step(model, optimizer, step) for step in range(2)]
+    assert max(peaks) <= memory * 1.02, (peaks, memory, handle.describe())
+    handle.remove()
 
 
 def test_megatrons_own_recompute_is_switched_off_with_one_warning_and_back_on_by_remove(
