@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 from toy_models import (
     MLPChain,
     assert_same_step,
@@ -490,3 +491,32 @@ def test_a_plan_naming_the_blocks_in_another_order_runs_reordered_and_a_split_gr
         remat.apply(model, split)
     with pytest.raises(ValueError, match=r"gives no action for blocks \['3'\]"):
         remat.apply(model, Plan({"0": "keep", "1": "keep", "2": "keep"}))
+
+
+def test_a_memory_poor_group_of_blocks_that_turn_grad_back_on_is_exact() -> None:
+    """Megatron-Core's layers run bias-dropout-add under torch.enable_grad(): the group's re-runs that rebuild a
+    block's input must still store nothing (Note [2]), or torch finds other saved tensors in the recomputation."""
+
+    class GradOnInside(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16, bias=False)
+            self.bias, self.scale = nn.Parameter(torch.randn(16)), nn.Parameter(torch.randn(16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            with torch.enable_grad():  # the parameters make these ops save tensors even on a rebuilt input
+                return x + torch.tanh(h + self.bias) * self.scale
+
+    def grads(plan: dict[str, str] | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[GradOnInside() for _ in range(4)])
+        handle = remat.apply(model, remat.Plan(plan)) if plan else None
+        model(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+        if handle is not None:
+            handle.remove()
+        return [p.grad for p in model.parameters()]
+
+    expected = grads(None)
+    got = grads({"0": "memory_poor:0", "1": "memory_poor:0", "2": "memory_poor:0", "3": "keep"})
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))

@@ -96,9 +96,11 @@ from .recompute_stats import RecomputeStats
 # Note [2] Memory-poor groups.
 # A memory-poor group stores only its input. Each block has a frame of its own whose only input is the group's
 # input; recomputing block m re-runs blocks start..m-1 under no_grad from it (storing nothing), then block m with
-# grad on its rebuilt input, detached. While the group's forward runs, self._memory_poor holds the group's input, the
-# records so far and the last output; it is dropped when the group's last block closes. As in Note [1], each
-# block must receive the previous block's output.
+# grad on its rebuilt input, detached. "Storing nothing" holds even for code that turns grad back on inside a block
+# (Megatron-Core runs bias-dropout-add under torch.enable_grad()): the re-runs pack what they save into nothing,
+# under saved-tensor hooks of their own, so that block m's frame sees only block m's saved tensors. While the
+# group's forward runs, self._memory_poor holds the group's input, the records so far and the last output; it is
+# dropped when the group's last block closes. As in Note [1], each block must receive the previous block's output.
 #
 # Note [3] RNG replay.
 # A recomputation must draw the random numbers the forward drew (dropout), or gradients differ from a step
@@ -511,7 +513,7 @@ class RematHandle:
         def recompute(group_input: torch.Tensor) -> None:
             with self._recomputing(), Forked(record.rng.devices, record.rng.device_type):
                 current = group_input
-                with torch.no_grad():
+                with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(_store_nothing, _stored_nothing):
                     for rec in previous:
                         current = self._run_block(rec, current)
                 current = current.detach().requires_grad_(record.requires_grad)
@@ -520,6 +522,15 @@ class RematHandle:
         self._open[p] = region
         region.uncache_casts()  # Note [7]
         region.generator = open_checkpoint_frame(recompute, noop_context_fn, group["input"])
+
+
+def _store_nothing(_: torch.Tensor) -> None:
+    """Note [2]: what a re-run that only rebuilds the next block's input saves is dropped."""
+    return None
+
+
+def _stored_nothing(_: None) -> torch.Tensor:
+    raise RuntimeError("remat: a memory-poor group's rebuilt input was used in the backward (Note [2])")
 
 
 def apply(
