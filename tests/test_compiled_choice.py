@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from toy_models import GeluBlock
 
 import remat
 from remat.fitting import compile_blocks, compiled_choice, fit_compiled, trial, uncompile_blocks
@@ -30,18 +31,9 @@ X = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
 WHOLE_BUDGETS = (0.5,)  # the whole model's least peak then stays near 0.76 of its unbudgeted one
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[Block() for _ in range(6)])
+    return nn.Sequential(*[GeluBlock() for _ in range(6)])
 
 
 def _compiled(model: nn.Module) -> list[bool]:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from toy_models import resident_bytes
+from toy_models import GeluBlock, resident_bytes
 
 import remat
 from remat.fitting import MemoryFitError
@@ -25,18 +25,9 @@ COMPILE = {"backend": "aot_eager_decomp_partition", "budgets": (0.5,), "partitio
 X = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
 def make() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = nn.Sequential(*[Block() for _ in range(6)])
+    model = nn.Sequential(*[GeluBlock() for _ in range(6)])
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 

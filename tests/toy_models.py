@@ -32,6 +32,17 @@ class MLPBlock(nn.Module):
         return x + y if self.residual else y
 
 
+class GeluBlock(nn.Module):
+    """A residual 64 -> 256 -> 64 MLP with GELU, as the compiled-route tests compile it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
 class MLPChain(nn.Module):
     """An input projection, a ``nn.Sequential`` chain of :class:`MLPBlock` and a scalar head.
 
