@@ -190,10 +190,11 @@ ZERO1 = {
 }
 
 
-def wide_engine() -> Any:
+def wide_engine(stage: int = 1) -> Any:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 128), *[Wide() for _ in range(6)], nn.Linear(128, 4))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ZERO1)
+    config = {**ZERO1, "zero_optimization": {**ZERO1["zero_optimization"], "stage": stage}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 
@@ -255,13 +256,13 @@ def zero1_plain() -> tuple[int, list[float], list[torch.Tensor]]:
     return max(peaks), losses, [p.detach().clone() for p in engine.module.parameters()]
 
 
-@pytest.mark.parametrize("share", [0.9, 0.75])
-def test_remat_fit_on_a_zero1_engine_keeps_the_whole_step_within_memory_exactly(
-    zero1_plain: tuple[int, list[float], list[torch.Tensor]], share: float
+@pytest.mark.parametrize("share, stage", [(0.9, 1), (0.75, 1), (0.75, 2)])
+def test_remat_fit_on_a_zero_engine_keeps_the_whole_step_within_memory_exactly(
+    zero1_plain: tuple[int, list[float], list[torch.Tensor]], share: float, stage: int
 ) -> None:
-    plain, plain_losses, plain_weights = zero1_plain
+    plain, plain_losses, plain_weights = zero1_plain  # ZeRO-2 on one rank holds what ZeRO-1 holds
     memory = int(plain * share)
-    engine = wide_engine()
+    engine = wide_engine(stage)
     session = remat.fit(engine, memory, batch=WIDE_BATCH, loss_fn=lambda out: out.square().mean())
     assert session.model is engine.module and session.plan.action_counts() != "6 keep"
     parts = session.fitted.fixed.parts()
@@ -286,6 +287,8 @@ def test_remat_fit_on_a_zero1_engine_refuses_what_nothing_fits_naming_deepspeeds
     assert losses == zero1_plain[1][:1]
     with pytest.raises(ValueError, match="pass batch="):
         remat.fit(engine, int(zero1_plain[0] * 0.8))
+    with pytest.raises(ValueError, match="at stage 0 DeepSpeed takes only engine.backward"):
+        remat.fit(wide_engine(stage=0), int(zero1_plain[0] * 0.8), batch=WIDE_BATCH)
 
 
 def gpt2_engine(torch_adam: bool) -> tuple[Any, Any]:

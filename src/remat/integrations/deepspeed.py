@@ -6,7 +6,7 @@
 * :func:`patched`: inside ``with patched():`` the name ``deepspeed.checkpointing.checkpoint``, which
   Megatron-DeepSpeed-style model code calls, is remat's function (code that imported the function itself
   with ``from deepspeed.checkpointing import checkpoint`` before keeps DeepSpeed's).
-* ``remat.fit(engine, "22GiB", batch=sample)`` after ``deepspeed.initialize`` (ZeRO stages 0-2): the plan goes
+* ``remat.fit(engine, "22GiB", batch=sample)`` after ``deepspeed.initialize`` (ZeRO stages 1 and 2): the plan goes
   on the model the engine holds, and whole steps are measured through the engine (:class:`EngineSteps`), so its
   reduce bucket, gradient partitions, float32 parameter copies and optimizer state count in the memory. A plan
   made otherwise (:func:`remat.apply`, ``activations=``) goes on the model before ``deepspeed.initialize``.
@@ -84,6 +84,11 @@ class EngineSteps:
     def __init__(self, engine: nn.Module) -> None:
         self.module = engine
         self._zero = engine.optimizer if hasattr(engine.optimizer, "_coalesce_grad_reduction") else None
+
+    @property
+    def zero(self) -> bool:
+        """Whether the engine runs a ZeRO optimizer (stages 1 and 2), whose steps the fit can run."""
+        return self._zero is not None
 
     def allocate_bucket(self) -> None:
         """Allocate ZeRO's reduce bucket now, before a first training step is profiled, so that the profile does

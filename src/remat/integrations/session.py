@@ -190,6 +190,8 @@ class RematSession:
         if self.engine is not None:
             if memory is not None and batch is None and plan is None and costs is None:
                 raise ValueError(DEEPSPEED_NEEDS_BATCH)
+            if memory is not None and self._engine_steps is not None and not self._engine_steps.zero:
+                raise ValueError(DEEPSPEED_STAGE_0)
             optimizer = optimizer if optimizer is not None else self.engine.optimizer
             model = self.engine.module
         if sync not in SYNC_MODES:
@@ -606,6 +608,13 @@ def is_sharded(model: nn.Module) -> bool:
 DEEPSPEED_NEEDS_BATCH = (
     "remat.fit(engine, memory) measures whole steps through the DeepSpeed engine (its buckets and float32 copies "
     "count) before training: pass batch=<a sample batch>, or give activations= to profile the first step instead"
+)
+
+
+DEEPSPEED_STAGE_0 = (
+    "remat.fit(engine, memory) measures steps through a ZeRO engine (stages 1 and 2); at stage 0 DeepSpeed takes "
+    "only engine.backward(loss). Plan the model before deepspeed.initialize instead: remat.fit(model, memory, "
+    "batch=..., optimizer=...), as for DDP"
 )
 
 
