@@ -20,6 +20,8 @@ already there, so an interrupted run resumes.
 
 With ``--predict FILE`` it instead takes one fresh profile per model and depth and sets plans' predicted steps
 against their measured ones (:func:`prediction_rows`): what the profile's fewer steps read, checked on the step.
+With ``--compile FILE`` it times ``remat.fit(..., compile=...)``'s first planned step next to ``torch.compile``'s
+own first step (:func:`compile_rows`; ``--backend``, inductor by default).
 """
 
 from __future__ import annotations
@@ -153,6 +155,61 @@ def prediction_rows(name: str, layers: int, args: argparse.Namespace) -> list[di
     return rows
 
 
+def compile_rows(name: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Time to the first planned step with ``remat.fit(..., compile=...)`` next to ``torch.compile``'s own first step.
+
+    The memory is what is resident (parameters) plus ``--budget`` of the plain step's own peak (activations and
+    gradients). ``torch.compile(model)`` (no budget) is timed from the call to the end of its first step, then its
+    steps (median of three); ``remat.fit`` from the call to the end of the first training step after it (the
+    fit compiles and measures every route first), then its steps. Both in plain eager steps."""
+    from remat.meters import measure as measure_memory
+
+    def fresh() -> nn.Module:
+        return build(name, layers, args.hidden, args.seq, args.vocab)
+
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    model = fresh()
+    step = plain_step_s(model, batch)
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    with measure_memory() as meter:
+        run_step(model, batch)
+    memory = int(resident + args.budget * meter.peak_bytes)
+
+    def steps(module: nn.Module) -> float:
+        return plain_step_s(module, batch)
+
+    backend = {"backend": args.backend}
+    compiled = torch.compile(fresh(), **backend)
+    start = time.perf_counter()
+    run_step(compiled, batch)
+    compile_first = time.perf_counter() - start
+    compiled_step = steps(compiled)
+    torch._dynamo.reset()
+    model = fresh()
+    start = time.perf_counter()
+    handle = remat.fit(model, memory, batch=batch, compile=dict(backend, rounds=3))
+    run_step(model, batch)
+    fit_first = time.perf_counter() - start
+    fit_step = steps(model)
+    row = {
+        "model": name, "layers": layers, "batch": f"{args.batch}x{args.seq}", "backend": args.backend,
+        "plain_step_s": step, "memory": memory, "torch_compile_first_s": compile_first,
+        "torch_compile_step_s": compiled_step, "fit_first_s": fit_first, "fit_step_s": fit_step,
+        "route": handle.route, "plan": handle.plan.action_counts() if handle.plan is not None else None,
+        "seconds": handle.fitted.seconds,
+    }  # fmt: skip
+    handle.remove()
+    torch._dynamo.reset()
+    print(
+        f"  {name} {layers}: torch.compile first step {compile_first / step:.1f} plain steps, then "
+        f"{compiled_step / step:.2f}x; remat.fit(compile) first step {fit_first / step:.1f} plain steps "
+        f"({handle.route}), then {fit_step / step:.2f}x",
+        flush=True,
+    )
+    return row
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | blocks | plain step | profile + plan, in plain steps (median [min-max]) | segments priced | "
@@ -187,8 +244,20 @@ def main() -> None:
     parser.add_argument(
         "--predict", type=Path, default=None, help="instead: plans' predicted against measured steps, to this file"
     )
+    parser.add_argument(
+        "--compile", type=Path, default=None,
+        help="instead: remat.fit(compile=...)'s first step next to torch.compile's, rows appended to this file",
+    )  # fmt: skip
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend for --compile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.compile is not None:
+        args.compile.parent.mkdir(parents=True, exist_ok=True)
+        for name in args.models.split(","):
+            for layers in [int(n) for n in args.layers.split(",")]:
+                with args.compile.open("a") as f:
+                    f.write(json.dumps(compile_rows(name, layers, args)) + "\n")
+        return
     if args.predict is not None:
         rows = [row for name in args.models.split(",") for layers in [int(n) for n in args.layers.split(",")]
                 for row in prediction_rows(name, layers, args)]  # fmt: skip
