@@ -174,3 +174,20 @@ def test_compilations_are_one_per_whole_model_budget_and_one_per_block_structure
     assert graphs((0.3, 0.5), (0.1,)) == base + 1
     assert graphs((0.5,), (0.1, 0.25)) == base + 1
     torch._dynamo.reset()
+
+
+def test_a_hugging_face_model_trains_without_its_cache_and_flag_and_gets_them_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from toy_models import tiny_gpt2
+
+    model = tiny_gpt2(n_layer=2, n_embd=32, seed=0)
+    model.config.use_cache = True
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING", logger="remat"):
+        handle = remat.fit(model, "64MiB", batch={"input_ids": ids, "labels": ids}, compile=COMPILE)
+    assert model.config.use_cache is False and not model.transformer.gradient_checkpointing
+    assert sum("gradient checkpointing was on" in r.message for r in caplog.records) == 1
+    handle.remove()
+    assert model.config.use_cache is True and model.transformer.gradient_checkpointing

@@ -9,8 +9,8 @@ per-block partitions. The chosen route is set up so that the training loop keeps
 * ``"blocks"``: the blocks compiled in place (``module.compile()``) with the plan applied;
 * ``"whole model"``: the model compiled in place (``model.compile()``) with the backend of the chosen budget.
 
-``remove()`` gives back the plain model (no plan, nothing compiled) and Hugging Face's flag or Megatron-Core's
-recompute where it was on.
+``remove()`` gives back the plain model (no plan, nothing compiled), Hugging Face's flag and ``use_cache`` or
+Megatron-Core's recompute where they were on.
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ class CompiledSession:
         self.memory = memory
         self._chain = resolve_blocks(model, step.blocks)
         self._own_recompute = OwnRecomputeOff(model)
+        # Hugging Face's KV cache in a training step is memory no plan recomputes: off, as the HF door does.
+        self._config = getattr(model, "config", None)
+        self._use_cache = getattr(self._config, "use_cache", None)
+        if self._use_cache:
+            self._config.use_cache = False
         try:
             timing = {} if clock is None else {"clock": clock}
             self.fitted: CompiledMemoryFit = fit_memory_compiled(
@@ -122,6 +127,8 @@ class CompiledSession:
 
     def _flags_on(self) -> None:
         self._own_recompute.restore()
+        if self._use_cache:
+            self._config.use_cache = self._use_cache
 
     def __repr__(self) -> str:
         return f"CompiledSession(route={self.route!r}, memory={self.memory!r})"
