@@ -33,6 +33,7 @@ import torch
 import remat
 from remat.chains import ratios_to_first
 from remat.integrations.distributed import free_port
+from remat.meters import held_bytes
 
 os.environ.setdefault("REMAT_CACHE_DIR", "off")
 BUCKET = 5_000_000
@@ -61,34 +62,10 @@ def batch(step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def held_bytes(root: Any) -> int:
-    """Every tensor storage reachable from ``root`` through attributes, containers and modules, each once."""
-    seen: set[int] = set()
-    storages: dict[int, int] = {}
-    pending = [root]
-    while pending:
-        obj = pending.pop()
-        if id(obj) in seen or isinstance(obj, str | bytes | int | float | bool | type(None)):
-            continue
-        seen.add(id(obj))
-        if torch.is_tensor(obj):
-            if obj.device.type == "cpu":
-                storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-            if obj.grad is not None:
-                pending.append(obj.grad)
-        elif isinstance(obj, dict):
-            pending += [*obj.keys(), *obj.values()]
-        elif isinstance(obj, list | tuple | set | frozenset):
-            pending += list(obj)
-        elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("deepspeed", "torch", "transformers"):
-            pending += list(vars(obj).values())
-    return sum(storages.values())
-
-
 def train_step(made: Any, step: int) -> tuple[int, float]:
     """One step measured whole: what the engine holds, plus the step's peak; and its loss."""
     torch.manual_seed(100 + step)
-    resident = held_bytes(made)
+    resident = held_bytes(made, through=("deepspeed", "torch", "transformers"))
     with remat.measure() as meter:
         loss = made(**batch(step)).loss
         made.backward(loss)

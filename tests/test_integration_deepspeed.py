@@ -14,6 +14,7 @@ from torch import nn
 
 import remat
 from remat.integrations import deepspeed as remat_ds
+from remat.meters import held_bytes
 
 try:
     import deepspeed
@@ -181,6 +182,7 @@ class Wide(nn.Module):
 
 
 WIDE_BATCH = torch.randn(1024, 32, generator=torch.Generator().manual_seed(3))
+THROUGH = ("deepspeed", "torch", "transformers")  # whose objects' attributes hold the engine's tensors
 BUCKET = 1_000_000  # reduce_bucket_size in elements: a 4 MB float32 bucket, allocated in every backward
 ZERO1 = {
     "train_micro_batch_size_per_gpu": 1024,
@@ -198,48 +200,13 @@ def wide_engine(stage: int = 1) -> Any:
     return engine
 
 
-def held_bytes(root: Any) -> int:
-    """Every tensor storage reachable from ``root`` through attributes, containers and modules, each once: what
-    the engine holds between steps (parameters, DeepSpeed's float32 copies, gradient partitions, optimizer
-    state)."""
-    seen_objects: set[int] = set()
-    storages: dict[int, int] = {}
-    pending = [root]
-    while pending:
-        obj = pending.pop()
-        if id(obj) in seen_objects or isinstance(obj, str | bytes | int | float | bool | type(None)):
-            continue
-        seen_objects.add(id(obj))
-        if torch.is_tensor(obj):
-            if obj.device.type == "cpu":
-                storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-            if obj.grad is not None:
-                pending.append(obj.grad)
-            continue
-        if isinstance(obj, dict):
-            pending += list(obj.keys()) + list(obj.values())
-        elif isinstance(obj, list | tuple | set | frozenset):
-            pending += list(obj)
-        elif (
-            hasattr(obj, "__dict__")
-            and not isinstance(obj, type)
-            and type(obj).__module__.split(".")[0]
-            in (
-                "deepspeed",
-                "torch",
-            )
-        ):
-            pending += list(vars(obj).values())
-    return sum(storages.values())
-
-
 def engine_steps(engine: Any, steps: int) -> tuple[list[int], list[float]]:
     """``steps`` training steps through the engine (forward, ``loss.backward()``, ``engine.step()``): each step's
     whole peak (what the engine holds before it plus the peak of what the step makes) and its loss."""
     peaks, losses = [], []
     for step in range(steps):
         torch.manual_seed(20 + step)  # dropout masks, replayed by remat's recomputation
-        resident = held_bytes(engine)
+        resident = held_bytes(engine, through=THROUGH)
         with remat.measure() as meter:
             loss = engine(WIDE_BATCH).square().mean()
             loss.backward()
@@ -312,7 +279,7 @@ def gpt2_steps(engine: Any, steps: int) -> tuple[list[int], list[float]]:
     peaks, losses = [], []
     for step in range(steps):
         torch.manual_seed(30 + step)
-        resident = held_bytes(engine)
+        resident = held_bytes(engine, through=THROUGH)
         with remat.measure() as meter:
             loss = engine(input_ids=GPT2_IDS, labels=GPT2_IDS).loss
             loss.backward()

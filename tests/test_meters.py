@@ -74,3 +74,21 @@ def test_the_first_steps_are_measured(integrate: Callable) -> None:
         assert 0.2 * plain.peak_bytes < report.peak_bytes < 3 * plain.peak_bytes, (i, report, plain)
     _after = _measured_steps(model, batch, None, 1)[0]
     assert _after.peak_bytes == pytest.approx(plain.peak_bytes, rel=0.05)  # nothing left installed
+
+
+def test_held_bytes_counts_each_storage_an_object_holds_once() -> None:
+    from torch import nn
+
+    from remat.meters import held_bytes
+
+    class Holder:  # a class of this module: its attributes are followed only when asked
+        def __init__(self) -> None:
+            self.weights = nn.Linear(4, 4)  # 16 + 4 floats, and a gradient of 16 below
+            self.flat = torch.zeros(10)
+            self.views = {"a": self.flat[:5], "b": [self.flat[5:]]}  # the same storage: counted once
+            self.meta = torch.empty(1000, device="meta")  # not on the CPU
+
+    holder = Holder()
+    holder.weights.weight.grad = torch.ones(4, 4)
+    assert held_bytes(holder) == 0  # Holder's own attributes are not followed by default
+    assert held_bytes(holder, through=("test_meters", "torch")) == (16 + 4 + 16 + 10) * 4

@@ -13,7 +13,15 @@ Nothing here knows plans or checkpoints: profiles, fits and tests read their fig
 from __future__ import annotations
 
 from .alloc_tracker import AllocationTracker, is_compiled
-from .memory import CompiledCodeIgnoringTracker, LiveTensorTracker, MemoryReport, measure, model_device, storage_key
+from .memory import (
+    CompiledCodeIgnoringTracker,
+    LiveTensorTracker,
+    MemoryReport,
+    held_bytes,
+    measure,
+    model_device,
+    storage_key,
+)
 from .process import CHILD_ENV, ProcessPeakMeter, peak_rss_bytes, process_meter_problem, reset_peak_rss
 
 __all__ = [
@@ -26,6 +34,7 @@ __all__ = [
     "CompiledCodeIgnoringTracker",
     "LiveTensorTracker",
     "MemoryReport",
+    "held_bytes",
     "is_compiled",
     "measure",
     "model_device",

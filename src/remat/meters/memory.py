@@ -48,6 +48,35 @@ def storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
+def held_bytes(root: object, device: str | torch.device = "cpu", through: tuple[str, ...] = ("torch",)) -> int:
+    """The bytes of every tensor storage on ``device`` that ``root`` holds, each storage once: followed through
+    containers, tensors' gradients, and the attributes of objects whose classes come from the packages
+    ``through`` (a DeepSpeed engine: ``("deepspeed", "torch")``). What a wrapper holds between steps, where no
+    allocator says it (the CPU)."""
+    dev = torch.device(device)
+    seen: set[int] = set()
+    storages: dict[int, int] = {}
+    pending = [root]
+    while pending:
+        obj = pending.pop()
+        if id(obj) in seen or isinstance(obj, str | bytes | int | float | bool | type(None)):
+            continue
+        seen.add(id(obj))
+        if torch.is_tensor(obj):
+            key = storage_key(obj)
+            if obj.device == dev and key is not None:
+                storages[key] = obj.untyped_storage().nbytes()
+            if obj.grad is not None:
+                pending.append(obj.grad)
+        elif isinstance(obj, dict):
+            pending += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, list | tuple | set | frozenset):
+            pending += list(obj)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in through:
+            pending += list(vars(obj).values())
+    return sum(storages.values())
+
+
 class LiveTensorTracker(LiveBytesSeries, TorchDispatchMode):
     """Records allocation and death of every storage an operator creates while the mode is active.
 
