@@ -191,3 +191,18 @@ def test_a_hugging_face_model_trains_without_its_cache_and_flag_and_gets_them_ba
     assert sum("gradient checkpointing was on" in r.message for r in caplog.records) == 1
     handle.remove()
     assert model.config.use_cache is True and model.transformer.gradient_checkpointing
+
+
+def test_the_hugging_face_door_takes_compile_too() -> None:
+    from toy_models import tiny_gpt2
+
+    from remat.integrations import hf
+    from remat.integrations.compiled_session import CompiledSession
+
+    model = tiny_gpt2(n_layer=2, n_embd=32, seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    handle = hf.enable(model, memory="64MiB", batch={"input_ids": ids, "labels": ids}, compile=COMPILE)
+    assert isinstance(handle, CompiledSession) and handle.route in ("eager", "whole model", "blocks")
+    handle.remove()
+    with pytest.raises(ValueError, match="with a sample batch"):
+        hf.enable(model, memory="64MiB", compile=True)

@@ -48,6 +48,7 @@ from torch import nn
 from ..checkpointing import PolicyLike, checkpoint_fn
 from ..core import AutocastSpec, CostTable, StepSpec
 from ..planning import Plan
+from .compiled_session import CompiledSession
 from .session import RematSession, is_deepspeed
 
 log = logging.getLogger("remat.integrations.hf")
@@ -172,7 +173,7 @@ def enable(
     autocast: Any = None,
     step: StepSpec | None = None,
     **options: Any,
-) -> HFSession:
+) -> HFSession | CompiledSession:
     """Put a remat plan on a Hugging Face model's layers and return the session (``remove()`` undoes it).
 
     ``strategy``: ``"optimal"`` (needs ``budget``), ``"full"``, ``"every_k"`` (``k=``), ``"sqrt"``,
@@ -193,9 +194,17 @@ def enable(
     costs measured under another setting than the first training step's are warned about.
 
     ``step=`` (a :class:`remat.StepSpec`) describes the training step; its fields may be given as keywords.
+    ``memory=``, ``batch=`` and ``compile=True`` take the compiled route of :func:`remat.fit` (and return its
+    handle, :class:`~remat.integrations.compiled_session.CompiledSession`).
     """
     spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, autocast=autocast)
     chain = list(spec.blocks) if spec.blocks is not None else layers(model)
+    if options.get("compile"):  # the compiled route is the front door's, with the same arguments
+        from .front_door import fit
+
+        memory = options.pop("memory", None)
+        arguments = dict(costs=costs, plan=plan, activations=budget, strategy=strategy, **options)
+        return fit(model, memory, batch=batch, step=replace(spec, blocks=chain), **arguments)
     return HFSession(
         model,
         strategy,
