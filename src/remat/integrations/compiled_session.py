@@ -132,3 +132,31 @@ class CompiledSession:
 
     def __repr__(self) -> str:
         return f"CompiledSession(route={self.route!r}, memory={self.memory!r})"
+
+
+def compiled_route(
+    model: nn.Module,
+    memory: int | str | None,
+    *,
+    batch: Any,
+    optimizer: torch.optim.Optimizer | None,
+    step: StepSpec,
+    compile: bool | dict[str, Any],  # noqa: A002 (torch's word for it)
+    strategy: str = "optimal",
+    **given: Any,
+) -> CompiledSession:
+    """``remat.fit(..., compile=...)`` and ``hf.enable(..., compile=...)``: the arguments checked (memory and a
+    sample batch; nothing of the eager doors' own, ``given``), a model compiled in place or with compiled blocks
+    made plain (the fit compiles the route it chooses), then the :class:`CompiledSession`."""
+    clock = given.pop("clock", None)
+    named = [name for name, value in given.items() if value]
+    if memory is None or batch is None or named or strategy != "optimal":
+        raise ValueError(
+            "compile=True fits the whole step's memory with a sample batch: remat.fit(model, '22GiB', batch=..., "
+            f"compile=True), with no activations=, plan=, costs=, strategy or plan options (given: {named})"
+        )
+    compile_options = compile if isinstance(compile, dict) else {}
+    model._compiled_call_impl = None
+    uncompile_blocks(resolve_blocks(model, step.blocks))
+    return CompiledSession(model, memory, batch=batch, optimizer=optimizer, step=step,
+                           compile_options=compile_options, clock=clock)  # fmt: skip

@@ -20,11 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..chains import resolve_blocks
 from ..core import AutocastArg, BlocksArg, CostTable, StepSpec
-from ..fitting import uncompile_blocks
 from ..planning import Plan
-from .compiled_session import CompiledSession
+from .compiled_session import CompiledSession, compiled_route
 from .session import RematSession
 
 
@@ -82,20 +80,10 @@ def fit(
     spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, autocast=autocast)
     _refuse_whole_model_compiled(model, compile)
     if compile:
-        clock = options.pop("clock", None)
-        given = [name for name, value in (("activations=", activations), ("plan=", plan), ("costs=", costs),
-                                           ("options", options)) if value]  # fmt: skip
-        if memory is None or batch is None or given or strategy != "optimal":
-            raise ValueError(
-                "compile=True fits the whole step's memory with a sample batch: remat.fit(model, '22GiB', batch=..., "
-                f"compile=True), with no activations=, plan=, costs=, strategy or plan options (given: {given})"
-            )
-        compile_options = compile if isinstance(compile, dict) else {}
-        # model.compile() and compiled blocks undone: the fit compiles the route it chooses
-        model._compiled_call_impl = None
-        uncompile_blocks(resolve_blocks(model, spec.blocks))
-        return CompiledSession(model, memory, batch=batch, optimizer=optimizer, step=spec,
-                               compile_options=compile_options, clock=clock)  # fmt: skip
+        return compiled_route(
+            model, memory, batch=batch, optimizer=optimizer, step=spec, compile=compile, activations=activations,
+            plan=plan, costs=costs, strategy=strategy, **options,
+        )  # fmt: skip
     arguments = dict(costs=costs, batch=batch, plan=plan, memory=memory, optimizer=optimizer, **options)
     if is_hugging_face(model):
         from .hf import enable

@@ -48,7 +48,7 @@ from torch import nn
 from ..checkpointing import PolicyLike, checkpoint_fn
 from ..core import AutocastSpec, CostTable, StepSpec
 from ..planning import Plan
-from .compiled_session import CompiledSession
+from .compiled_session import CompiledSession, compiled_route
 from .session import RematSession, is_deepspeed
 
 log = logging.getLogger("remat.integrations.hf")
@@ -200,11 +200,10 @@ def enable(
     spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, autocast=autocast)
     chain = list(spec.blocks) if spec.blocks is not None else layers(model)
     if options.get("compile"):  # the compiled route is the front door's, with the same arguments
-        from .front_door import fit
-
-        memory = options.pop("memory", None)
-        arguments = dict(costs=costs, plan=plan, activations=budget, strategy=strategy, **options)
-        return fit(model, memory, batch=batch, step=replace(spec, blocks=chain), **arguments)
+        compile, memory = options.pop("compile"), options.pop("memory", None)
+        return compiled_route(model, memory, batch=batch, optimizer=options.pop("optimizer", None),
+                              step=replace(spec, blocks=chain), compile=compile, activations=budget, plan=plan,
+                              costs=costs, strategy=strategy, **options)  # fmt: skip
     return HFSession(
         model,
         strategy,
