@@ -190,7 +190,7 @@ def fit_compiled(
                 routes.undo()
             routes.prepare_blocks(partitions, compile_options)
             costs = profile(model, batch, step=replace(spec, blocks=chain), clock=clock)
-            blocks_trial, blocks_plan = routes.plan_blocks(costs, limit)
+            blocks_trial = routes.plan_blocks(costs, limit)
             reference = Trial(_REFERENCE, "no activation_memory_budget", peak_bytes=reference_peak)
             trials = [reference, *whole, blocks_trial]
             if eager_trial is not None:
@@ -202,8 +202,8 @@ def fit_compiled(
                 for t in trials if t.name in (_REFERENCE, WHOLE_MODEL) and not t.refused
             }  # fmt: skip
             ratios = routes.head_to_head(
-                wrappers, blocks=not blocks_trial.refused, eager=eager is not None and not trials[-1].refused,
-                rounds=rounds,
+                wrappers, blocks=not blocks_trial.refused,
+                eager=eager_trial is not None and not eager_trial.refused, rounds=rounds,
             )  # fmt: skip
             trials = with_ratios(trials, ratios)
             chosen = fastest(trials[1:], by=lambda t: t.step_ratio or 0.0)
@@ -244,7 +244,7 @@ class _Routes:
         compile_blocks(self.model, self.chain, partition_budgets=partitions, **compile_options)
         self.step(self.model)  # compiles the blocks' own calls
 
-    def plan_blocks(self, costs: Any, limit: int) -> tuple[Trial, Plan | None]:
+    def plan_blocks(self, costs: Any, limit: int) -> Trial:
         """remat's optimal plan for ``limit``, applied and measured (Invariant 1: replanned while over)."""
         assert self.handle is not None
         budget, plan, peak, missed = limit, None, None, 0
@@ -254,7 +254,7 @@ class _Routes:
             except BudgetError as err:
                 least = f"least predicted peak {format_bytes(err.floor)}" if err.floor else str(err)
                 refused = f"no plan fits ({least})"
-                return Trial(BLOCKS, "remat optimal", predicted_bytes=err.floor, refused=refused), None
+                return Trial(BLOCKS, "remat optimal", predicted_bytes=err.floor, refused=refused)
             self.handle.set_plan(plan)
             self.plan = plan
             # a variant the profile did not run compiles in the untimed step
@@ -267,11 +267,11 @@ class _Routes:
         refused = "" if peak <= limit else f"measured over {format_bytes(limit)} {1 + REPLANS} times"
         trial = Trial(BLOCKS, f"plan {plan.action_counts()}", plan=plan, peak_bytes=peak,
                       predicted_bytes=plan.predicted_peak_bytes, refused=refused)  # fmt: skip
-        return trial, plan
+        return trial
 
     def eager(self) -> None:
-        self.whole_model()
         if self.eager_handle is None and self.eager_plan is not None:
+            self.whole_model()
             self.eager_handle = apply(self.model, self.eager_plan, blocks=self.chain)
 
     def _eager_off(self) -> None:

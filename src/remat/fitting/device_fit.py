@@ -167,8 +167,7 @@ def _fit_memory(
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     fixed = fixed_memory(model, optimizer)
-    if fixed.total + fixed.optimizer_step_bytes > limit:
-        raise _fixed_too_large(limit, fixed)
+    _refuse_fixed_over(limit, fixed)
     setting = autocast_spec(spec.autocast, device.type)
 
     def run() -> None:
@@ -237,7 +236,7 @@ def activations_within(fitted: MemoryFit, costs: CostTable) -> int:
 def _beyond_activations(plain: StepPeak, fixed: FixedMemory, costs: CostTable) -> int:
     """The plain step's measured bytes beyond its predicted activations (never less than what stays resident
     through the forward and backward)."""
-    return max(plain.forward_backward - no_checkpoint_peak(costs), fixed.total - fixed.gradients)
+    return max(plain.forward_backward - no_checkpoint_peak(costs), fixed.resident)
 
 
 def _plan_within(
@@ -299,17 +298,19 @@ def activation_budget(
     where no plan reaches it."""
     if non_activation is None:
         non_activation = fixed.total
-    if fixed.total + fixed.optimizer_step_bytes > memory:
-        raise _fixed_too_large(memory, fixed)
+    _refuse_fixed_over(memory, fixed)
     budget = memory - non_activation
     if budget < minimum_peak_bytes(costs):
         raise _infeasible(memory, fixed, costs, non_activation, batch, device or torch.device(costs.device))
     return budget
 
 
-def _fixed_too_large(limit: int, fixed: FixedMemory) -> MemoryFitError:
+def _refuse_fixed_over(limit: int, fixed: FixedMemory) -> None:
+    """Rule 2: the fixed memory alone (and its optimizer step's temporaries) over ``limit`` is refused."""
     least = fixed.total + fixed.optimizer_step_bytes
-    return MemoryFitError(
+    if least <= limit:
+        return
+    raise MemoryFitError(
         f"remat.fit: the fixed memory of the step alone is {format_bytes(least)} ({fixed.describe()}), above the "
         f"memory of {format_bytes(limit)}; no checkpointing plan changes it. Shard the parameters and optimizer "
         "state (FSDP2's fully_shard, DeepSpeed ZeRO), train in lower precision, or use an optimizer with less "
@@ -403,9 +404,7 @@ def fit_memory_compiled(
     limit = device_memory(memory, device)
     seconds: dict[str, float] = {}
     fixed = fixed_memory(model, optimizer)
-    if fixed.total + fixed.optimizer_step_bytes > limit:
-        raise _fixed_too_large(limit, fixed)
-    resident = fixed.total - fixed.gradients  # rule 3 of whole_step: what a step starts from, its state made
+    _refuse_fixed_over(limit, fixed)
     begun = time.perf_counter()
     eager: MemoryFit | None = None
     eager_error: MemoryFitError | None = None
@@ -416,15 +415,16 @@ def fit_memory_compiled(
     seconds["eager fit"] = time.perf_counter() - begun
     begun = time.perf_counter()
     try:
-        compiled = fit_compiled(model, batch, limit - resident, step=spec, clock=clock,
+        compiled = fit_compiled(model, batch, limit - fixed.resident, step=spec, clock=clock,
                                 eager=eager.plan if eager is not None else None, **compile_options)  # fmt: skip
     except BudgetError as error:
-        floors = [f for f in (eager_error.floor if eager_error else None,
-                              None if error.floor is None else error.floor + resident) if f is not None]  # fmt: skip
+        floors = [error.floor + fixed.resident] if error.floor is not None else []
+        if eager_error is not None and eager_error.floor is not None:
+            floors.append(eager_error.floor)
         raise MemoryFitError(
             f"remat.fit(compile=True): no route fits {format_bytes(limit)}. Eager: "
             f"{eager_error if eager_error is not None else 'fits'}. Compiled: {error}",
             floor=min(floors) if floors else None,
         ) from error
     seconds["compiled routes (compiling included)"] = time.perf_counter() - begun
-    return CompiledMemoryFit(limit, fixed, compiled, limit - resident, eager, seconds)
+    return CompiledMemoryFit(limit, fixed, compiled, limit - fixed.resident, eager, seconds)

@@ -109,6 +109,12 @@ class FixedMemory:
         held = self.parameters + self.parameter_copies + self.gradients + self.optimizer_state + self.buffers
         return held + self.other
 
+    @property
+    def resident(self) -> int:
+        """Rule 3: what stays resident through a forward and backward, the optimizer's state made (the total but
+        the gradients, which the phase creates)."""
+        return self.total - self.gradients
+
     def parts(self) -> dict[str, int]:
         """Each fixed part by name (parts of 0 bytes left out)."""
         state = f"optimizer state ({self.optimizer})" if self.optimizer else "optimizer state"
@@ -244,10 +250,7 @@ def whole_step_peak(model: nn.Module, run: Callable[[], Any], fixed: FixedMemory
             torch.cuda.synchronize(device)
             resident = torch.cuda.memory_allocated(device)
         else:
-            resident = (
-                fixed.parameters + fixed.parameter_copies + fixed.buffers + fixed.optimizer_state
-                - fixed.state_to_make + fixed.other
-            )  # fmt: skip
+            resident = fixed.resident - fixed.state_to_make
         with measure(device) as meter:
             run()
     forward_backward = resident + fixed.state_to_make + meter.peak_bytes

@@ -16,6 +16,7 @@ Megatron-Core's recompute where they were on.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ class CompiledSession:
         optimizer: torch.optim.Optimizer | None,
         step: StepSpec,
         compile_options: dict[str, Any],
-        clock: Any = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         unknown = set(compile_options) - COMPILE_OPTIONS
         if unknown:
@@ -61,9 +62,8 @@ class CompiledSession:
         if self._use_cache:
             self._config.use_cache = False
         try:
-            timing = {} if clock is None else {"clock": clock}
             self.fitted: CompiledMemoryFit = fit_memory_compiled(
-                model, batch, memory, optimizer=optimizer, step=step, **timing, **compile_options
+                model, batch, memory, optimizer=optimizer, step=step, clock=clock, **compile_options
             )
         except BaseException:
             self._flags_on()
@@ -148,7 +148,7 @@ def compiled_route(
     """``remat.fit(..., compile=...)`` and ``hf.enable(..., compile=...)``: the arguments checked (memory and a
     sample batch; nothing of the eager doors' own, ``given``), a model compiled in place or with compiled blocks
     made plain (the fit compiles the route it chooses), then the :class:`CompiledSession`."""
-    clock = given.pop("clock", None)
+    clock = given.pop("clock", time.perf_counter)
     named = [name for name, value in given.items() if value]
     if memory is None or batch is None or named or strategy != "optimal":
         raise ValueError(

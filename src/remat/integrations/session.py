@@ -185,15 +185,14 @@ class RematSession:
         else:
             check_strategy(strategy, budget)
         # A DeepSpeed engine: plans go on the model it holds, whole steps are measured through it (its buckets).
-        self.engine: nn.Module | None = model if is_deepspeed(model) else None
-        self._engine_steps = EngineSteps(model) if self.engine is not None else None
-        if self.engine is not None:
+        self._engine_steps = EngineSteps(model) if is_deepspeed(model) else None
+        if self._engine_steps is not None:
             if memory is not None and batch is None and plan is None and costs is None:
                 raise ValueError(DEEPSPEED_NEEDS_BATCH)
-            if memory is not None and self._engine_steps is not None and not self._engine_steps.zero:
+            if memory is not None and not self._engine_steps.zero:
                 raise ValueError(DEEPSPEED_STAGE_0)
-            optimizer = optimizer if optimizer is not None else self.engine.optimizer
-            model = self.engine.module
+            optimizer = optimizer if optimizer is not None else model.optimizer
+            model = model.module
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be None (automatic), 'local' (a plan per rank) or 'global', got {sync!r}")
         if sync is None:
@@ -294,7 +293,7 @@ class RematSession:
 
                 self._global_hooks.append(register_optimizer_step_pre_hook(on_step))
         except BaseException:
-            self._restore_own_recompute()
+            self._own_recompute.restore()
             raise
 
     # ----- state -----
@@ -556,11 +555,8 @@ class RematSession:
             self.handle.remove()
         if getattr(self.model, "_remat_session", None) is self:
             del self.model._remat_session
-        self._restore_own_recompute()
-        self._removed = True
-
-    def _restore_own_recompute(self) -> None:
         self._own_recompute.restore()
+        self._removed = True
 
     def _check_live(self) -> None:
         if self._removed:
