@@ -31,6 +31,7 @@ from .blocks import (
 from .chain import chain_name, find_blocks, find_chains, model_chains
 from .hf_guards import (
     cache_configs,
+    megatron_recomputes,
     profiled_step,
     recomputed_by,
     refuse_hf_checkpointing,
@@ -74,6 +75,7 @@ __all__ = [
     "profiled_step",
     "ratios_text",
     "ratios_to_first",
+    "megatron_recomputes",
     "recomputed_by",
     "refuse_hf_checkpointing",
     "refuse_recomputed_blocks",

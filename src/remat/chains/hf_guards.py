@@ -159,12 +159,17 @@ def recomputed_by(module: nn.Module) -> str | None:
     if registry is not None and "checkpoint" in (registry(module) or {}):
         return "torch's composable checkpoint(module); leave it out where remat plans the blocks"
     config = getattr(module, "config", None)
-    if getattr(config, "recompute_granularity", None) is not None and hasattr(config, "recompute_method"):
+    if megatron_recomputes(config):
         return (
             f"Megatron-Core's recompute (config.recompute_granularity={config.recompute_granularity!r}); set "
             "recompute_granularity=None where remat plans the layers"
         )
     return None
+
+
+def megatron_recomputes(config: Any) -> bool:
+    """Whether ``config`` is a Megatron-Core config with its own recompute on (``recompute_granularity``)."""
+    return getattr(config, "recompute_granularity", None) is not None and hasattr(config, "recompute_method")
 
 
 def refuse_recomputed_blocks(chain: list[tuple[str, nn.Module]]) -> None:

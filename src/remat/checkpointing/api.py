@@ -86,13 +86,8 @@ def _naming_second_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        try:
+        with _policies.naming_second_backward():
             return fn(*args, **kwargs)
-        except RuntimeError as err:
-            clearer = _policies.second_backward_error(err)
-            if clearer is None:
-                raise
-            raise clearer from None
 
     return run
 

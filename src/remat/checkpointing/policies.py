@@ -51,7 +51,8 @@ or plain checkpointing there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -72,6 +73,7 @@ from .op_kinds import (
 )
 
 __all__ = [
+    "naming_second_backward",
     "second_backward_error",
     "ATTENTION_OPS",
     "DOT_OPS",
@@ -392,6 +394,18 @@ def expand(policies: str | Iterable[str | Policy]) -> list[str]:
             names_ = [get(item.strip() if isinstance(item, str) else item).name]
         out.extend(n for n in names_ if n not in out)
     return out
+
+
+@contextmanager
+def naming_second_backward() -> Iterator[None]:
+    """Within the block, torch's second-backward error is raised as :func:`second_backward_error` words it."""
+    try:
+        yield
+    except RuntimeError as err:
+        clearer = second_backward_error(err)
+        if clearer is None:
+            raise
+        raise clearer from None
 
 
 def second_backward_error(error: BaseException) -> RuntimeError | None:

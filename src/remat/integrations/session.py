@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..chains import profiled_blocks, resolve_blocks
+from ..chains import megatron_recomputes, profiled_blocks, resolve_blocks
 from ..core import CHECKPOINT, AutocastArg, AutocastSpec, CostTable, StepSpec, normalize_budget, precision_mismatch
 from ..dynamic import PGAC
 from ..fitting import (
@@ -89,7 +89,7 @@ class OwnRecomputeOff:
             log.warning(HF_FLAG_OFF)
         for module in self.hf_modules:
             module.gradient_checkpointing = False
-        configs = {id(c): c for m in model.modules() if _megatron_recomputes(c := getattr(m, "config", None))}
+        configs = {id(c): c for m in model.modules() if megatron_recomputes(c := getattr(m, "config", None))}
         self.megatron: list[tuple[Any, str]] = [(c, c.recompute_granularity) for c in configs.values()]
         for config, granularity in self.megatron:
             log.warning(MEGATRON_RECOMPUTE_OFF.format(granularity))
@@ -101,10 +101,6 @@ class OwnRecomputeOff:
         for config, granularity in self.megatron:
             config.recompute_granularity = granularity
         self.hf_modules, self.megatron = [], []
-
-
-def _megatron_recomputes(config: Any) -> bool:
-    return getattr(config, "recompute_granularity", None) is not None and hasattr(config, "recompute_method")
 
 
 def _refuse_compiled(chain: Sequence[tuple[str, nn.Module]]) -> None:

@@ -460,14 +460,8 @@ class RematHandle:
         region.generator = open_block_frame(action, recompute, context_fn, main, record.requires_grad)
 
     def _recompute_block(self, record: CallRecord, main: torch.Tensor) -> None:
-        with self._recomputing(), Forked(record.rng.devices, record.rng.device_type):
-            try:
-                self._run_block(record, main)
-            except RuntimeError as err:
-                clearer = policies.second_backward_error(err)
-                if clearer is None:
-                    raise
-                raise clearer from None
+        with self._recomputing(), Forked(record.rng.devices, record.rng.device_type), policies.naming_second_backward():
+            self._run_block(record, main)
 
     def _enter_segment_block(self, i: int, p: int, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Note [1]
