@@ -59,11 +59,15 @@ def minimum_peak_bytes(costs: CostTable, actions: list[str] | None = None) -> in
     return optimal_plan.min_peak_bytes(costs, actions)
 
 
-def plan_options(strategy: str) -> set[str]:
-    """The options :func:`plan` takes for ``strategy`` (beyond ``costs`` and ``budget``)."""
+def _refuse_unknown(strategy: str) -> None:
     if strategy not in STRATEGIES:
         known = ", ".join(sorted(STRATEGIES))
         raise ValueError(f"unknown strategy {strategy!r}; known strategies: {known}")
+
+
+def plan_options(strategy: str) -> set[str]:
+    """The options :func:`plan` takes for ``strategy`` (beyond ``costs`` and ``budget``)."""
+    _refuse_unknown(strategy)
     parameters = inspect.signature(STRATEGIES[strategy]).parameters.values()
     named = {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {"costs", "budget"}
     if strategy == "optimal":
@@ -100,9 +104,7 @@ def plan(
     ``compress:`` actions are planned only by strategy ``"optimal"`` with ``allow_lossy=True`` or an error
     budget ``max_grad_error=`` (:mod:`remat.planning.lossy`).
     """
-    if strategy not in STRATEGIES:
-        known = ", ".join(sorted(STRATEGIES))
-        raise ValueError(f"unknown strategy {strategy!r}; known strategies: {known}")
+    _refuse_unknown(strategy)
     if len(costs) == 0:
         raise ValueError("the cost table has no blocks; profile a model with at least one block")
     budget_bytes = resolve_budget(budget, costs)
