@@ -201,3 +201,112 @@ def test_the_callback_keeps_lightnings_whole_step_within_memory() -> None:
     assert max(meter.peaks[1:]) <= memory * 1.02, (meter.peaks, memory)  # the plan runs from the second step
     for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+COMPILE = {"backend": "aot_eager_decomp_partition", "budgets": (0.5,), "partition_budgets": (0.1,), "rounds": 2}
+PLAIN_DATA = [torch.randn(256, 64, generator=torch.Generator().manual_seed(i)) for i in range(STEPS + 1)]
+
+
+def square_mean(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+class AllocatorMeter(L.Callback if LIGHTNING is not None else object):  # type: ignore[misc]
+    """Each training step's whole peak, read from the allocator's events (which see inside compiled code), plus
+    what is resident when it starts."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self._measuring: Any = None
+        self._report: Any = None
+        self._resident = 0
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self._resident = resident_bytes(module, *trainer.optimizers)
+        self._measuring = remat.measure(allocations=True)
+        self._report = self._measuring.__enter__()
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._measuring.__exit__(None, None, None)
+        self.peaks.append(self._resident + self._report.peak_bytes)
+
+
+if LIGHTNING is not None:
+    from toy_models import GeluBlock
+
+    class GeluNet(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Sequential(*[GeluBlock() for _ in range(6)])
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return square_mean(self.model(batch))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(PLAIN_DATA, batch_size=None, shuffle=False)
+
+
+def fit_gelu(callbacks: list[Any]) -> nn.Module:
+    torch.manual_seed(0)
+    module = GeluNet()
+    trainer = L.Trainer(max_steps=STEPS + 1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+    trainer.fit(module)
+    return module
+
+
+class CompiledFaster:
+    """A clock under which a step of any compiled route reads 1 s and one of the eager plan 2 s."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        blocks = list(self.model) if self.model is not None else []
+        compiled = self.model is not None and (
+            self.model._compiled_call_impl is not None or any(b._compiled_call_impl is not None for b in blocks)
+        )
+        self.now += 1.0 if compiled else 2.0
+        return self.now
+
+
+@pytest.mark.skipif(LIGHTNING is None, reason="lightning is not installed (pip install lightning)")
+def test_the_callback_takes_the_compiled_route_within_memory() -> None:
+    plain_meter = AllocatorMeter()
+    reference = fit_gelu([plain_meter])
+    memory = int(max(plain_meter.peaks[1:]) * 0.9)
+    clock = CompiledFaster()
+
+    class Watch(L.Callback):  # the clock reads the model the callback fits
+        def setup(self, trainer: Any, module: nn.Module, stage: str | None = None) -> None:
+            clock.model = module.model
+
+    meter = AllocatorMeter()
+    callback = RematCallback(memory=memory, batch=PLAIN_DATA[0], loss_fn=square_mean, compile=COMPILE, clock=clock)
+    trained = fit_gelu([Watch(), callback, meter])
+    session = callback.session
+    assert isinstance(session, remat.integrations.compiled_session.CompiledSession)
+    assert session.route in {"whole model", "blocks"}, session.describe()
+    assert max(meter.peaks) <= memory * 1.02, (meter.peaks, memory)
+    assert session.removed and trained.model._compiled_call_impl is None
+    assert not any(b._compiled_call_impl is not None for b in trained.model)
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_callbacks_compile_needs_memory_and_a_batch_and_one_device() -> None:
+    with pytest.raises(ValueError, match=r"RematCallback\(memory='22GiB', batch=\.\.\., compile=True\)"):
+        RematCallback(memory="1GiB", compile=True)
+    with pytest.raises(ValueError, match=r"given: \['budget'\]"):
+        RematCallback(budget=0.5, memory="1GiB", batch=PLAIN_DATA[0], compile=True)
+
+    class TwoRanks:
+        world_size = 2
+
+    callback = RematCallback(memory="1GiB", batch=PLAIN_DATA[0], compile=True)
+    with pytest.raises(ValueError, match="on one device; this trainer runs 2 processes"):
+        callback.setup(TwoRanks(), Net(), "fit")

@@ -134,6 +134,18 @@ class CompiledSession:
         return f"CompiledSession(route={self.route!r}, memory={self.memory!r})"
 
 
+def check_compile_arguments(memory: Any, batch: Any, strategy: str, given: dict[str, Any],
+                            call: str = "remat.fit(model, '22GiB', batch=..., compile=True)") -> None:  # fmt: skip
+    """``compile=`` fits the whole step's memory with a sample batch: both given, and nothing of the eager doors'
+    own (``given``: an activation budget, a plan, costs, plan options; a value of None or False is not given)."""
+    named = [name for name, value in given.items() if value is not None and value is not False]
+    if memory is None or batch is None or named or strategy != "optimal":
+        raise ValueError(
+            f"compile=True fits the whole step's memory with a sample batch: {call}, with no activations=, "
+            f"budget=, plan=, costs=, strategy or plan options (given: {named})"
+        )
+
+
 def compiled_route(
     model: nn.Module,
     memory: int | str | None,
@@ -149,12 +161,7 @@ def compiled_route(
     sample batch; nothing of the eager doors' own, ``given``), a model compiled in place or with compiled blocks
     made plain (the fit compiles the route it chooses), then the :class:`CompiledSession`."""
     clock = given.pop("clock", time.perf_counter)
-    named = [name for name, value in given.items() if value]
-    if memory is None or batch is None or named or strategy != "optimal":
-        raise ValueError(
-            "compile=True fits the whole step's memory with a sample batch: remat.fit(model, '22GiB', batch=..., "
-            f"compile=True), with no activations=, plan=, costs=, strategy or plan options (given: {named})"
-        )
+    check_compile_arguments(memory, batch, strategy, given)
     compile_options = compile if isinstance(compile, dict) else {}
     model._compiled_call_impl = None
     uncompile_blocks(resolve_blocks(model, step.blocks))

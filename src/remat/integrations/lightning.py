@@ -14,6 +14,12 @@ The hooks it uses, in the order Lightning calls them:
   the second step;
 * ``teardown``: the hooks are removed; ``callback.session`` keeps the plan, the costs and the statistics.
 
+With ``compile=True`` (and ``memory=``, ``batch=``) the route is :func:`remat.fit`'s compiled one: at
+``on_train_start``, once the strategy has put the model on its device and the trainer's optimizer exists (its state
+counts in ``memory``), the eager plan, the whole model compiled under a fitted budget and compiled blocks are
+measured head to head and the fastest whose whole step fits is set up in place (``callback.session`` is then a
+:class:`~remat.integrations.compiled_session.CompiledSession`). It runs on one device.
+
 Plans made from a ``batch=`` or from ``costs=`` apply from the first step. A ``batch=`` is profiled under the
 trainer's precision (``precision="bf16-mixed"`` or ``"16-mixed"``: autocast, see :func:`precision_autocast`); the
 profiled first step runs inside Lightning's autocast and is measured under it. Under DDP every rank uses rank 0's
@@ -26,6 +32,7 @@ without Lightning the class still imports, with the same hook methods, for use i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +42,7 @@ from torch import nn
 from ..chains import resolve_blocks
 from ..core import AutocastSpec, CostTable, StepSpec
 from ..planning import Plan
+from .compiled_session import CompiledSession, check_compile_arguments, compiled_route
 from .session import RematSession, check_strategy
 
 try:
@@ -85,7 +93,9 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
     :class:`~remat.integrations.session.RematSession`: ``strategy`` (a :data:`remat.STRATEGIES` name or
     ``"pgac"``), ``budget`` (bytes, "2GiB" or a fraction), ``blocks`` (FQNs in the LightningModule), ``costs``,
     ``batch``, ``plan``, ``sync`` and planner or PGAC ``options``; ``step`` (a :class:`remat.StepSpec`), or its
-    fields ``loss_fn`` and ``blocks`` as keywords. Lightning's own precision setting is the step's autocast."""
+    fields ``loss_fn`` and ``blocks`` as keywords. Lightning's own precision setting is the step's autocast.
+    ``compile=True`` (or a dict of :func:`remat.fit`'s compile options) with ``memory=`` and ``batch=``: the
+    fastest route, eager or compiled, whose whole step fits ``memory`` (the module docstring)."""
 
     def __init__(
         self,
@@ -102,15 +112,22 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
         **options: Any,
     ) -> None:
         super().__init__()
-        if options.get("memory") is None:  # memory= (the whole step) is checked by the session
+        self.compile = options.pop("compile", False)
+        if self.compile:  # checked now, before the trainer runs anything
+            given = {"budget": budget, "costs": costs, "plan": plan, "sync": sync, **options}
+            given.pop("memory", None), given.pop("clock", None)
+            check_compile_arguments(options.get("memory"), batch, strategy, given,
+                                    "RematCallback(memory='22GiB', batch=..., compile=True)")  # fmt: skip
+        elif options.get("memory") is None:  # memory= (the whole step) is checked by the session
             check_strategy(strategy, budget)
         spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks)
         self.strategy, self.budget = strategy, budget
         self.blocks = list(spec.blocks) if spec.blocks is not None else None
         self.costs, self.batch, self.loss_fn, self.plan, self.sync = costs, batch, spec.loss_fn, plan, sync
         self.options = options
-        self.session: RematSession | None = None
+        self.session: RematSession | CompiledSession | None = None
         self.root: str | None = None
+        self._relative: list[tuple[str, nn.Module]] = []
 
     # ----- Lightning hooks -----
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str | None = None) -> None:
@@ -121,6 +138,16 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
         root = pl_module.get_submodule(self.root) if self.root else pl_module
         prefix = self.root + "." if self.root else ""
         relative = [(f[len(prefix) :], m) for f, m in chain]
+        if self.compile:  # fitted at on_train_start, on the device, with the trainer's optimizer
+            world = int(getattr(trainer, "world_size", 1) or 1)
+            if world > 1:
+                raise ValueError(
+                    f"RematCallback(compile=True) fits the compiled route on one device; this trainer runs {world} "
+                    "processes, whose measured routes could differ. Use RematCallback(memory=..., batch=...) (the "
+                    "eager plan, rank 0's measurements shared), or train on one device"
+                )
+            self._relative = relative
+            return
         self.session = RematSession(
             root,
             self.strategy,
@@ -137,11 +164,16 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
         )
 
     def on_train_start(self, trainer: Any, pl_module: nn.Module) -> None:
-        session = self.session
         optimizers = list(getattr(trainer, "optimizers", []) or [])
-        if session is not None and session.optimizer is None and optimizers:
+        if self.compile and self.session is None:
+            self._fit_compiled(trainer, pl_module, optimizers)
+            return
+        session = self.session
+        if not isinstance(session, RematSession):
+            return
+        if session.optimizer is None and optimizers:
             session.optimizer = optimizers[0]  # its state counts in memory=
-        if session is not None and session.pgac is not None and not session.attached:
+        if session.pgac is not None and not session.attached:
             if not optimizers:
                 raise RuntimeError(
                     "RematCallback(strategy='pgac') needs the trainer's optimizer; configure_optimizers returned none"
@@ -150,9 +182,20 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: nn.Module, optimizer: Any) -> None:
         session = self.session
-        if session is not None and session.pgac is None and session.profiling:
+        if isinstance(session, RematSession) and session.pgac is None and session.profiling:
             session.step()  # the profiled first step ends here, before the optimizer allocates its state
 
     def teardown(self, trainer: Any, pl_module: nn.Module, stage: str | None = None) -> None:
         if self.session is not None and stage in (None, "fit"):
             self.session.remove()
+
+    def _fit_compiled(self, trainer: Any, pl_module: nn.Module, optimizers: list[Any]) -> None:
+        """``compile=``'s route, fitted on the device the strategy chose, with its optimizer and precision."""
+        root = pl_module.get_submodule(self.root) if self.root else pl_module
+        strategy = getattr(trainer, "strategy", None)
+        batch = strategy.batch_to_device(self.batch) if hasattr(strategy, "batch_to_device") else self.batch
+        step = StepSpec(loss_fn=self.loss_fn, blocks=self._relative, autocast=precision_autocast(trainer))
+        optimizer = optimizers[0] if optimizers else None
+        clock = self.options.get("clock", time.perf_counter)
+        self.session = compiled_route(root, self.options.get("memory"), batch=batch, optimizer=optimizer, step=step,
+                                      compile=self.compile, clock=clock)  # fmt: skip
