@@ -150,3 +150,32 @@ def test_bad_input_is_refused_with_what_to_do():
         fit(model, x, 0.5, costs=costs, blocks=chain, rounds=0)
     with pytest.raises(remat.BudgetError, match="minimum"):
         fit(model, x, 1, costs=costs, blocks=chain)  # one byte
+
+
+def test_head_to_head_stops_timing_a_candidate_whose_rank_is_settled() -> None:
+    """Trial rule 2: every candidate runs two rounds; then one whose fastest round is over 2% slower than the
+    leader's slowest is timed no more; the first is timed every round; ties and near ties run every round."""
+    from remat.fitting.trial import head_to_head
+
+    seconds = {"first": 1.0, "tie": 1.0, "near": 1.015, "slow": 1.5, "slower": 3.0}
+    calls: Counter[str] = Counter()
+
+    def run(name: str) -> float:
+        calls[name] += 1
+        return seconds[name]
+
+    ratios = head_to_head(list(seconds), run, rounds=5, warm=False)
+    assert {name: len(r) for name, r in ratios.items()} == {"first": 5, "tie": 5, "near": 5, "slow": 2, "slower": 2}
+    assert calls == {"first": 5, "tie": 5, "near": 5, "slow": 2, "slower": 2}
+    assert ratios["slow"] == (1.5, 1.5) and ratios["near"] == (1.015,) * 5
+    calls.clear()
+    assert all(len(r) == 5 for r in head_to_head(list(seconds), run, rounds=5, settle=False).values())
+    assert calls == {name: 6 for name in seconds}  # one untimed step each, then five rounds
+
+
+def test_a_slow_first_candidate_is_timed_every_round_and_the_leader_too() -> None:
+    from remat.fitting.trial import head_to_head
+
+    seconds = {"slow first": 2.0, "fast": 1.0, "middle": 1.5}
+    ratios = head_to_head(list(seconds), lambda name: seconds[name], rounds=4, warm=False)
+    assert {name: len(r) for name, r in ratios.items()} == {"slow first": 4, "fast": 4, "middle": 2}

@@ -134,10 +134,10 @@ def fit_compiled(
     bytes, a string like ``"2GiB"``, or a float in (0, 1], a fraction of the unbudgeted compiled step's measured
     peak.
 
-    ``rounds``: timed steps per contender, head to head (and per budget in the whole-model trials); ``step`` (or
-    its fields ``loss_fn``, ``blocks``, ``autocast``, ``holds_output`` as keywords) and ``clock`` are
-    :func:`remat.profile`'s, ``backend``, ``mode``, ``options``,
-    ``dynamic`` ``torch.compile``'s, ``set_to_none`` how the loop clears gradients (:func:`fit_compile_budget`).
+    ``rounds``: at most this many timed steps per contender, head to head (trial rule 2), and per budget in the
+    whole-model trials; ``step`` (or its fields ``loss_fn``, ``blocks``, ``autocast``, ``holds_output`` as
+    keywords) and ``clock`` are :func:`remat.profile`'s, ``backend``, ``mode``, ``options``, ``dynamic``
+    ``torch.compile``'s, ``set_to_none`` how the loop clears gradients (:func:`fit_compile_budget`).
     ``whole``: the whole-model trials already measured for this model (or a copy with its weights) on this batch and
     settings, by :func:`fit_compile_budget` or an earlier call's ``CompiledFit.budgets``: reused instead of
     compiling and measuring the grid again, so fitting several byte budgets measures it once (give ``budgets`` or

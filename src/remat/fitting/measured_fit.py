@@ -109,8 +109,9 @@ def fit(
     (module docstring): bytes, a string like ``"2GiB"``, or a fraction of the predicted no-checkpoint peak.
 
     ``costs``: the model's profile on this batch and settings, else taken here (``remat.profile`` with
-    ``policies``). ``rounds``: timed steps per candidate, head to head. ``step`` (or its fields ``loss_fn``,
-    ``blocks``, ``autocast``, ``holds_output`` as keywords) and ``clock`` are :func:`remat.profile`'s;
+    ``policies``). ``rounds``: at most this many timed steps per candidate, head to head (trial rule 2).
+    ``step`` (or its fields ``loss_fn``, ``blocks``, ``autocast``, ``holds_output`` as keywords) and ``clock``
+    are :func:`remat.profile`'s;
     ``set_to_none`` is how the loop clears gradients. Raises :class:`remat.BudgetError` (naming the least peak)
     where no plan is predicted to fit, or where every candidate measures over the budget."""
     spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks, autocast=autocast, holds_output=holds_output)

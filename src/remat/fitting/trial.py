@@ -12,7 +12,9 @@ Rules, enforced here:
    says why in ``refused``.
 2. Steps are compared as ratios within one process, the candidates interleaved round by round (the order
    reversed every other round) after one untimed step each (:func:`head_to_head`); a step's seconds alone are
-   compared only where the steps were timed the same way.
+   compared only where the steps were timed the same way. A candidate whose rank is settled stops being timed:
+   from the second round on, one whose fastest round is more than ``SETTLE_MARGIN`` slower than the slowest
+   round of the fastest candidate (by median) is timed no more, and keeps the ratios it has.
 3. Among the candidates that fit, the fastest is kept (:func:`fastest`), the first listed on a tie.
 """
 
@@ -25,7 +27,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from ..chains import ratios_text, ratios_to_first
+from ..chains import ratios_text
 from ..core import format_bytes
 from ..meters import measure
 from ..planning import Plan
@@ -127,15 +129,32 @@ def over(peak: int, limit: int) -> str:
     return f"measured over {format_bytes(limit)}" if peak > limit else ""
 
 
+SETTLE_MARGIN = 0.02  # rule 2: how much slower than the leader's slowest round a candidate's fastest must be
+SETTLE_AFTER = 2  # rule 2: the rounds every candidate runs before any is set aside
+
+
 def head_to_head(
-    names: Sequence[Name], run: Callable[[Name], float], rounds: int, *, warm: bool = True
+    names: Sequence[Name], run: Callable[[Name], float], rounds: int, *, warm: bool = True, settle: bool = True
 ) -> dict[Name, tuple[float, ...]]:
-    """Rule 2: each name's step (``run(name)``: seconds) in ``rounds`` interleaved rounds, as ratios to the first
-    name's of the same round; one untimed ``run`` of each first where ``warm``."""
+    """Rule 2: each name's step (``run(name)``: seconds) in up to ``rounds`` interleaved rounds, as ratios to the
+    first name's of the same round (the first is timed every round); one untimed ``run`` of each first where
+    ``warm``; with ``settle``, a name whose rank is settled is timed no more (its tuple is shorter)."""
+    names = list(names)
     if warm:
         for name in names:
             run(name)
-    return ratios_to_first(names, run, rounds)
+    first = names[0]
+    ratios: dict[Name, list[float]] = {name: [] for name in names}
+    timed = list(names)
+    for done in range(1, rounds + 1):
+        seconds = {name: run(name) for name in (timed if done % 2 else timed[::-1])}
+        for name in timed:
+            ratios[name].append(seconds[name] / seconds[first])
+        if settle and SETTLE_AFTER <= done < rounds:
+            leader = min(timed, key=lambda name: statistics.median(ratios[name]))
+            ceiling = max(ratios[leader]) * (1 + SETTLE_MARGIN)
+            timed = [name for name in timed if name in (first, leader) or min(ratios[name]) <= ceiling]
+    return {name: tuple(values) for name, values in ratios.items()}
 
 
 def with_ratios(trials: Sequence[Trial], ratios: dict[str, tuple[float, ...]]) -> list[Trial]:
@@ -150,4 +169,4 @@ def fastest(trials: Sequence[Trial], by: Callable[[Trial], float | None] | None 
     kept = [t for t in trials if t.fits and t.peak_bytes is not None]
     if not kept:
         return None
-    return min(kept, key=lambda t: (v if (v := key(t)) is not None else 1.0))
+    return min(kept, key=lambda t: v if (v := key(t)) is not None else 1.0)
