@@ -30,7 +30,7 @@ CONTENDERS = (
     "remat: compiled blocks, keep all",
     "remat optimal on compiled blocks",
     "torch.compile, budget fitted by remat",
-    "remat fit_compiled",
+    "remat.fit(compile=True)",
     "ckptplan (PyPI)",
 )
 
@@ -77,7 +77,7 @@ def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsy
             # least peak measured and why the budgets were not tried
             assert "least peak measured" in cells[-1] and "were not tried" in cells[-1], cells
             continue
-        if cells[3] == "remat fit_compiled" and "refused" in cells[-1]:
+        if cells[3] == "remat.fit(compile=True)" and "refused" in cells[-1]:
             # neither route reaches the share of the compiled model's peak: the refusal names both routes' reasons
             assert "no compiled route fits" in cells[-1] and "blocks:" in cells[-1], cells
             continue
@@ -98,7 +98,7 @@ def test_tiny_run_has_every_contender_and_exact_gradients(peers, tmp_path, capsy
     standing = next(line for line in table.splitlines() if line.startswith("| gpt2 | fp32 | 50% | eager |"))
     assert "| remat optimal |" in standing and "| 2 head to head |" in standing, standing
     compiled = next(line for line in table.splitlines() if line.startswith("| gpt2 | fp32 | 50% | compiled |"))
-    assert "| remat fit_compiled |" in compiled, compiled
+    assert "| remat.fit(compile=True) |" in compiled, compiled
 
     contenders = next(r for r in records if r.get("record") == "rows")["contenders"]
     memory = [r for r in records if r.get("record") == "memory"]
@@ -150,7 +150,7 @@ def test_the_compiled_part_compiles_the_whole_model_once_per_budget(peers, tmp_p
     fitted = [n for k, n in graphs.items() if k.startswith("trials of torch.compile, budget fitted")]
     assert fitted == [0, 0], graphs
     # remat's compiled fit compiles the blocks' partition variants, once each (the whole route is the fit's)
-    blocks = sum(n for k, n in graphs.items() if k.startswith("trials of remat fit_compiled"))
+    blocks = sum(n for k, n in graphs.items() if k.startswith("trials of remat.fit(compile=True)"))
     assert blocks <= 1 + len(pc.PARTITION_BUDGETS), graphs
     assert phase["graphs"] == sum(graphs.values())
     rows = next(r for r in records if r.get("record") == "rows")
@@ -167,6 +167,6 @@ def test_a_compile_time_bound_refuses_what_it_leaves_unbuilt(peers, tmp_path, ca
     unbuilt = [r for r in rows["refused"] if "--compile-seconds" in r["reason"]]
     assert {r["name"] for r in unbuilt} == {"torch.compile + activation_memory_budget",
                                             "remat optimal on compiled blocks", "torch.compile, budget fitted by remat",
-                                            "remat fit_compiled"}, unbuilt
+                                            "remat.fit(compile=True)"}, unbuilt
     phase = next(r for r in records if r.get("record") == "compilations" and r["phase"] == "compiled contenders")
     assert phase["graphs"] == 0

@@ -18,8 +18,8 @@ back to the system); on CUDA the model, its copies and the batch live on the GPU
    ones. Parameter gradients exist before the measured step (zeroed in place), so both meters see the same
    transient memory: activations and gradients in flight. The hand-written contenders are
    measured at every ``k`` first; each budget gets the smallest ``k`` that fits by both meters. The
-   contenders chosen by timing steps (``torch.compile``'s budget fitted by remat, ``remat fit_compiled``, ``remat
-   fit``) come last, after glibc is switched to the timing settings of step 4
+   contenders chosen by timing steps (``torch.compile``'s budget fitted by remat, ``remat.fit(compile=True)``,
+   ``remat fit``) come last, after glibc is switched to the timing settings of step 4
    (:meth:`Bench.timing_allocator_for_choices`): they are measured by ``remat.measure`` alone.
 3. Gradients: the measured step runs from the same seed for everyone; its gradients are compared with those
    of the contender's reference (bitwise, and the largest absolute difference).
@@ -33,8 +33,8 @@ back to the system); on CUDA the model, its copies and the batch live on the GPU
    ``remat optimal`` against itself (an A/A pair), for ``duel_rounds`` more rounds of those few contenders only:
    the target compares steps within 2%, finer than rounds over every contender resolve on a shared machine; more
    rounds, up to ``duel_max_rounds``, while a ratio to a fitting peer is not yet resolved from 1.02
-   (:mod:`benchmarks.peers.duel`); then ``remat fit_compiled`` the same way against ``torch.compile``'s budgets (at the
-   fraction, and fitted by remat).
+   (:mod:`benchmarks.peers.duel`); then ``remat.fit(compile=True)`` the same way against ``torch.compile``'s
+   budgets (at the fraction, and fitted by remat).
 """
 
 from __future__ import annotations
@@ -328,10 +328,17 @@ def fit_eager_at(job: dict[str, Any], bench: Bench, model: nn.Module, budget: fl
 def fit_compiled_at(job: dict[str, Any], bench: Bench, model: nn.Module, max_bytes: int | float,
                     whole: CompileBudgetFit | None) -> CompiledFit:
     """``fit_compiled`` on ``model`` at ``max_bytes`` with the unit's batch, precision and backend, the whole-model
-    trials ``whole`` reused where they ran, ``choice_rounds`` rounds head to head."""
+    trials ``whole`` reused where they ran, ``choice_rounds`` rounds head to head, and remat's eager ``optimal`` plan
+    for the same bytes as a third route (where one fits), as ``remat.fit(..., compile=True)`` sets them against
+    each other."""
+    try:
+        eager = remat.plan(bench.costs, "optimal", budget=max_bytes)
+    except remat.BudgetError:
+        eager = None
     return fit_compiled(model, bench.batch, max_bytes, whole=whole, partition_budgets=pc.PARTITION_BUDGETS,
-                        backend=job["backend"], autocast=unit_autocast(bench), rounds=job.get("choice_rounds", 5),
-                        clock=step_clock(bench.device), holds_output=False, set_to_none=False)
+                        eager=eager, backend=job["backend"], autocast=unit_autocast(bench),
+                        rounds=job.get("choice_rounds", 5), clock=step_clock(bench.device), holds_output=False,
+                        set_to_none=False)
 
 
 def run(job: dict[str, Any]) -> None:

@@ -52,7 +52,7 @@ COMPILED = "compiled"
 # torch.compile's activation memory budgets each compiled block is also compiled under (partition:<budget> actions)
 PARTITION_BUDGETS = (0.1, 0.25, 0.5)
 FITTED = "torch.compile, budget fitted by remat"
-FIT_COMPILED = "remat fit_compiled"
+FIT_COMPILED = "remat.fit(compile=True)"
 FIT = "remat fit"
 WHOLE_BUDGET_NOTE = "the partitioner's recomputation changes the kernels (rounding); dropout masks are kept"
 
@@ -383,8 +383,9 @@ class ContenderSet:
 
     def remat_fit_compiled(self, budget: float, budget_bytes: int | None,
                            fit_at: Callable[[nn.Module, int | float, CompileBudgetFit | None], CompiledFit]) -> None:
-        """``fit_compiled`` at ``budget_bytes`` (or the fraction ``budget``) on a copy of its own, set up for the
-        route it chose; ``fit_at(model, max_bytes, whole)`` runs it, reusing the whole-model trials of
+        """``remat.fit(compile=True)``'s choice (``fit_compiled`` with remat's eager plan for the same bytes as a
+        third route) at ``budget_bytes`` (or the fraction ``budget``) on a copy of its own, set up for the route it
+        chose; ``fit_at(model, max_bytes, whole)`` runs it, reusing the whole-model trials of
         :meth:`compile_fitted` where they ran (``whole``). The blocks route's plan is predicted from the compiled
         blocks' profile and compared with keep-all on compiled blocks; the whole model with ``torch.compile``."""
         model = self.copy()
@@ -393,18 +394,22 @@ class ContenderSet:
         except remat.BudgetError as err:
             self.refused.append(Refused(budget, FIT_COMPILED, COMPILED, str(err)))
             return
-        if fit.plan is not None:  # the blocks route: its plan applied to the copy's compiled blocks
-            on_blocks, exact = True, not _partitioned(fit.plan)
+        costs = self.compiled_costs
+        if fit.route == "eager":  # remat's eager plan on the plain blocks measured fastest
+            reference, exact, note = "none", True, ""
+            detail, costs = f"eager: {short_actions(fit.plan)}", self.costs
+        elif fit.plan is not None:  # the blocks route: its plan applied to the copy's compiled blocks
+            reference, exact = "compiled-blocks", not _partitioned(fit.plan)
             detail, note = f"blocks: {short_actions(fit.plan)}", "" if exact else PARTITION_NOTE
         else:
-            on_blocks, exact = False, False
+            reference, exact = "compiled", False
             detail = f"whole model: {fit.chosen.detail.replace('activation_memory_budget ', 'budget=')}"
             note = WHOLE_BUDGET_NOTE
-        predicted = fit.plan if self.compiled_costs is not None else None
+        predicted = fit.plan if costs is not None else None
         self.add(Contender(f"fit-compiled-{budget:g}", FIT_COMPILED, COMPILED, model, fit.module,
-                           grad_reference="compiled-blocks" if on_blocks else "compiled", tracker=False,
-                           allocations=True, exact=exact, detail=detail, note=note, plan=lambda: predicted,
-                           costs=self.compiled_costs, info=lambda: {"choice": fit.describe()}), budget)
+                           grad_reference=reference, tracker=fit.route == "eager", allocations=True, exact=exact,
+                           detail=detail, note=note, plan=lambda: predicted, costs=costs,
+                           info=lambda: {"choice": fit.describe()}), budget)
 
 
 def _other_candidate(fit: PlanFit) -> str:

@@ -1,7 +1,7 @@
 """The head-to-head rounds of the peers benchmark: remat's contender against the peers of its budget, alone.
 
 At each budget and in each group (:data:`table.DUELS`), remat's contenders (``remat optimal`` and ``remat
-fit``; on compiled code ``remat fit_compiled``), each peer of that budget and remat's first contender again (the
+fit``; on compiled code ``remat.fit(compile=True)``), each peer of that budget and remat's first contender again (the
 A/A pair, key ``<key>#aa``) run round by round, the order reversed every other round; each step is one record of kind
 ``duel``. The rounds over every contender cannot resolve steps within 2% on a shared machine; these few can.
 

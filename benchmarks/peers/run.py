@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "remat's ratio to a fitting peer still holds 1.02")
     parser.add_argument("--choice-rounds", type=int, default=5,
                         help="fit_compiled's and remat fit's own head-to-head rounds per budget (0: no "
-                             "'remat fit_compiled' rows, and one round for remat fit)")
+                             "'remat.fit(compile=True)' rows, and one round for remat fit)")
     parser.add_argument("--policies", default="menu",
                         help="per-operator policies remat's eager profile measures as selective actions: 'menu' "
                              "(remat.policies.MENU) or comma-separated names, like dots_saveable")

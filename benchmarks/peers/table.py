@@ -42,7 +42,8 @@ COMPILED_PEERS = (COMPILED_PEER, FITTED_PEER)
 PEERS = {"eager": EAGER_PEERS, "compiled": COMPILED_PEERS}
 # remat's contender in each group, the one its target judges (on compiled code the first present at a budget:
 # records written before fit_compiled had a row judge the plan on compiled blocks)
-MINE = {"eager": ("remat optimal",), "compiled": ("remat fit_compiled", "remat optimal on compiled blocks")}
+MINE = {"eager": ("remat optimal",),
+        "compiled": ("remat.fit(compile=True)", "remat fit_compiled", "remat optimal on compiled blocks")}
 # judged as well where present: remat's measured choice between its eager plans (remat.fitting.measured_fit.fit)
 ALSO = {"eager": ("remat fit",), "compiled": ()}
 # the head-to-head rounds of peers_duel: remat's contenders against the peers of their group
@@ -279,7 +280,7 @@ def markdown_table(lines: list[Line], device: str = "cpu") -> str:
 @dataclass
 class Standing:
     """At one budget: the fastest fitting peer against remat's contender (eager ``remat optimal``, then compiled
-    ``remat fit_compiled``)."""
+    ``remat.fit(compile=True)``)."""
 
     model: str
     dtype: str
@@ -413,9 +414,10 @@ def render(records: list[dict[str, Any]], device: str = "cpu") -> str:
 #   where the run has them). Where the median is over, the verdict says whether the ratio's 95% interval still
 #   holds 1.02 (the rounds did not resolve it) and whether remat runs the peer's own plan (then the gap is remat's
 #   runtime against the peer's, and noise).
-# * ``compiled``: remat's compiled contender, ``remat fit_compiled`` (``remat optimal on compiled blocks`` in records
-#   without it), is at most 1.02x the fastest fitting ``torch.compile`` with ``activation_memory_budget`` at the
-#   same byte budget: torch's budget at the fraction, or the fraction fitted to the bytes by measurement.
+# * ``compiled``: remat's compiled contender, ``remat.fit(compile=True)`` (``remat fit_compiled``, then
+#   ``remat optimal on compiled blocks`` in older records), is at most 1.02x the fastest fitting ``torch.compile``
+#   with ``activation_memory_budget`` at the same byte budget:
+#   torch's budget at the fraction, or the fraction fitted to the bytes by measurement.
 # * ``bf16 peak`` (every precision is checked, the target names bf16): every remat plan predicted to fit has a
 #   tracker peak within its budget +2% and a predicted peak within 5% of the tracker's.
 
@@ -517,7 +519,7 @@ def peak_check(unit: Unit, lines: list[Line]) -> str:
 def targets_table(units: list[Unit], lines_of: dict[tuple[str, str], list[Line]],
                   standings_of: dict[tuple[str, str], list[Standing]]) -> str:
     out = ["| model | dtype | predicted step within 10% | optimal (and fit) <= 1.02x fastest fitting eager peer | "
-           "remat compiled (fit_compiled) <= 1.02x fastest fitting torch.compile budget | "
+           "remat compiled (remat.fit(compile=True)) <= 1.02x fastest fitting torch.compile budget | "
            "plans fit (+2%), predicted peak within 5% |",
            "|" + "---|" * 6]
     for unit in units:
