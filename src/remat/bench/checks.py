@@ -64,6 +64,19 @@ def validate(config: BenchConfig) -> dict[str, Any]:
         check_available(specs)
     except (StrategyError, ValueError) as err:
         raise BenchError(str(err)) from None
+    if config.dynamic_padding:
+        if config.model != "gpt2":
+            raise BenchError(
+                f"--dynamic-padding pads Shakespeare's paragraphs for the causal language model: use --model gpt2, "
+                f"not {config.model!r}"
+            )
+        unsupported = [s.label for s in specs if s.name == "compile_budget" or s.lossy]
+        if unsupported or config.sweeps:
+            raise BenchError(
+                "--dynamic-padding runs the strategies that plan per input shape or hold a budget per step (none, "
+                "full, every_k, sqrt, memory_poor, random, optimal, pgac, dtr), without --sweep; leave out "
+                f"{unsupported or [k for k, _ in config.sweeps]}"
+            )
     if any(s.name == "compile_budget" for s in specs) and config.warmup < 1:
         raise BenchError("compile_budget compiles during its first step: use --warmup 1 or more")
     for key in DISTRIBUTED_SWEEPS:

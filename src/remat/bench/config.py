@@ -44,6 +44,7 @@ class BenchConfig:
     dropout: float | None = None
     eval_batches: int = 8
     measure_every: int = 0
+    dynamic_padding: bool = False  # Shakespeare's paragraphs, each batch padded to its longest; every step measured
     threads: int = 0  # 0: half the cores
     device: str = "cpu"
     profile_repeats: int = 2
@@ -70,6 +71,7 @@ class BenchConfig:
             "tokenizer": self.tokenizer,
             "dataset": self.dataset,
             "max_bytes": self.max_bytes,
+            "dynamic_padding": self.dynamic_padding,
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "lr": self.lr,
@@ -149,6 +151,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also measure memory every N steps after warm-up (default: only the first step "
         "after warm-up and the last step)",
     )
+    parser.add_argument(
+        "--dynamic-padding",
+        action="store_true",
+        help="gpt2 on Shakespeare's paragraphs, each batch padded to its longest (at most --seq-len) and every "
+        "tenth a third as many rows: plans per input shape within the budget, profiled at the largest batch, and "
+        "every step's peak measured against the budget",
+    )
     parser.add_argument("--threads", type=int, default=d.threads, help="intra-op threads (default: half the cores)")
     parser.add_argument("--device", default=d.device, help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--profile-repeats", type=int, default=d.profile_repeats, help="timed repeats per block")
@@ -196,6 +205,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         dropout=args.dropout,
         eval_batches=args.eval_batches,
         measure_every=args.measure_every,
+        dynamic_padding=args.dynamic_padding,
         threads=args.threads,
         device=args.device,
         profile_repeats=args.profile_repeats,

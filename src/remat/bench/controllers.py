@@ -15,12 +15,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core import COMPRESS, KEEP, CostTable, kind_of
-from ..planning import Plan, simulate
+from ..core import COMPRESS, KEEP, CostTable, ShapeCosts, kind_of, shape_of
+from ..planning import Plan, ShapePlans, simulate
 from .static_plans import budget_fraction, static_plan
 from .strategies import STATIC, StrategyError, StrategySpec
 
 LOSSY_STATIC = ("compress", "optimal_lossy")
+
+SHAPE_TABLES = "shape_tables"  # costs.info: the profiles at the smaller shapes, with dynamic padding
+
+
+def shape_costs_of(costs: CostTable) -> ShapeCosts | None:
+    """The costs at every input shape where ``costs`` carries its smaller shapes' profiles (dynamic padding)."""
+    saved = costs.info.get(SHAPE_TABLES)
+    if not saved:
+        return None
+    reference = shape_of(costs.info["input_shapes"][costs.fqns[0]])
+    tables = [costs, *(CostTable.from_dict(t) for t in saved["tables"])]
+    return ShapeCosts(tables, [reference, *(tuple(s) for s in saved["shapes"])])
 
 
 class Controller:
@@ -53,20 +65,27 @@ class Controller:
 
 
 class StaticController(Controller):
-    """A fixed plan applied once with :func:`remat.apply` (no hooks at all for a plan that keeps everything)."""
+    """A fixed plan applied once with :func:`remat.apply` (no hooks at all for a plan that keeps everything), or,
+    with ``shape_plans``, the plan of each batch's input shape within the budget (``optimal`` under dynamic
+    padding)."""
 
-    def __init__(self, spec: StrategySpec, plan: Plan) -> None:
+    def __init__(self, spec: StrategySpec, plan: Plan, shape_plans: ShapePlans | None = None) -> None:
         super().__init__(spec)
         self.plan = plan
+        self.shape_plans = shape_plans
         self.handle: Any = None
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         import remat
 
-        if any(a != KEEP for a in self.plan.actions.values()):
+        if self.shape_plans is not None or any(a != KEEP for a in self.plan.actions.values()):
             self.handle = remat.apply(model, self.plan)
+        if self.shape_plans is not None:
+            self.handle.plan_per_shape(self.shape_plans)
 
     def take_step_stats(self) -> dict[str, Any]:
+        if self.handle is not None:
+            self.plan = self.handle.plan  # the plan of the step that ran (per shape)
         stored = sum(a == KEEP for a in self.plan.actions.values())
         if self.handle is None:
             return {"recompute_time_s": 0.0, "recompute_calls": 0, "stored_blocks": stored}
@@ -76,6 +95,8 @@ class StaticController(Controller):
         return out
 
     def run_info(self) -> dict[str, Any]:
+        if self.shape_plans is not None:
+            return {"plan": plan_record(self.plan), "shape_plans": self.shape_plans.describe()}
         return {"plan": plan_record(self.plan)}
 
     def remove(self) -> None:
@@ -87,9 +108,11 @@ class StaticController(Controller):
 class PGACController(Controller):
     """:class:`remat.PGAC` attached to the optimizer, planning from the run's measured CostTable."""
 
-    def __init__(self, spec: StrategySpec, costs: CostTable, budget_bytes: int, total_steps: int) -> None:
+    def __init__(self, spec: StrategySpec, costs: CostTable, budget_bytes: int, total_steps: int,
+                 shapes: ShapeCosts | None = None) -> None:  # fmt: skip
         super().__init__(spec)
         self.costs, self.budget_bytes, self.total_steps = costs, budget_bytes, total_steps
+        self.shapes = shapes  # with dynamic padding: the mask fitted to each batch's shape
         self.pgac: Any = None
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -105,6 +128,8 @@ class PGACController(Controller):
         self.pgac = cls(
             model, self.budget_bytes, costs=self.costs, total_steps=self.total_steps, measure=0, **opts
         ).attach(optimizer)
+        if self.shapes is not None:
+            self.pgac.plan_per_shape(self.shapes)
         self._ran = dict(self.pgac.plan.actions)
 
     def take_step_stats(self) -> dict[str, Any]:
@@ -237,11 +262,15 @@ def plan_record(plan: Plan, costs: CostTable | None = None) -> dict[str, Any]:
 
 
 def make_controller(spec: StrategySpec, costs: CostTable, budget_bytes: int, seed: int, total_steps: int) -> Controller:
-    """The controller of ``spec`` for one run."""
+    """The controller of ``spec`` for one run; where ``costs`` carries the costs at every shape (dynamic padding),
+    ``optimal`` and PGAC plan each batch's shape within ``budget_bytes``."""
+    shapes = shape_costs_of(costs)
     if spec.name in STATIC or spec.name in LOSSY_STATIC:
-        return StaticController(spec, static_plan(spec, costs, budget_bytes, seed))
+        plan = static_plan(spec, costs, budget_bytes, seed)
+        per_shape = ShapePlans(shapes, budget_bytes) if shapes is not None and spec.name == "optimal" else None
+        return StaticController(spec, plan, per_shape)
     if spec.name in ("pgac", "pgac_q"):
-        return PGACController(spec, costs, budget_bytes, total_steps)
+        return PGACController(spec, costs, budget_bytes, total_steps, shapes)
     if spec.name == "dtr":
         return DTRController(spec, budget_bytes)
     if spec.name == "compile_budget":

@@ -30,6 +30,7 @@ def render_markdown(
         *header_section(res),
         *measurement_section(res),
         *results_section(res, rows),
+        *shapes_section(res),
         *baselines_section(cmp),
         *claims_section(res, claim_list),
         *exactness_section(exact),
@@ -82,13 +83,26 @@ def header_section(res: Results) -> list[str]:
 def measurement_section(res: Results) -> list[str]:
     """How memory, recompute time and the paired tests were measured; compile_budget and energy notes."""
     c = res.config
+    if c.get("settings", {}).get("dynamic_padding"):
+        memory = (
+            "- Dynamic padding: every batch is padded to its longest paragraph, so shapes change from step to step. "
+            "Peak activation memory is measured with the live-tensor tracker (`remat.measure`) on every step, each "
+            "against the budget (section *Every step against the budget*), so the step times are read under the "
+            "tracker, for every strategy alike. The profile is of the largest batch (the longest paragraphs), with "
+            "three smaller shapes cut from it (`remat.profile_shapes`); `optimal` and PGAC plan each shape within "
+            "the budget (`remat.ShapePlans`)."
+        )
+    else:
+        memory = (
+            f"- Peak activation memory is measured with the live-tensor tracker (`remat.measure`) on dedicated "
+            f"steps only (steps {', '.join(map(str, c.get('measure_steps', [])))}: the first after warm-up and the "
+            "last), because the tracker slows the step. Those steps are excluded from every time figure; all other "
+            "steps after warm-up are timed without the tracker."
+        )
     lines = [
         "## How it was measured",
         "",
-        f"- Peak activation memory is measured with the live-tensor tracker (`remat.measure`) on dedicated steps "
-        f"only (steps {', '.join(map(str, c.get('measure_steps', [])))}: the first after warm-up and the last), "
-        "because the tracker slows the step. Those steps are excluded from every time figure; all other steps "
-        "after warm-up are timed without the tracker.",
+        memory,
         "- Recompute time is measured per block re-execution in backward (`handle.stats`) for the plans and PGAC, "
         "and by DTR's own counters for DTR. Backward time includes recomputation.",
         _prediction_clock_note(res),
@@ -117,6 +131,31 @@ def measurement_section(res: Results) -> list[str]:
     else:
         lines.append("- Energy: not available on this machine (" + "; ".join(sorted(energy_notes)) + ").")
     lines.append("")
+    return lines
+
+
+def shapes_section(res: Results) -> list[str]:
+    """With dynamic padding: per run, every step's measured peak against the budget and the steps refused."""
+    runs = [r for r in res.runs if r.get("steps_measured") is not None]
+    if not runs:
+        return []
+    lines = [
+        "## Every step against the budget",
+        "",
+        "| strategy | seed | steps measured | over the budget (+2%) | worst peak / budget | refused before the "
+        "forward | sequence lengths (least, median, most) |",
+        "|" + "---|" * 7,
+    ]
+    for r in runs:
+        worst = r.get("worst_peak_over_budget")
+        lengths = r.get("sequence_lengths") or []
+        lines.append(
+            f"| `{r['strategy']}` | {r['seed']} | {r['steps_measured']} | {r['steps_over_budget']} | "
+            f"{'n/a' if worst is None else f'{worst:.3f}'} | {r['steps_refused']} | "
+            f"{', '.join(map(str, lengths))} |"
+        )
+    lines += ["", "Every step's peak and budget are in `steps.jsonl` (`peak_activation_bytes`, `budget_bytes`, "
+              "`shape`); a refused step holds the refusal.", ""]  # fmt: skip
     return lines
 
 

@@ -179,7 +179,9 @@ def job_for(
 
 
 def measure_steps(config: BenchConfig) -> list[int]:
-    """Steps whose memory is measured (and whose time is therefore not used)."""
+    """Steps whose memory is measured (and whose time is therefore not used); with dynamic padding, every step."""
+    if config.dynamic_padding:
+        return list(range(config.steps))
     steps = {config.warmup, config.steps - 1}
     if config.measure_every:
         steps |= set(range(config.warmup, config.steps, config.measure_every))
@@ -314,7 +316,8 @@ def run_one(
 
     def on_step(record: dict[str, Any]) -> None:
         bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+        if "loss" in record:  # a batch refused before its forward has none
+            bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
 
     def emit(record: dict[str, Any]) -> None:
         steps_writer.write(record)

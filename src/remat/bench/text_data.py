@@ -26,11 +26,7 @@ def text_splits(tokenizer: str = "auto", max_bytes: int | None = None) -> tuple[
     """
     tok = get_tokenizer(tokenizer)
     files = shakespeare_files()
-    budgets = {"train": None, "val": None}
-    if max_bytes is not None:
-        if max_bytes < 1000:
-            raise ValueError(f"max_bytes={max_bytes} is too small for a train/validation split; use >= 1000")
-        budgets = {"train": int(max_bytes * (1 - 1 / VAL_EVERY)), "val": max_bytes // VAL_EVERY}
+    budgets = _split_budgets(max_bytes)
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     eot = np.array([tok.eot_id], dtype=np.int64)
     used = {"train": 0, "val": 0}
@@ -45,6 +41,15 @@ def text_splits(tokenizer: str = "auto", max_bytes: int | None = None) -> tuple[
         used[split] += len(text)
         parts[split] += [tok.encode_array(text), eot]
     return torch.from_numpy(np.concatenate(parts["train"])), torch.from_numpy(np.concatenate(parts["val"]))
+
+
+def _split_budgets(max_bytes: int | None) -> dict[str, int | None]:
+    """Characters to read for each split: nine tenths and one tenth of ``max_bytes`` (None: everything)."""
+    if max_bytes is None:
+        return {"train": None, "val": None}
+    if max_bytes < 1000:
+        raise ValueError(f"max_bytes={max_bytes} is too small for a train/validation split; use >= 1000")
+    return {"train": int(max_bytes * (1 - 1 / VAL_EVERY)), "val": max_bytes // VAL_EVERY}
 
 
 def mask_tokens(
@@ -146,4 +151,96 @@ class TextData(BenchData):
             "val_tokens": self._windows["val"].numel(),
             "batch_size": self.batch_size,
             "seed": self.seed,
+        }
+
+
+MIN_PARAGRAPH = 16  # tokens: a shorter paragraph (a heading, a stage direction) is left out
+SHORT_EVERY = 10  # every tenth training batch is short, as an epoch's last batch is
+
+
+@lru_cache(maxsize=4)
+def paragraph_splits(tokenizer: str, seq_len: int, max_bytes: int | None = None) -> dict[str, list[list[int]]]:
+    """The plays' paragraphs (blank-line separated) as token ids, each cut to ``seq_len`` and at least
+    ``MIN_PARAGRAPH`` long, split between training and validation as :func:`text_splits` splits the plays;
+    ``max_bytes`` reads only about that many characters of the plays. Cached per process."""
+    tok = get_tokenizer(tokenizer)
+    found: dict[str, list[list[int]]] = {"train": [], "val": []}
+    budgets = _split_budgets(max_bytes)
+    used = {"train": 0, "val": 0}
+    for i, path in enumerate(shakespeare_files()):
+        split = "val" if i % VAL_EVERY == VAL_EVERY - 1 else "train"
+        budget = budgets[split]
+        if budget is not None and used[split] >= budget:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if budget is not None:
+            text = text[: budget - used[split]]
+        used[split] += len(text)
+        for paragraph in text.split("\n\n"):
+            ids = tok.encode(paragraph.strip())[:seq_len]
+            if len(ids) >= MIN_PARAGRAPH:
+                found[split].append(ids)
+    return found
+
+
+class PaddedText(TextData):
+    """Shakespeare's paragraphs for causal language modelling with dynamic padding: each batch is padded to its
+    longest paragraph (the pad masked in ``attention_mask`` and left out of the loss), so the sequence length
+    changes from batch to batch, and every ``SHORT_EVERY``-th training batch has a third of the rows. A batch is
+    ``(input_ids, labels, attention_mask)``. :meth:`largest_batch` is the largest shape the run can see: the
+    ``batch_size`` longest paragraphs, where the profile is taken."""
+
+    def __init__(self, *, seq_len: int, batch_size: int, seed: int, split: str, tokenizer: str = "auto",
+                 max_bytes: int | None = None) -> None:  # fmt: skip
+        super().__init__("lm", seq_len=seq_len, batch_size=batch_size, seed=seed, split=split, tokenizer=tokenizer,
+                         max_bytes=max_bytes)  # fmt: skip
+        self.paragraphs = paragraph_splits(self.tokenizer.name, seq_len, max_bytes)
+        for name, rows in self.paragraphs.items():
+            if len(rows) < batch_size:
+                raise ValueError(
+                    f"the {name} split has {len(rows)} paragraphs of at least {MIN_PARAGRAPH} tokens, fewer than "
+                    f"--batch-size {batch_size}: read more of the corpus (--max-bytes) or use smaller batches"
+                )
+
+    def _count(self, split: str) -> int:
+        return len(self.paragraphs[split])
+
+    def _batch(self, split: str, index: torch.Tensor, generator: torch.Generator) -> Any:
+        return self.padded([self.paragraphs[split][i] for i in index.tolist()])
+
+    def padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``rows`` padded to the longest: ids (the pad is end-of-text), labels (-100 at the pad), mask."""
+        longest = max(len(r) for r in rows)
+        ids = torch.full((len(rows), longest), self.eot_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        return ids, ids.masked_fill(mask == 0, -100), mask
+
+    def train_batches(self) -> Any:
+        short = max(1, self.batch_size // 3)
+        for k, batch in enumerate(super().train_batches()):
+            if k % SHORT_EVERY == SHORT_EVERY - 1:
+                ids, labels, mask = batch
+                longest = int(mask[:short].sum(1).max())
+                batch = ids[:short, :longest], labels[:short, :longest], mask[:short, :longest]
+            yield batch
+
+    def largest_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The ``batch_size`` longest training paragraphs: the largest shape any training batch has."""
+        return self.padded(sorted(self.paragraphs["train"], key=len)[-self.batch_size :])
+
+    def batch_kwargs(self, batch: Any, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+        input_ids, labels, mask = batch
+        return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+
+    def describe(self) -> dict[str, Any]:
+        lengths = sorted(len(r) for r in self.paragraphs["train"])
+        return {
+            **super().describe(),
+            "dynamic_padding": True,
+            "train_paragraphs": len(lengths),
+            "val_paragraphs": len(self.paragraphs["val"]),
+            "paragraph_tokens": [lengths[0], lengths[len(lengths) // 2], lengths[-1]],
         }

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ..core import CostTable
-from .controllers import Controller
+from ..planning import ShapeBudgetError
+from .controllers import SHAPE_TABLES, Controller
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -27,6 +28,10 @@ def load_data(job: dict[str, Any]) -> Any:
     from .data import load_dataset
 
     kwargs: dict[str, Any] = {"seq_len": job["seq_len"], "batch_size": job["batch_size"], "seed": job["seed"]}
+    if job.get("dynamic_padding"):
+        from .text_data import PaddedText
+
+        return PaddedText(split="train", tokenizer=job["tokenizer"], max_bytes=job["max_bytes"], **kwargs)
     if job["model"] in ("gpt2", "bert"):
         kwargs.update(tokenizer=job["tokenizer"], max_bytes=job["max_bytes"])
     else:
@@ -53,21 +58,23 @@ def profile_costs(
     job: dict[str, Any], repeats: int, lossy: list[str] | None = None
 ) -> tuple[CostTable, dict[str, Any]]:
     """``remat.profile`` of the seed's model on its first training batch (with the compression formats
-    ``lossy``, for the lossy strategies); also returns data/model facts."""
+    ``lossy``, for the lossy strategies); also returns data/model facts. With dynamic padding the profile is of the
+    largest batch the run can see, and the model is profiled at three smaller shapes cut from it as well: the
+    costs at every shape (:func:`~remat.bench.controllers.shape_costs_of` reads them back from ``costs.info``)."""
     import remat
 
     torch.set_num_threads(job["threads"])
     data = load_data(job)
     spec = build(job, data)
-    batch = data.batch_kwargs(next(data.train_batches()), job["device"])
-    costs = remat.profile(
-        spec.module,
-        batch,
-        step=remat.StepSpec(loss_fn=spec.loss_fn),  # the chain remat finds
-        repeats=repeats,
-        lossy=tuple(lossy or ()),
-        clock=profile_clock(job),
-    )
+    first = data.largest_batch() if job.get("dynamic_padding") else next(data.train_batches())
+    batch = data.batch_kwargs(first, job["device"])
+    options: dict[str, Any] = {"step": remat.StepSpec(loss_fn=spec.loss_fn), "repeats": repeats,
+                               "clock": profile_clock(job)}  # fmt: skip  # the chain remat finds
+    costs = remat.profile(spec.module, batch, lossy=tuple(lossy or ()), **options)
+    if job.get("dynamic_padding"):
+        shapes = remat.profile_shapes(spec.module, batch, reference=costs, **options)
+        costs.info[SHAPE_TABLES] = {"shapes": [list(s) for s in shapes.shapes[1:]],
+                                    "tables": [t.to_dict() for t in shapes.tables[1:]]}  # fmt: skip
     facts = {
         "data": data.describe(),
         "model": spec.config,
@@ -157,24 +164,38 @@ def execute_run(
     batches = data.train_batches()
     base = {"strategy": job["label"], "strategy_name": job["strategy"], "seed": job["seed"]}
     records: list[dict[str, Any]] = []
+    dynamic = bool(job.get("dynamic_padding"))
     try:
         for step in range(job["steps"]):
             batch = data.batch_kwargs(next(batches), device)
             items = spec.count_items(batch)
+            shape = list(batch["input_ids"].shape)
             measured = step in measured_steps
-            timed = step >= job["warmup"] and not measured
+            # with dynamic padding every step is measured, and timed under the meter (the run says so)
+            timed = step >= job["warmup"] and (dynamic or not measured)
             meter = meter_factory() if measured else contextlib.nullcontext()
             with energy.step(timed) as joules:
                 _sync(device)
                 t0, c0 = time.perf_counter(), time.process_time()
-                with meter as mem, controller.step_context():
-                    output = forward(**batch)
-                    loss = spec.loss_fn(output)
-                    _sync(device)
-                    t1, c1 = time.perf_counter(), time.process_time()
-                    loss.backward()
-                    del output
-                    _sync(device)
+                try:
+                    with meter as mem, controller.step_context():
+                        output = forward(**batch)
+                        loss = spec.loss_fn(output)
+                        _sync(device)
+                        t1, c1 = time.perf_counter(), time.process_time()
+                        loss.backward()
+                        del output
+                        _sync(device)
+                except ShapeBudgetError as refusal:  # before the first block: the batch is skipped, as a loop would
+                    optimizer.zero_grad(set_to_none=True)
+                    record = {**base, "step": step, "shape": shape, "refused": str(refusal),
+                              "budget_bytes": job["budget_bytes"], "memory_measured": False, "timed": False,
+                              "warmup": step < job["warmup"], "t": time.time()}  # fmt: skip
+                    records.append(record)
+                    emit(record)
+                    if on_step is not None:
+                        on_step(record)
+                    continue
                 t2, c2 = time.perf_counter(), time.process_time()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -184,6 +205,8 @@ def execute_run(
             record = {
                 **base,
                 "step": step,
+                "shape": shape,
+                "budget_bytes": job["budget_bytes"],
                 "loss": float(loss.detach()),
                 "step_time_s": step_time,
                 "forward_s": t1 - t0,
@@ -239,6 +262,24 @@ def evaluate(model: torch.nn.Module, spec: Any, data: Any, n: int, device: torch
         "val_perplexity": math.exp(min(val_loss, 700.0)) if text else None,
         "val_accuracy": correct / count if count else None,
         "val_batches": n,
+    }
+
+
+OVER_BUDGET = 1.02  # a step's peak over the budget by more than 2% counts as over
+
+
+def shape_summary(records: list[dict[str, Any]], budget: int) -> dict[str, Any]:
+    """Of a run whose batches change shape: every measured step's peak against the budget, the steps refused
+    before their forward, and the sequence lengths seen (least, median, most)."""
+    ratios = [r["peak_activation_bytes"] / budget for r in records if r.get("peak_activation_bytes") is not None]
+    lengths = sorted(r["shape"][1] for r in records if "shape" in r)
+    return {
+        "steps_measured": len(ratios),
+        "steps_over_budget": sum(ratio > OVER_BUDGET for ratio in ratios),
+        "worst_peak_over_budget": max(ratios) if ratios else None,
+        "steps_refused": sum("refused" in r for r in records),
+        "sequence_lengths": [lengths[0], lengths[len(lengths) // 2], lengths[-1]] if lengths else None,
+        "timed_under_meter": True,
     }
 
 
@@ -304,7 +345,7 @@ def summarize_run(
         "recompute_overhead": (sum(recompute) / total_time) if timed and None not in recompute and total_time else None,
         "throughput": sum(r["items"] for r in timed) / total_time if total_time else None,
         "unit": spec.unit,
-        "final_loss": records[-1]["loss"] if records else None,
+        "final_loss": next((r["loss"] for r in reversed(records) if "loss" in r), None),
         "mean_stored_blocks": mean("stored_blocks"),
         **evaluation,
         "energy_j": energy.joules if energy.available else None,
@@ -314,6 +355,8 @@ def summarize_run(
         "wall_s": wall_s,
         "t": time.time(),
     }
+    if job.get("dynamic_padding"):
+        run.update(shape_summary(records, budget))
     for key in ("dtr", "activation_memory_budget"):
         if key in info:
             run[key] = info[key]
