@@ -287,3 +287,71 @@ def test_the_lightning_callback_plans_each_shape_within_memory() -> None:
     assert plans.planned == len(set(plans.seen.values()))  # each bucket planned once
     assert plans.plans[plans.seen[(4, 32)]].action_counts() != "4 keep"  # the largest batch checkpoints
     assert plans.plans[plans.seen[(1, 8)]].action_counts() == "4 keep"  # the smallest keeps everything
+
+
+def _vision(name: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "vit":
+        config = transformers.ViTConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                        intermediate_size=128, image_size=32, patch_size=4, num_channels=3,
+                                        num_labels=5, hidden_dropout_prob=0.1)  # fmt: skip
+        return transformers.ViTForImageClassification(config).train()
+    config = transformers.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[16, 32], depths=[3, 3],
+                                         num_labels=5, image_size=32)  # fmt: skip
+    return transformers.ConvNextForImageClassification(config).train()
+
+
+def _images(rows: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    images, labels = torch.randn(rows, 3, 32, 32, generator=g), torch.randint(0, 5, (rows,), generator=g)
+    return {"pixel_values": images, "labels": labels}
+
+
+@pytest.mark.parametrize("name", ["vit", "convnext"])
+def test_an_image_models_costs_vary_with_its_batch_size(name: str) -> None:
+    """pixel_values carry no sequence: the costs are on c + b*l through the profiled batch and half of it, hold at
+    batch sizes not profiled (0.25x to 2x), and a shape of another second dimension is refused with the reason."""
+    model = _vision(name)
+    shapes = remat.profile_shapes(model, _images(8), holds_output=False)
+    second = shapes.reference_shape[1]
+    assert shapes.form == "c + b*l" and shapes.shapes == [(8, second), (4, second)]
+    assert shapes.fixed_second == second
+    for rows in (2, 6, 16):
+        costs = shapes.at(rows, second)
+        keep_all, full = remat.plan(costs, "none"), remat.plan(costs, "full")
+        between = (keep_all.predicted_peak_bytes + full.predicted_peak_bytes) // 2
+        for plan in (keep_all, full, remat.plan(costs, "optimal", budget=between)):
+            measured = _measured(model, _images(rows), plan)
+            assert abs(plan.predicted_peak_bytes / measured - 1) <= 0.05, (rows, plan.strategy, measured)
+    with pytest.raises(ValueError, match="vary with the batch size alone"):
+        shapes.at(4, second + 1)
+
+
+def test_an_image_model_keeps_one_budget_over_changing_batch_sizes_with_exact_gradients() -> None:
+    model, plain = _vision("vit"), _vision("vit")
+    shapes = remat.profile_shapes(model, _images(8), holds_output=False)
+    second = shapes.reference_shape[1]
+    budget = remat.plan(shapes.at(5, second), "none").predicted_peak_bytes  # keep-all at 5 images
+    handle = remat.apply(model, remat.plan(shapes.reference, "none"))
+    plans = remat.ShapePlans(shapes, budget, buckets=Buckets(seq_multiple=64, batch_multiple=2))
+    handle.plan_per_shape(plans)
+    kept = set()
+    for step, rows in enumerate((8, 1, 5, 3, 8, 2, 7)):
+        batch = _images(rows, seed=step)
+        torch.manual_seed(step)
+        with remat.measure() as measured:
+            model(**batch).loss.backward()
+        assert measured.activation_bytes <= budget * 1.02, (rows, measured.activation_bytes, budget)
+        kept.add(handle.plan.action_counts())
+        torch.manual_seed(step)
+        plain(**batch).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (rows, name)
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+    assert len(kept) > 1, kept  # small batches kept more than large ones
+    assert all(s[1] == second for s in plans.seen.values())  # the second dimension is not bucketed
+    assert plans.largest_fitting(8, None) == second
+    handle.remove()

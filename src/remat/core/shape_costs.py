@@ -12,7 +12,10 @@ sequence (eager attention's ``s x s`` scores); ``u``: what grows with the square
 batch (T5's relative position bias, a mask shared by the batch's rows). Four shapes determine the four coefficients:
 the profiled one, half its sequence, half its batch and half of both, all measured
 (:func:`remat.profiling.profile_shapes`). A profiled batch of one row cannot tell ``u`` from ``r``: the form is then
-``c + b * (l * s + r * s**2)`` through the profiled shape, half and a quarter of its sequence.
+``c + b * (l * s + r * s**2)`` through the profiled shape, half and a quarter of its sequence. Where the input's
+second dimension is not a sequence the batch can be cut along (an image model: the patches of a ViT, the channels
+of a convolution's feature map are set by the model, not by the batch), the costs vary with the batch size alone:
+``c + b * l`` through the profiled batch and half of it, at the profiled second dimension only.
 :meth:`ShapeCosts.at` evaluates every term at a shape and returns a table the planners read like any other. Bytes
 are measured exactly, and their form passes through the measured points (rounded to whole bytes). Seconds carry the
 machine's noise (on a shared CPU a small block's forward can read 4x from one profile to the next), which an exact
@@ -23,7 +26,8 @@ Terms that do not depend on the input by their meaning (``deferred_s_per_byte``,
 parameter gradients) are the reference table's.
 
 Invariant 1: at each measured shape, :meth:`ShapeCosts.at` returns that shape's table itself; elsewhere its bytes
-are on the form through the measured points, its seconds on a form with no negative coefficient. The coefficients
+are on the form through the measured points, its seconds on a form with no negative coefficient. Under the batch
+form, a shape of another second dimension is refused (:attr:`ShapeCosts.fixed_second`). The coefficients
 are fitted once per :class:`ShapeCosts`; a table at a new shape is a product per term.
 
 Where a model's terms do not follow the form (the fit is checked at no fourth shape by itself), the tests and
@@ -45,6 +49,7 @@ from .costs import BlockCost, CostTable
 Shape = tuple[int, int]  # (batch, sequence)
 FORM = "c + u*s^2 + b*(l*s + r*s^2)"
 FORM_ONE_ROW = "c + b*(l*s + r*s^2)"
+FORM_BATCH = "c + b*l"
 
 # Table terms that hold whatever the input's shape (rates, parameter gradients, flags): the reference's.
 _FIXED_TABLE_FIELDS = frozenset({"deferred_s_per_byte", "call_grad_bytes", "chain_lengths", "outputs_kept",
@@ -72,12 +77,11 @@ class ShapeCosts:
         if len(self.tables) != len(self.shapes):
             raise ValueError(f"{len(self.tables)} tables for {len(self.shapes)} shapes")
         one_row = len({b for b, _ in self.shapes}) == 1
-        wanted = 3 if one_row else 4
+        one_second = len({s for _, s in self.shapes}) == 1
+        self.form = FORM_BATCH if one_second and not one_row else FORM_ONE_ROW if one_row else FORM
+        wanted = {FORM_BATCH: 2, FORM_ONE_ROW: 3, FORM: 4}[self.form]
         if len(self.shapes) != wanted:
-            raise ValueError(
-                f"the form {FORM_ONE_ROW if one_row else FORM} needs {wanted} measured shapes, got {self.shapes}"
-            )
-        self.form = FORM_ONE_ROW if one_row else FORM
+            raise ValueError(f"the form {self.form} needs {wanted} measured shapes, got {self.shapes}")
         self._design = np.array([self._features(b, s) for b, s in self.shapes])
         if abs(np.linalg.det(self._design)) < 1e-9:
             raise ValueError(f"the shapes {self.shapes} do not determine {self.form}: vary the batch and the sequence")
@@ -90,9 +94,16 @@ class ShapeCosts:
     def _features(self, batch: int, seq: int) -> list[float]:
         b0, s0 = self.shapes[0]
         b, s = batch / b0, seq / s0  # in units of the reference: a well-conditioned design
+        if self.form == FORM_BATCH:
+            return [1.0, b]
         if self.form == FORM_ONE_ROW:
             return [1.0, b * s, b * s * s]
         return [1.0, s * s, b * s, b * s * s]
+
+    @property
+    def fixed_second(self) -> int | None:
+        """Under the batch form, the second dimension every shape has (None: it varies as a sequence)."""
+        return self.shapes[0][1] if self.form == FORM_BATCH else None
 
     @property
     def reference(self) -> CostTable:
@@ -107,6 +118,13 @@ class ShapeCosts:
         """The table at ``(batch, seq)`` (invariant 1)."""
         if batch < 1 or seq < 1:
             raise ValueError(f"a shape has a positive batch and sequence, got ({batch}, {seq})")
+        fixed = self.fixed_second
+        if fixed is not None and seq != fixed:
+            raise ValueError(
+                f"these costs vary with the batch size alone, at {fixed} in the input's second dimension (the "
+                f"profile could not cut the batch along it: an image model's patches or channels); a batch of "
+                f"({batch}, {seq}) needs remat.profile_shapes on a batch of that shape"
+            )
         for table, shape in zip(self.tables, self.shapes, strict=True):
             if shape == (batch, seq):
                 return table

@@ -97,7 +97,11 @@ class ShapePlans:
     def plan_for(self, batch: int, seq: int) -> Plan:
         """The plan for a batch of ``(batch, seq)``: its bucket's, planned the first time the bucket is seen."""
         shape = (batch, seq)
-        key = self.seen.setdefault(shape, self.buckets.of(batch, seq))
+        fixed = self.costs.fixed_second
+        if fixed is not None and seq != fixed:
+            self.costs.at(batch, seq)  # raises, saying why
+        bucket = self.buckets.of(batch, seq)
+        key = self.seen.setdefault(shape, bucket if fixed is None else (bucket[0], seq))
         if shape in self.refused:
             raise self.refused[shape]
         plan = self.plans.get(key)
@@ -159,13 +163,22 @@ class ShapePlans:
         floor = minimum_peak_bytes(self.costs.at(*bucket))
         fitting_seq = self.largest_fitting(bucket[0], None)
         fitting_batch = self.largest_fitting(None, bucket[1])
-        message = (
-            f"no plan fits a batch of shape {list(shape)} (batch, sequence; planned as {list(bucket)}) within "
-            f"{format_bytes(self.budget_bytes)}: the least peak any plan reaches for it is {format_bytes(floor)}. "
-            f"At batch size {bucket[0]} sequences up to {fitting_seq} fit; at sequence length {bucket[1]} batches up "
-            f"to {fitting_batch} fit. Cut or bucket the batches to those (a data loader's max_length, batch_size), "
-            "raise the budget, or pass on_overflow='least' to run such batches over the budget with a warning."
-        )
+        least = format_bytes(floor)
+        within = f"within {format_bytes(self.budget_bytes)}: the least peak any plan reaches for it is {least}"
+        if self.costs.fixed_second is not None:  # an image model: the batch size is the one lever
+            message = (
+                f"no plan fits a batch of {shape[0]} (planned as {bucket[0]}) {within}. Batches up to "
+                f"{fitting_batch} fit: set the data loader's batch_size to that, raise the budget, or pass "
+                "on_overflow='least' to run such batches over the budget with a warning."
+            )
+        else:
+            message = (
+                f"no plan fits a batch of shape {list(shape)} (batch, sequence; planned as {list(bucket)}) {within}. "
+                f"At batch size {bucket[0]} sequences up to {fitting_seq} fit; at sequence length {bucket[1]} "
+                f"batches up to {fitting_batch} fit. Cut or bucket the batches to those (a data loader's max_length, "
+                "batch_size), raise the budget, or pass on_overflow='least' to run such batches over the budget "
+                "with a warning."
+            )
         if self.on_overflow == "raise":
             raise ShapeBudgetError(message, shape=shape, floor=floor, fitting_seq=fitting_seq,
                                    fitting_batch=fitting_batch) from err  # fmt: skip
@@ -190,6 +203,9 @@ class ShapePlans:
             shape = (batch, n) if seq is None else (n, seq)
             return minimum_peak_bytes(self.costs.at(*shape)) <= self.budget_bytes  # type: ignore[arg-type]
 
+        fixed = self.costs.fixed_second
+        if seq is None and fixed is not None:  # the second dimension is the model's, not the batch's
+            return fixed if fits(fixed) else 0
         if not fits(1):
             return 0
         high = 2

@@ -4,8 +4,11 @@ returns the :class:`~remat.core.ShapeCosts` through the tables.
 
 The batch is cut, never padded: every tensor of the batch whose first dimension is the batch size keeps its first
 rows, and every one whose second dimension is the sequence length keeps its first positions (``input_ids``,
-``attention_mask``, ``labels`` of a language model; ``pixel_values`` have neither and are kept whole, so a vision
-model's shapes are its batch sizes alone). The sequence is read from the first block's main input, ``(b, s, ...)``.
+``attention_mask``, ``labels`` of a language model). The sequence is read from the first block's main input,
+``(b, s, ...)``. Where no tensor of the batch has that second dimension (``pixel_values`` of an image model, whose
+first block sees patches or feature-map channels the model makes; a 2-D input, whose second dimension is 1), the
+batch is cut in rows only, to half its rows: the costs then vary with the batch size alone
+(:attr:`~remat.core.ShapeCosts.fixed_second`).
 """
 
 from __future__ import annotations
@@ -44,10 +47,29 @@ def batch_at(batch: Batch, reference: tuple[int, int], shape: tuple[int, int]) -
     return cut(batch)
 
 
-def measured_shapes(reference: tuple[int, int]) -> list[tuple[int, int]]:
-    """The reference shape and those it is cut to: half the sequence, half the batch and half of both; for a
-    batch of one row, half and a quarter of the sequence (:class:`~remat.core.ShapeCosts`' two forms)."""
+def has_sequence(batch: Batch, reference: tuple[int, int]) -> bool:
+    """Whether some tensor of ``batch`` has the reference's sequence as its second dimension (so that cutting the
+    batch shortens the sequence the first block sees)."""
     rows, positions = reference
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, tuple) else (batch,)
+    return positions > 1 and any(
+        isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == positions for x in values
+    )
+
+
+def measured_shapes(reference: tuple[int, int], sequence: bool = True) -> list[tuple[int, int]]:
+    """The reference shape and those it is cut to: half the sequence, half the batch and half of both; for a
+    batch of one row, half and a quarter of the sequence; without a ``sequence`` to cut, half the batch
+    (:class:`~remat.core.ShapeCosts`' three forms)."""
+    rows, positions = reference
+    if not sequence:
+        if rows < 2:
+            raise ValueError(
+                f"the batch has no sequence to cut (its first block's input is {positions} wide in its second "
+                "dimension, which no tensor of the batch carries), so its costs vary with the batch size alone, "
+                "from two batch sizes: profile a batch of at least 2 rows"
+            )
+        return [reference, (rows // 2, positions)]
     if positions < MIN_SEQUENCE:
         raise ValueError(
             f"the first block's input has {positions} positions: the shape model reads batch size and sequence "
@@ -70,7 +92,8 @@ def profile_shapes(model: nn.Module, batch: Batch, *, reference: CostTable | Non
     if first is None:
         raise ValueError("the profile did not record the first block's input shape; profile_shapes needs it")
     reference = shape_of(first)
-    wanted = measured_shapes(reference)
+    sequence = reference[1] >= MIN_SEQUENCE and has_sequence(batch, reference)
+    wanted = measured_shapes(reference, sequence)
     tables = [reference_table]
     for shape in wanted[1:]:
         tables.append(profile(model, batch_at(batch, reference, shape), **options))
@@ -83,4 +106,4 @@ def profile_shapes(model: nn.Module, batch: Batch, *, reference: CostTable | Non
     return ShapeCosts(tables, seen)
 
 
-__all__ = ["batch_at", "measured_shapes", "profile_shapes"]
+__all__ = ["batch_at", "has_sequence", "measured_shapes", "profile_shapes"]
