@@ -216,6 +216,7 @@ def test_resume_with_other_settings_is_refused(bench: Path, tmp_path: Path, caps
         (["--budget", "64B"], "below the least activation memory any plan reaches"),
         (["--sweep", "beta=1,2"], "KEY one of"),
         (["--warmup", "9"], "leaves no measured steps"),
+        (["--model", "gpt2", "--seq-len", "4096"], "--seq-len 4096 exceeds gpt2-tiny's 256 positions"),
     ],
 )
 def test_bad_input_fails_before_training(

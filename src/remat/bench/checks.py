@@ -36,9 +36,15 @@ def validate(config: BenchConfig) -> dict[str, Any]:
     if config.model not in list_models():
         raise BenchError(f"unknown model {config.model!r}; known models: {', '.join(list_models())}")
     try:
-        model_config(config.model, config.preset)
+        model_facts = model_config(config.model, config.preset)
     except ValueError as err:
         raise BenchError(str(err)) from None
+    positions = model_facts.get("max_positions")
+    if config.model in ("gpt2", "bert") and positions is not None and config.seq_len > positions:
+        raise BenchError(
+            f"--seq-len {config.seq_len} exceeds {config.model}-{config.preset}'s {positions} positions: use "
+            f"--seq-len {positions} or less, or a larger --preset"
+        )
     for name, value, low in (
         ("--steps", config.steps, 1),
         ("--seeds", config.seeds, 1),
