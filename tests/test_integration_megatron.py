@@ -4,10 +4,10 @@ keyword arguments, attention and hidden dropout drawn inside Megatron's RNG trac
 prediction, memory-poor groups exact, and Megatron's own recompute switched off with one warning and back on by
 ``remove()``.
 
-Megatron-Core targets GPUs; it runs here on the CPU with one gloo rank once three of its CUDA calls are mapped to
-the CPU, in this test only: ``torch.cuda.current_device()`` (where RoPE moves its frequencies), and the tracker's
-``_get_cuda_rng_state``/``_set_cuda_rng_state``, which then save and restore the CPU generator's state. Skipped,
-with the reason, where ``megatron-core`` does not install or import."""
+Megatron-Core targets GPUs; it runs here on the CPU with gloo ranks once three of its CUDA calls are mapped to the
+CPU, in the tests and ``benchmarks.megatron`` only (``megatron_on_cpu``): ``torch.cuda.current_device()`` (where
+RoPE moves its frequencies), and the tracker's ``_get_cuda_rng_state``/``_set_cuda_rng_state``, which then save and
+restore the CPU generator's state. Skipped, with the reason, where ``megatron-core`` does not install or import."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ try:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from benchmarks.megatron import megatron_on_cpu, seed_tracker
 except Exception as err:  # ImportError, or its own errors where a dependency is missing
     pytest.skip(f"megatron-core cannot be imported here ({type(err).__name__}: {err})", allow_module_level=True)
 
@@ -37,31 +38,10 @@ SEQ, BATCH, VOCAB = 32, 4, 128
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_rank_on_the_cpu(free_port: Callable[[], int]) -> Iterator[None]:
+def one_rank_on_the_cpu() -> Iterator[None]:
     """One gloo rank and Megatron's model-parallel state of size 1; Megatron's CUDA calls mapped to the CPU."""
-    import torch.distributed as dist
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    patch.setattr(megatron_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
-    patch.setattr(megatron_random, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
+    with megatron_on_cpu():
         yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        patch.undo()
-
-
-def seed_tracker(seed: int) -> None:
-    """Megatron's tracker with its model-parallel state seeded (``model_parallel_cuda_manual_seed``'s work)."""
-    tracker = megatron_random.get_cuda_rng_tracker()
-    tracker.reset()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        tracker.set_states({"model-parallel-rng": torch.get_rng_state()})  # a CPU state, as the mapping reads it
 
 
 def gpt(positions: str = "rope", **recompute: Any) -> GPTModel:
@@ -226,15 +206,13 @@ def _tensor_parallel_worker(rank: int, port: int, out: str) -> None:
     """One of two ranks of tensor parallel size 2 (gloo, the CPU mapping of the module docstring): two training
     steps without recompute, with every layer checkpointed and under ``remat.fit(activations=0.5)``; what it saw is
     written to ``out/rank{rank}.json``."""
+    with megatron_on_cpu(2, rank=rank, world=2, port=port):
+        _tensor_parallel_steps(rank, out)
+
+
+def _tensor_parallel_steps(rank: int, out: str) -> None:
     import json
 
-    import torch.distributed as dist
-
-    torch.cuda.current_device = lambda: "cpu"  # this process only (a spawned one)
-    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    parallel_state.initialize_model_parallel(2, 1)
     layers = [f"decoder.layers.{i}" for i in range(4)]
     seeds = 77 + parallel_state.get_tensor_model_parallel_rank()  # each rank's own model-parallel stream
 
@@ -261,30 +239,29 @@ def _tensor_parallel_worker(rank: int, port: int, out: str) -> None:
                 optimizer.zero_grad()
         return grads
 
-    try:
-        expected = steps(tensor_parallel_gpt())
-        full = tensor_parallel_gpt()
-        handle = remat.apply(full, remat.Plan(dict.fromkeys(layers, "checkpoint")))
-        full_exact, full_calls = bitwise(steps(full), expected), sum(handle.stats.calls.values())
-        handle.remove()
-        fitted = tensor_parallel_gpt()
-        seed_tracker(seeds)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fit = remat.fit(fitted, activations=0.5, batch=batch(99), loss_fn=loss_fn)
+    expected = steps(tensor_parallel_gpt())
+    full = tensor_parallel_gpt()
+    handle = remat.apply(full, remat.Plan(dict.fromkeys(layers, "checkpoint")))
+    full_exact, full_calls = bitwise(steps(full), expected), sum(handle.stats.calls.values())
+    handle.remove()
+    fitted = tensor_parallel_gpt()
+    seed_tracker(seeds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit = remat.fit(fitted, activations=0.5, batch=batch(99), loss_fn=loss_fn)
+        peaks = []
+        for step in (97, 98):
             with remat.measure() as meter:
-                loss_fn(fitted(**batch(98))).backward()
+                loss_fn(fitted(**batch(step))).backward()
             fitted.zero_grad(set_to_none=True)
-        plan = fit.plan
-        result = {"full": full_exact, "full_calls": full_calls, "actions": dict(plan.actions),
-                  "optimal": bitwise(steps(fitted), expected), "peak": meter.activation_bytes,
-                  "budget": plan.budget_bytes, "predicted": plan.predicted_peak_bytes,
-                  "shard": tuple(fitted.decoder.layers[0].mlp.linear_fc1.weight.shape)}  # fmt: skip
-        fit.remove()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+            peaks.append(meter.activation_bytes)
+    plan = fit.plan
+    result = {"full": full_exact, "full_calls": full_calls, "actions": dict(plan.actions),
+              "optimal": bitwise(steps(fitted), expected), "peaks": peaks,
+              "budget": plan.budget_bytes, "predicted": plan.predicted_peak_bytes,
+              "shard": tuple(fitted.decoder.layers[0].mlp.linear_fc1.weight.shape)}  # fmt: skip
+    fit.remove()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def test_tensor_parallel_size_two_is_exact_and_within_the_budget(tmp_path: Path, free_port: Callable[[], int]) -> None:
@@ -301,5 +278,7 @@ def test_tensor_parallel_size_two_is_exact_and_within_the_budget(tmp_path: Path,
         assert seen["shard"][0] == 4 * 64 // 2  # fc1's output split across the two ranks
         assert seen["full"] and seen["full_calls"] > 0 and seen["optimal"], seen
         assert list(seen["actions"].values()) != ["keep"] * 4
-        assert seen["peak"] <= seen["budget"] and abs(seen["peak"] - seen["predicted"]) <= 0.05 * seen["predicted"]
+        print(seen["peaks"], seen["predicted"], seen["budget"], seen["actions"])
+        assert max(seen["peaks"]) <= seen["budget"], seen
+        assert abs(max(seen["peaks"]) - seen["predicted"]) <= 0.05 * seen["predicted"], seen
     assert ranks[0]["actions"] == ranks[1]["actions"]  # rank 0's plan on both
