@@ -183,7 +183,7 @@ def main() -> None:
         ratios = ratios_to_first(list(models), timed, args.rounds)
     for row in rows:
         r = ratios[row["contender"]]
-        row.update(step_ratio=statistics.median(r), step_low=min(r), step_high=max(r))
+        row.update(step_ratio=statistics.median(r), step_low=min(r), step_high=max(r), ratios=list(r))
     record = {"share": args.share, "budget_bytes": budget, "plain_peak_bytes": plain_peak, "rounds": args.rounds,
               "model": {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "seq": SEQ, "batch": BATCH},
               "torch": torch.__version__, "seconds": time.perf_counter() - started, "rows": rows}  # fmt: skip
@@ -213,10 +213,21 @@ def markdown(record: dict[str, Any]) -> str:
         "[range] | gradients |",
         "|---|---|---|---|---|---|",
     ]
+    rows = {r["contender"]: r for r in record["rows"]}
+    megatron = [r for r in record["rows"] if r["contender"].startswith("Megatron") and r["fits"]]
+    fastest = min(megatron, key=lambda r: r["step_ratio"]) if megatron else None
     for r in record["rows"]:
         lines.append(f"| {r['contender']} | {r['detail']} | {r['peak_share']:.3f} | {'yes' if r['fits'] else 'no'} | "
                      f"{r['step_ratio']:.3f} [{r['step_low']:.3f}-{r['step_high']:.3f}] | "
                      f"{'bitwise' if r['bitwise'] else 'differ'} |")  # fmt: skip
+    mine = rows["remat optimal"]
+    if fastest is not None and mine["fits"]:
+        paired = [a / b for a, b in zip(mine["ratios"], fastest["ratios"], strict=True)]
+        aa = rows["no recompute (A/A)"]["ratios"]
+        lines += ["", f"remat optimal over the fastest fitting Megatron mode ({fastest['contender']}, "
+                  f"{fastest['detail']}), paired by round: {statistics.median(paired):.3f} "
+                  f"[{min(paired):.3f}-{max(paired):.3f}]; A/A {statistics.median(aa):.3f} "
+                  f"[{min(aa):.3f}-{max(aa):.3f}]."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -206,3 +206,52 @@ def test_the_hugging_face_door_takes_compile_too() -> None:
     handle.remove()
     with pytest.raises(ValueError, match="with a sample batch"):
         hf.enable(model, memory="64MiB", compile=True)
+
+
+def test_the_trainer_trains_on_the_compiled_route() -> None:
+    """docs/hf.md's Trainer recipe with compile=: hf.enable sets the fastest route up in place before the Trainer
+    is built, and the Trainer's steps run it (the compiled blocks' or the model's own compiled call), with the
+    losses of a plain Trainer run (the backend computes what eager does, in other kernels)."""
+    pytest.importorskip("accelerate")
+    import tempfile
+
+    from toy_models import tiny_gpt2
+    from transformers import Trainer, TrainingArguments
+
+    from remat.integrations import hf
+
+    def train(model: nn.Module) -> list[float]:
+        torch.manual_seed(0)
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, model.config.vocab_size, (8, 16))]
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
+                                 use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1,
+                                 seed=0)  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+    expected = train(tiny_gpt2(n_layer=2, n_embd=32, seed=0, dropout=0.0))
+    model = tiny_gpt2(n_layer=2, n_embd=32, seed=0, dropout=0.0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    compiled_calls = []
+    blocks = list(model.transformer.h)
+
+    def compiled() -> bool:
+        return model._compiled_call_impl is not None or any(b._compiled_call_impl is not None for b in blocks)
+
+    class CompiledFaster:
+        now = 0.0
+
+        def __call__(self) -> float:
+            self.now += 1.0 if compiled() else 2.0
+            return self.now
+
+    handle = hf.enable(model, memory="64MiB", batch={"input_ids": ids, "labels": ids}, compile=COMPILE,
+                       clock=CompiledFaster())  # fmt: skip
+    assert handle.route in ("whole model", "blocks"), handle.describe()
+    model.register_forward_pre_hook(lambda *_: compiled_calls.append(compiled()))
+    losses = train(model)
+    assert compiled_calls and all(compiled_calls)  # every Trainer step ran the compiled route
+    assert losses == pytest.approx(expected, rel=1e-4)
+    handle.remove()
+    assert not compiled()
