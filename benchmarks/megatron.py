@@ -98,14 +98,16 @@ def gpt(**recompute: Any) -> Any:
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
-def batch(step: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
-    causal = torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool).tril().logical_not()
-    return {"input_ids": ids, "position_ids": torch.arange(SEQ).expand(BATCH, -1), "attention_mask": causal,
+def batch(step: int, rows: int = BATCH, seq: int = SEQ, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
+    """A ``GPTModel`` batch of random tokens (``step`` seeds them) with its causal mask and positions."""
+    ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(step))
+    causal = torch.ones(rows, 1, seq, seq, dtype=torch.bool).tril().logical_not()
+    return {"input_ids": ids, "position_ids": torch.arange(seq).expand(rows, -1), "attention_mask": causal,
             "labels": ids}  # fmt: skip
 
 
 def loss_fn(per_token: torch.Tensor) -> torch.Tensor:
+    """``GPTModel`` returns per-token losses: their mean."""
     return per_token.float().mean()
 
 

@@ -30,7 +30,8 @@ try:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from benchmarks.megatron import megatron_on_cpu, seed_tracker
+    from benchmarks.megatron import batch as megatron_batch
+    from benchmarks.megatron import loss_fn, megatron_on_cpu, seed_tracker
 except Exception as err:  # ImportError, or its own errors where a dependency is missing
     pytest.skip(f"megatron-core cannot be imported here ({type(err).__name__}: {err})", allow_module_level=True)
 
@@ -56,14 +57,7 @@ def gpt(positions: str = "rope", **recompute: Any) -> GPTModel:
 
 
 def batch(step: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
-    causal = torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool).tril().logical_not()
-    return {"input_ids": ids, "position_ids": torch.arange(SEQ).expand(BATCH, -1), "attention_mask": causal,
-            "labels": ids}  # fmt: skip
-
-
-def loss_fn(per_token: torch.Tensor) -> torch.Tensor:
-    return per_token.float().mean()
+    return megatron_batch(step, rows=BATCH, seq=SEQ, vocab=VOCAB)
 
 
 def train(model: GPTModel, steps: int = 2) -> list[list[torch.Tensor]]:

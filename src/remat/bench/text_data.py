@@ -4,6 +4,7 @@ for causal language modelling, and BERT's masking rule for masked language model
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -25,12 +26,23 @@ def text_splits(tokenizer: str = "auto", max_bytes: int | None = None) -> tuple[
     validation) for quick runs. Cached per process.
     """
     tok = get_tokenizer(tokenizer)
-    files = shakespeare_files()
-    budgets = _split_budgets(max_bytes)
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     eot = np.array([tok.eot_id], dtype=np.int64)
+    for split, text in split_texts(max_bytes):
+        parts[split] += [tok.encode_array(text), eot]
+    return torch.from_numpy(np.concatenate(parts["train"])), torch.from_numpy(np.concatenate(parts["val"]))
+
+
+def split_texts(max_bytes: int | None = None) -> Iterator[tuple[str, str]]:
+    """Each play's text with its split (``"train"``, or ``"val"`` for every ``VAL_EVERY``-th): with ``max_bytes``,
+    about that many characters in all, nine tenths for training and one tenth for validation."""
+    budgets: dict[str, int | None] = {"train": None, "val": None}
+    if max_bytes is not None:
+        if max_bytes < 1000:
+            raise ValueError(f"max_bytes={max_bytes} is too small for a train/validation split; use >= 1000")
+        budgets = {"train": int(max_bytes * (1 - 1 / VAL_EVERY)), "val": max_bytes // VAL_EVERY}
     used = {"train": 0, "val": 0}
-    for i, path in enumerate(files):
+    for i, path in enumerate(shakespeare_files()):
         split = "val" if i % VAL_EVERY == VAL_EVERY - 1 else "train"
         budget = budgets[split]
         if budget is not None and used[split] >= budget:
@@ -39,17 +51,7 @@ def text_splits(tokenizer: str = "auto", max_bytes: int | None = None) -> tuple[
         if budget is not None:
             text = text[: budget - used[split]]
         used[split] += len(text)
-        parts[split] += [tok.encode_array(text), eot]
-    return torch.from_numpy(np.concatenate(parts["train"])), torch.from_numpy(np.concatenate(parts["val"]))
-
-
-def _split_budgets(max_bytes: int | None) -> dict[str, int | None]:
-    """Characters to read for each split: nine tenths and one tenth of ``max_bytes`` (None: everything)."""
-    if max_bytes is None:
-        return {"train": None, "val": None}
-    if max_bytes < 1000:
-        raise ValueError(f"max_bytes={max_bytes} is too small for a train/validation split; use >= 1000")
-    return {"train": int(max_bytes * (1 - 1 / VAL_EVERY)), "val": max_bytes // VAL_EVERY}
+        yield split, text
 
 
 def mask_tokens(
@@ -165,17 +167,7 @@ def paragraph_splits(tokenizer: str, seq_len: int, max_bytes: int | None = None)
     ``max_bytes`` reads only about that many characters of the plays. Cached per process."""
     tok = get_tokenizer(tokenizer)
     found: dict[str, list[list[int]]] = {"train": [], "val": []}
-    budgets = _split_budgets(max_bytes)
-    used = {"train": 0, "val": 0}
-    for i, path in enumerate(shakespeare_files()):
-        split = "val" if i % VAL_EVERY == VAL_EVERY - 1 else "train"
-        budget = budgets[split]
-        if budget is not None and used[split] >= budget:
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if budget is not None:
-            text = text[: budget - used[split]]
-        used[split] += len(text)
+    for split, text in split_texts(max_bytes):
         for paragraph in text.split("\n\n"):
             ids = tok.encode(paragraph.strip())[:seq_len]
             if len(ids) >= MIN_PARAGRAPH:
