@@ -178,13 +178,18 @@ if LIGHTNING is not None:
             return torch.utils.data.DataLoader(WIDE_DATA, batch_size=None, shuffle=False)
 
 
-def fit_wide(callbacks: list[Any]) -> nn.Module:
+def fit_module(make: Any, callbacks: list[Any]) -> nn.Module:
+    """``make()``'s LightningModule trained for ``STEPS + 1`` steps on the CPU with ``callbacks``."""
     torch.manual_seed(0)
-    module = WideNet()
+    module = make()
     trainer = L.Trainer(max_steps=STEPS + 1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)  # fmt: skip
     trainer.fit(module)
     return module
+
+
+def fit_wide(callbacks: list[Any]) -> nn.Module:
+    return fit_module(WideNet, callbacks)
 
 
 @pytest.mark.skipif(LIGHTNING is None, reason="lightning is not installed (pip install lightning)")
@@ -250,12 +255,7 @@ if LIGHTNING is not None:
 
 
 def fit_gelu(callbacks: list[Any]) -> nn.Module:
-    torch.manual_seed(0)
-    module = GeluNet()
-    trainer = L.Trainer(max_steps=STEPS + 1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)  # fmt: skip
-    trainer.fit(module)
-    return module
+    return fit_module(GeluNet, callbacks)
 
 
 class CompiledFaster:
