@@ -14,8 +14,9 @@ Part 2, a run: GPT-2 trains ``--steps`` steps on random batches (batch 1 to 8, s
 budget, keep-all's predicted peak at batch 4 x 256, through each of ``--doors``: ``remat.apply`` with
 ``handle.plan_per_shape(remat.ShapePlans(...))`` (sequence buckets of 64), ``remat.fit(model, memory, batch=...,
 shapes=True)`` (memory: parameters, gradients and keep-all's measured activations at 8 x 256; the largest batch,
-8 x 512, profiled; the budget is the activation bytes the fit leaves), and PGAC with ``plan_per_shape`` (its
-update after every step). Every step's measured peak is compared with the budget; a step whose shape no plan fits is
+8 x 512, profiled; the budget is the activation bytes the fit leaves), PGAC with ``plan_per_shape`` (its
+update after every step), and Lightning's ``RematCallback(memory=..., batch=..., shapes=True)`` in ``Trainer.fit``
+(the front door's memory). Every step's measured peak is compared with the budget; a step whose shape no plan fits is
 refused before its first block (counted, with the error's largest fitting sizes); every step's gradients are compared
 bitwise with a plain copy's on the same batch and seed; the time spent choosing and setting plans is summed
 against the steps' time.
@@ -178,23 +179,33 @@ class Tally:
                 "budget": self.budget}
 
 
-DOORS = ("apply", "fit", "pgac")
+DOORS = ("apply", "fit", "pgac", "lightning")
+
+
+def fit_memory_for(model: nn.Module) -> int:
+    """The whole step's memory of part 2's front door and Lightning runs: parameters, gradients (SGD: no state)
+    and keep-all's measured activations at 8 x 256."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with remat.measure() as keep_all:
+        step(model, make_batch(8, 256, seed=0))
+    model.zero_grad(set_to_none=True)
+    return 2 * weights + keep_all.activation_bytes
 
 
 def run(steps: int, emit: Any, door: str = "apply") -> None:
     """Part 2 through one door: ``remat.apply`` with ``handle.plan_per_shape``, ``remat.fit(..., shapes=True)``
-    (the whole step's memory, with the largest batch, 8 x 512, profiled), or PGAC's ``plan_per_shape``."""
+    (the whole step's memory, with the largest batch, 8 x 512, profiled), PGAC's ``plan_per_shape``, or Lightning's
+    ``RematCallback(memory=..., shapes=True)`` in ``Trainer.fit`` (:func:`lightning_run`)."""
+    if door == "lightning":
+        lightning_run(steps, emit)
+        return
     model = build("gpt2")
     plain = copy.deepcopy(model)
     pgac = None
     if door == "fit":
         largest = make_batch(8, 512, seed=0)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # no state; the weights stay as they are
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        with remat.measure() as keep_all:
-            step(model, make_batch(8, 256, seed=0))
-        model.zero_grad(set_to_none=True)
-        memory = 2 * weights + keep_all.activation_bytes  # parameters, gradients and keep-all's at 8 x 256
+        memory = fit_memory_for(model)
         handle = remat.fit(model, memory, batch=largest, optimizer=optimizer, shapes=True,
                            step=remat.StepSpec(holds_output=False))  # fmt: skip
         plans = handle.shape_plans
@@ -225,6 +236,79 @@ def run(steps: int, emit: Any, door: str = "apply") -> None:
     (pgac or handle).remove()
     step_seconds = tally.seconds
     emit({"part": "run_summary", "door": door, "steps": steps, **tally.totals(),
+          "buckets_planned": plans.planned, "switch_s": plans.switch_s, "planning_s": plans.planning_s,
+          "step_s": step_seconds, "switch_share": round(plans.switch_s / step_seconds, 5) if step_seconds else None,
+          "switch_without_planning_share": round((plans.switch_s - plans.planning_s) / step_seconds, 6)
+          if step_seconds else None,
+          "plans": plans.describe()})
+
+
+def lightning_run(steps: int, emit: Any) -> None:
+    """Part 2 through Lightning: GPT-2 in a ``LightningModule`` trained by ``Trainer.fit`` on ``steps`` random
+    batches (SGD, learning rate 0: the weights stay, so a plain copy checks every step's gradients), with
+    ``RematCallback(memory=..., batch=largest, shapes=True)``. A callback measures each step's activations from
+    the batch's start to the end of its backward, and there steps the plain copy on the same batch and seed."""
+    import lightning as L
+
+    from remat.integrations.lightning import RematCallback
+
+    rng = random.Random(0)
+    batches = [make_batch(rng.randint(1, 8), rng.randint(32, 512), seed=100 + k) for k in range(steps)]
+    model = build("gpt2")
+    plain = copy.deepcopy(model)
+    memory = fit_memory_for(model)
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+
+    callback = RematCallback(memory=memory, batch=make_batch(8, 512, seed=0), shapes=True,
+                             step=remat.StepSpec(holds_output=False))  # fmt: skip
+    tally = Tally(0)
+
+    class Check(L.Callback):
+        """Each step: seeded, measured to the end of its backward, its gradients against the plain copy's."""
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            torch.manual_seed(batch_idx)
+            self.measuring = remat.measure()
+            self.report = self.measuring.__enter__()
+            self.started = time.perf_counter()
+
+        def on_after_backward(self, trainer: Any, module: Any) -> None:
+            self.measuring.__exit__(None, None, None)
+            tally.seconds += time.perf_counter() - self.started
+            tally.budget = tally.budget or callback.session.shape_plans.budget_bytes
+            batch = batches[trainer.global_step]
+            ratio = self.report.activation_bytes / tally.budget
+            tally.ran += 1
+            tally.worst, tally.over = max(tally.worst, ratio), tally.over + (ratio > 1.02)
+            torch.manual_seed(trainer.global_step)
+            step(plain, batch)
+            bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(),
+                                                                      strict=True))  # fmt: skip
+            tally.not_bitwise += not bitwise
+            plain.zero_grad(set_to_none=True)
+            emit({"part": "run", "door": "lightning", "step": trainer.global_step,
+                  "shape": list(batch["input_ids"].shape), "refused": False, "peak_over_budget": round(ratio, 4),
+                  "bitwise": bitwise, "plan": "".join(a[0].upper() for a in callback.session.plan.actions.values())})
+
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback, Check()])
+    trainer.fit(Net())
+    plans = callback.session.shape_plans
+    step_seconds = tally.seconds
+    emit({"part": "run_summary", "door": "lightning", "steps": steps, **tally.totals(),
           "buckets_planned": plans.planned, "switch_s": plans.switch_s, "planning_s": plans.planning_s,
           "step_s": step_seconds, "switch_share": round(plans.switch_s / step_seconds, 5) if step_seconds else None,
           "switch_without_planning_share": round((plans.switch_s - plans.planning_s) / step_seconds, 6)
@@ -303,7 +387,7 @@ def summary(records: list[dict[str, Any]], command: str) -> str:
                          f"| {r['step_ratio'] if r['step_ratio'] is not None else '-'} |")
     run_rows = [r for r in records if r["part"] == "run_summary"]
     doors = {"apply": "remat.apply + handle.plan_per_shape", "fit": "remat.fit(..., shapes=True)",
-             "pgac": "PGAC + plan_per_shape"}
+             "pgac": "PGAC + plan_per_shape", "lightning": "Lightning RematCallback(memory=..., shapes=True)"}
     for r in run_rows:
         lines += ["", f"{doors[r.get('door', 'apply')]}: run of {r['steps']} random shapes (batch 1-8, sequence "
                   f"32-512) on GPT-2 under "
@@ -330,7 +414,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,llama,bert,t5")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--doors", default=",".join(DOORS), help="the doors of part 2: apply, fit, pgac")
+    parser.add_argument("--doors", default=",".join(DOORS), help="the doors of part 2: apply, fit, pgac, lightning")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--text-steps", type=int, default=200, help="steps of the dynamic-padding run (0: none)")
     parser.add_argument("--out", default="docs/results/shapes.jsonl")
