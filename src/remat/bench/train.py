@@ -169,7 +169,7 @@ def execute_run(
         for step in range(job["steps"]):
             batch = data.batch_kwargs(next(batches), device)
             items = spec.count_items(batch)
-            shape = list(batch["input_ids"].shape)
+            shape = list(next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape)  # the main input
             measured = step in measured_steps
             # with dynamic padding every step is measured, and timed under the meter (the run says so)
             timed = step >= job["warmup"] and (dynamic or not measured)
