@@ -12,6 +12,7 @@ restore the CPU generator's state. Skipped, with the reason, where ``megatron-co
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -202,6 +203,7 @@ def _tensor_parallel_worker(rank: int, port: int, out: str) -> None:
     written to ``out/rank{rank}.json``."""
     with megatron_on_cpu(2, rank=rank, world=2, port=port):
         _tensor_parallel_steps(rank, out)
+    os._exit(0)  # torn down: no interpreter teardown, where a joinable gloo thread can abort a rank (test_pipeline)
 
 
 def _tensor_parallel_steps(rank: int, out: str) -> None:
