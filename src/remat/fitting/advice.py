@@ -25,7 +25,7 @@ from ..chains import interleaved_rounds, timed_step
 from ..core import Batch, BudgetError, CostTable, StepSpec, autocast_spec, format_bytes
 from ..meters import model_device
 from ..planning import Plan, make_plan, minimum_peak_bytes, no_checkpoint_peak, simulate
-from ..profiling import GradsRestored, profile
+from ..profiling import GradsRestored, profile, step_aside
 from .device_fit import MemoryFit, MemoryFitError, applied, fit_memory, keep_all
 from .device_fit import batch_size as leading_rows
 from .trial import head_to_head
@@ -357,8 +357,7 @@ def advise(
     samples = {b: resized(batch, b, size) for b in sizes}
 
     def plain(b: int) -> float:
-        with GradsRestored(model), torch.random.fork_rng(devices=[] if device.type == "cpu" else None,
-                                                         device_type=device.type):  # fmt: skip
+        with step_aside(model):
             return timed_step(model, samples[b], spec.loss_fn, setting, holds_output=spec.holds_output)
 
     first = sum(plain(b) for b in sizes)  # untimed: one warm step each

@@ -48,7 +48,7 @@ from ..core import (
     parse_budget,
 )
 from ..meters import measure, model_device
-from ..profiling import GradsRestored
+from ..profiling import step_aside
 from .trial import Fit, Trial, fastest, over
 
 DEFAULT_BUDGETS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
@@ -141,10 +141,7 @@ def fit_compile_budget(
     peaks: dict[float, int] = {}
     steps: dict[float, Callable[[], float]] = {}
     backends: dict[float, Callable[..., Any]] = {}
-    with (
-        GradsRestored(model),
-        torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type),
-    ):
+    with step_aside(model):
         draws = False
         for budget in (NO_BUDGET, *candidates):
             if draws and not saves_draws_under(backend, options, budget):

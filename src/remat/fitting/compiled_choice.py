@@ -60,7 +60,7 @@ from ..core import (
 )
 from ..meters import model_device
 from ..planning import Plan, make_plan
-from ..profiling import GradsRestored, profile
+from ..profiling import profile, step_aside
 from ..runtime import RematHandle, apply, owner_of
 from .compile_budget import (
     DEFAULT_BUDGETS,
@@ -176,10 +176,7 @@ def fit_compiled(
     routes = _Routes(model, chain, timed, eager)
     device = model_device(model)
     try:
-        with (
-            GradsRestored(model),
-            torch.random.fork_rng(devices=[] if device.type == "cpu" else None, device_type=device.type),
-        ):
+        with step_aside(model):
             whole = _whole_routes(measured, limit)
             eager_trial = None
             if eager is not None:  # measured on the plain blocks, before any is compiled

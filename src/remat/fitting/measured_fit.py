@@ -51,7 +51,7 @@ from ..core import (
 )
 from ..meters import model_device
 from ..planning import Plan, make_plan, plans_tied, resolve_budget
-from ..profiling import GradsRestored, profile
+from ..profiling import profile, step_aside
 from ..runtime import RematHandle, apply
 from .trial import Fit, Trial, fastest, head_to_head, over, peak_of, with_ratios
 
@@ -130,8 +130,7 @@ def fit(
     assert candidates[0].plan is not None
     handle = apply(model, candidates[0].plan, blocks=chain)
     try:
-        with GradsRestored(model), torch.random.fork_rng(devices=[] if device.type == "cpu" else None,
-                                                         device_type=device.type):  # fmt: skip
+        with step_aside(model):
 
             def run(trial: Trial) -> float:
                 assert trial.plan is not None

@@ -27,7 +27,7 @@ from ..core import CostTable, StepSpec, autocast_spec
 from ..fitting import CompiledMemoryFit, fit_memory_compiled, uncompile_blocks
 from ..meters import model_device
 from ..planning import Plan
-from ..profiling import GradsRestored
+from ..profiling import step_aside
 from ..runtime import RecomputeStats
 from .session import OwnRecomputeOff
 
@@ -76,8 +76,7 @@ class CompiledSession:
             begun = time.perf_counter()
             model.compile(backend=compiled.budgets.backends[compiled.budget], dynamic=compiled.budgets.dynamic)
             device = model_device(model)
-            cpu = device.type == "cpu"
-            with GradsRestored(model), torch.random.fork_rng(devices=[] if cpu else None, device_type=device.type):
+            with step_aside(model):
                 run_step(model, batch, step.loss_fn, autocast=autocast_spec(step.autocast, device.type),
                          holds_output=step.holds_output)  # fmt: skip
             self.fitted.seconds["compiling the model in place"] = time.perf_counter() - begun

@@ -18,7 +18,7 @@ estimated on the ``meta`` device (:mod:`.estimate`).
 
 from __future__ import annotations
 
-from .block_run import GradsRestored, clear_grads, run_action
+from .block_run import GradsRestored, clear_grads, run_action, step_aside
 from .block_timing import TimedCalls
 from .estimate import (
     LayerShape,
@@ -42,6 +42,7 @@ __all__ = [
     "BlockProfiler",
     "TimedCalls",
     "GradsRestored",
+    "step_aside",
     "LayerShape",
     "StageEstimate",
     "estimate_stages",

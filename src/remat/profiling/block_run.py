@@ -6,6 +6,7 @@ The profiler (real device) and the meta estimator run each block alone under ``k
 * :func:`run_action`: the block's forward under an action, through the same machinery training uses;
 * :func:`backward_releasing_output`: its backward without keeping the output alive, as in a real step;
 * :class:`GradsRestored` and :func:`clear_grads`: parameter gradients set aside while a measurement runs;
+  :func:`step_aside`: those and the random number generators, for steps run on the side of training (fits);
 * :func:`parameters_detached`: the block's parameters replaced, while it is measured, by leaves on the same
   memory, so that the measurement's backward fires no hook of the step's parameters (DDP's reducer counts
   those; with ``static_graph=True`` it expects the first step's count in every later step).
@@ -29,6 +30,7 @@ from ..checkpointing import (
     saved_on_host,
 )
 from ..core import CHECKPOINT, COMPRESS, INPUT_COMPRESS, OFFLOAD, RECOMPUTE_COMPRESS, SELECTIVE, Action, autocast_off
+from ..meters import model_device
 
 
 def run_action(
@@ -83,6 +85,16 @@ class GradsRestored:
     def __exit__(self, *exc: Any) -> None:
         for p, g in zip(self.params, self.saved, strict=True):
             p.grad = g
+
+
+@contextmanager
+def step_aside(model: nn.Module) -> Iterator[None]:
+    """Steps run here leave training as it was: ``model``'s parameter gradients and the generators of the CPU and of
+    its device are put back afterwards (a fit's measured steps draw dropout masks the training run must draw)."""
+    device = model_device(model)
+    cpu = device.type == "cpu"
+    with GradsRestored(model), torch.random.fork_rng(devices=[] if cpu else None, device_type=device.type):
+        yield
 
 
 @contextmanager
