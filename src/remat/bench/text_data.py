@@ -110,8 +110,16 @@ class TextData(BenchData):
         self.eot_token_id = self.tokenizer.eot_id
         self.mask_token_id: int | None = self.tokenizer.n_vocab if kind == "mlm" else None
         self.vocab_size = self.tokenizer.n_vocab + (kind == "mlm")
+        self._load(max_bytes)
+
+    def _load(self, max_bytes: int | None) -> None:
+        """Read and tokenise the splits this data draws from (here: the plays cut into windows)."""
         train, val = text_splits(self.tokenizer.name, max_bytes)
         self._windows = {split: self._as_windows(tokens) for split, tokens in (("train", train), ("val", val))}
+
+    def _tokens(self, split: str) -> int:
+        """Tokens of ``split`` that batches are drawn from."""
+        return self._windows[split].numel()
 
     def _as_windows(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.numel() // self.seq_len
@@ -149,8 +157,8 @@ class TextData(BenchData):
             "tokenizer_note": self.tokenizer_note,
             "vocab_size": self.vocab_size,
             "seq_len": self.seq_len,
-            "train_tokens": self._windows["train"].numel(),
-            "val_tokens": self._windows["val"].numel(),
+            "train_tokens": self._tokens("train"),
+            "val_tokens": self._tokens("val"),
             "batch_size": self.batch_size,
             "seed": self.seed,
         }
@@ -186,13 +194,18 @@ class PaddedText(TextData):
                  max_bytes: int | None = None) -> None:  # fmt: skip
         super().__init__("lm", seq_len=seq_len, batch_size=batch_size, seed=seed, split=split, tokenizer=tokenizer,
                          max_bytes=max_bytes)  # fmt: skip
-        self.paragraphs = paragraph_splits(self.tokenizer.name, seq_len, max_bytes)
+
+    def _load(self, max_bytes: int | None) -> None:
+        self.paragraphs = paragraph_splits(self.tokenizer.name, self.seq_len, max_bytes)
         for name, rows in self.paragraphs.items():
-            if len(rows) < batch_size:
+            if len(rows) < self.batch_size:
                 raise ValueError(
                     f"the {name} split has {len(rows)} paragraphs of at least {MIN_PARAGRAPH} tokens, fewer than "
-                    f"--batch-size {batch_size}: read more of the corpus (--max-bytes) or use smaller batches"
+                    f"--batch-size {self.batch_size}: read more of the corpus (--max-bytes) or use smaller batches"
                 )
+
+    def _tokens(self, split: str) -> int:
+        return sum(len(row) for row in self.paragraphs[split])
 
     def _count(self, split: str) -> int:
         return len(self.paragraphs[split])
