@@ -165,6 +165,13 @@ def execute_run(
     base = {"strategy": job["label"], "strategy_name": job["strategy"], "seed": job["seed"]}
     records: list[dict[str, Any]] = []
     dynamic = bool(job.get("dynamic_padding"))
+
+    def publish(record: dict[str, Any]) -> None:
+        records.append(record)
+        emit(record)
+        if on_step is not None:
+            on_step(record)
+
     try:
         for step in range(job["steps"]):
             batch = data.batch_kwargs(next(batches), device)
@@ -191,10 +198,7 @@ def execute_run(
                     record = {**base, "step": step, "shape": shape, "refused": str(refusal),
                               "budget_bytes": job["budget_bytes"], "memory_measured": False, "timed": False,
                               "warmup": step < job["warmup"], "t": time.time()}  # fmt: skip
-                    records.append(record)
-                    emit(record)
-                    if on_step is not None:
-                        on_step(record)
+                    publish(record)
                     continue
                 t2, c2 = time.perf_counter(), time.process_time()
                 optimizer.step()
@@ -226,10 +230,7 @@ def execute_run(
                 "energy_j": joules["joules"],
                 "t": time.time(),
             }
-            records.append(record)
-            emit(record)
-            if on_step is not None:
-                on_step(record)
+            publish(record)
         info = controller.run_info()
     finally:
         controller.remove()
