@@ -163,15 +163,32 @@ class Tally:
             return {"shape": shape, "refused": True, "fitting_seq": err.fitting_seq,
                     "fitting_batch": err.fitting_batch, "floor": err.floor}
         self.seconds += time.perf_counter() - started
+        return self.ran_step(model, plain, batch, measured.activation_bytes, seed)
+
+    def ran_step(self, model: nn.Module, plain: nn.Module, batch: dict[str, torch.Tensor], peak: int,
+                 seed: int) -> dict[str, Any]:  # fmt: skip
+        """A step of ``model`` that ran with activation peak ``peak``: counted against the budget, and ``plain``
+        stepped on the same batch and seed to compare gradients (``plain``'s left for the caller to clear)."""
         self.ran += 1
-        ratio = measured.activation_bytes / self.budget
+        ratio = peak / self.budget
         self.worst, self.over = max(self.worst, ratio), self.over + (ratio > 1.02)
         torch.manual_seed(seed)
         step(plain, batch)
         bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(),
                                                                   strict=True))
         self.not_bitwise += not bitwise
-        return {"shape": shape, "refused": False, "peak_over_budget": round(ratio, 4), "bitwise": bitwise}
+        return {"shape": list(batch["input_ids"].shape), "refused": False, "peak_over_budget": round(ratio, 4),
+                "bitwise": bitwise}  # fmt: skip
+
+    def summary(self, door: str, steps: int, plans: Any) -> dict[str, Any]:
+        """The run's summary record: the totals, and the plannings and plan switches of ``plans``."""
+        seconds = self.seconds
+        return {"part": "run_summary", "door": door, "steps": steps, **self.totals(),
+                "buckets_planned": plans.planned, "switch_s": plans.switch_s, "planning_s": plans.planning_s,
+                "step_s": seconds, "switch_share": round(plans.switch_s / seconds, 5) if seconds else None,
+                "switch_without_planning_share": round((plans.switch_s - plans.planning_s) / seconds, 6)
+                if seconds else None,
+                "plans": plans.describe()}  # fmt: skip
 
     def totals(self) -> dict[str, Any]:
         return {"ran": self.ran, "refused": self.refused, "over_budget": self.over,
@@ -234,13 +251,7 @@ def run(steps: int, emit: Any, door: str = "apply") -> None:
             plain.zero_grad(set_to_none=True)
         emit({"part": "run", "door": door, "step": k, **fields})
     (pgac or handle).remove()
-    step_seconds = tally.seconds
-    emit({"part": "run_summary", "door": door, "steps": steps, **tally.totals(),
-          "buckets_planned": plans.planned, "switch_s": plans.switch_s, "planning_s": plans.planning_s,
-          "step_s": step_seconds, "switch_share": round(plans.switch_s / step_seconds, 5) if step_seconds else None,
-          "switch_without_planning_share": round((plans.switch_s - plans.planning_s) / step_seconds, 6)
-          if step_seconds else None,
-          "plans": plans.describe()})
+    emit(tally.summary(door, steps, plans))
 
 
 def lightning_run(steps: int, emit: Any) -> None:
@@ -289,31 +300,16 @@ def lightning_run(steps: int, emit: Any) -> None:
             self.measuring.__exit__(None, None, None)
             tally.seconds += time.perf_counter() - self.started
             tally.budget = tally.budget or callback.session.shape_plans.budget_bytes
-            batch = batches[trainer.global_step]
-            ratio = self.report.activation_bytes / tally.budget
-            tally.ran += 1
-            tally.worst, tally.over = max(tally.worst, ratio), tally.over + (ratio > 1.02)
-            torch.manual_seed(trainer.global_step)
-            step(plain, batch)
-            bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(),
-                                                                      strict=True))  # fmt: skip
-            tally.not_bitwise += not bitwise
+            k = trainer.global_step
+            fields = tally.ran_step(model, plain, batches[k], self.report.activation_bytes, seed=k)
             plain.zero_grad(set_to_none=True)
-            emit({"part": "run", "door": "lightning", "step": trainer.global_step,
-                  "shape": list(batch["input_ids"].shape), "refused": False, "peak_over_budget": round(ratio, 4),
-                  "bitwise": bitwise, "plan": "".join(a[0].upper() for a in callback.session.plan.actions.values())})
+            fields["plan"] = "".join(a[0].upper() for a in callback.session.plan.actions.values())
+            emit({"part": "run", "door": "lightning", "step": k, **fields})
 
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback, Check()])
     trainer.fit(Net())
-    plans = callback.session.shape_plans
-    step_seconds = tally.seconds
-    emit({"part": "run_summary", "door": "lightning", "steps": steps, **tally.totals(),
-          "buckets_planned": plans.planned, "switch_s": plans.switch_s, "planning_s": plans.planning_s,
-          "step_s": step_seconds, "switch_share": round(plans.switch_s / step_seconds, 5) if step_seconds else None,
-          "switch_without_planning_share": round((plans.switch_s - plans.planning_s) / step_seconds, 6)
-          if step_seconds else None,
-          "plans": plans.describe()})
+    emit(tally.summary("lightning", steps, callback.session.shape_plans))
 
 
 def paragraphs(limit: int = 4000) -> list[list[int]]:
