@@ -171,3 +171,9 @@ def test_a_model_with_one_shared_layer_is_told_to_name_it() -> None:
     # The advice works: each call is a block of the plan.
     costs = remat.profile(model, torch.randn(2, 8), loss_fn=lambda y: y, blocks=["groups.0"])
     assert costs.fqns == ["groups.0", "groups.0@2", "groups.0@3"]
+
+
+def test_blocks_given_as_one_string_say_to_give_a_list() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"blocks='layers' is one string; give a list of block names"):
+        remat.apply(model, remat.Plan({"0": "keep"}), blocks="layers")

@@ -287,6 +287,11 @@ def resolve_blocks(model: nn.Module, blocks: BlocksArg) -> list[tuple[str, nn.Mo
     Several chains (a list of chains) are joined one after the other, in the order given."""
     if blocks is None:
         return [pair for chain in model_chains(model) for pair in chain]
+    if isinstance(blocks, str):
+        raise TypeError(
+            f"blocks={blocks!r} is one string; give a list of block names, e.g. blocks=[{blocks + '.0'!r}, ...], or "
+            "(fqn, module) pairs"
+        )
     if several_chains(blocks):
         return [pair for chain in resolve_chains(model, blocks) for pair in chain]
     blocks = list(blocks)
