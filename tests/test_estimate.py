@@ -206,3 +206,34 @@ def test_flops_time_model() -> None:
     assert flops_time_model(2e12, 1e9, device_flops=1e12) == pytest.approx(2.0)  # a number: FLOPs only
     with pytest.raises(ValueError, match="h100-bf16"):
         flops_time_model(1.0, device_flops="tpu-v9")
+
+
+class CausalAttention(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(attended.transpose(1, 2).reshape(b, s, w))
+
+
+@pytest.mark.parametrize("holds_output", [True, False])
+def test_fused_attention_on_meta_equals_the_cpu_kernel_and_the_step_is_the_one_given(holds_output: bool) -> None:
+    def model() -> nn.Module:
+        return nn.Sequential(*[CausalAttention(32, 4) for _ in range(3)], nn.Linear(32, 64))
+
+    step = remat.StepSpec(blocks=["0", "1", "2"], holds_output=holds_output)
+    batch = torch.zeros(2, 64, 32)
+    fused = meta_cost_table(model, batch, step=step, fused_attention=True)
+    scores = meta_cost_table(model, batch, step=step)
+    torch.manual_seed(0)
+    measured = remat.profile(model().train(), torch.randn(2, 64, 32), step=step, repeats=1)
+    for estimated, real, math in zip(fused.blocks, measured.blocks, scores.blocks, strict=True):
+        assert estimated.saved_bytes[remat.core.KEEP] == real.saved_bytes[remat.core.KEEP]
+        scores_bytes = 2 * 4 * 64 * 64 * 4  # the math form keeps the s x s scores of every head
+        assert math.saved_bytes[remat.core.KEEP] > real.saved_bytes[remat.core.KEEP] + scores_bytes // 2
+    assert fused.info["attention"] == "fused" and scores.info["attention"] != "fused"
+    assert (fused.head_bytes, fused.head_retained_bytes) == (measured.head_bytes, measured.head_retained_bytes)

@@ -9,18 +9,21 @@ written (:mod:`remat.profiling.estimate.time_model`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from ...chains import (
     BlockIO,
     block_ios,
+    refuse_recomputed_blocks,
     replace_slot,
     resolve_blocks,
     run_step,
@@ -86,6 +89,41 @@ def _meta_model(model_or_factory: nn.Module | Callable[[], nn.Module]) -> nn.Mod
     if not isinstance(model, nn.Module):
         raise TypeError(f"the factory returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+class FusedAttention(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` on ``meta`` run as a fused kernel: the meta device has only the math form,
+    which keeps the ``s x s`` scores for the backward, where flash and memory-efficient kernels keep the output and
+    one float32 log-sum-exp per row. The CPU's flash kernel (whose meta form exists) stands in for them; calls it
+    does not take (dropout, grouped heads of unequal counts) run as PyTorch would."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is nn.functional.scaled_dot_product_attention:
+            fused = _fused_attention(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+
+def _fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor | None:
+    if query.device.type != "meta" or dropout_p or query.dim() != 4 or query.shape[1] != key.shape[1]:
+        return None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        return None  # the CPU kernel takes additive float masks only
+    output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return output
 
 
 def _signature(value: Any) -> Any:
@@ -202,10 +240,12 @@ def meta_cost_table(
     main_input: InputName | Mapping[str, InputName] = None,
     main_output: OutputName | Mapping[str, OutputName] = None,
     step: StepSpec | None = None,
+    fused_attention: bool = False,
 ) -> CostTable:
     """The :class:`~remat.core.costs.CostTable` of a model computed on the ``meta`` device, without memory.
     ``step`` (a :class:`remat.StepSpec`, or its fields ``blocks``, ``loss_fn``, ``main_input``, ``main_output``
-    as keywords) is the training step; the meta device has no autocast, so its ``autocast`` must be None.
+    as keywords; its ``holds_output``) is the training step; the meta device has no autocast, so its ``autocast``
+    must be None.
 
     ``model_or_factory`` is a model whose parameters are on ``meta`` or a factory (``lambda:
     Model(config)``) that is called under ``torch.device("meta")``. ``batch`` is as for
@@ -222,7 +262,9 @@ def meta_cost_table(
     Limits: the meta device has shapes but no values, so a forward that reads values (``.item()``, data-dependent
     branches) cannot run there. Operators are the ones PyTorch runs on ``meta``: ``scaled_dot_product_attention`` takes
     its math form there and keeps the ``s x s`` scores, so for a fused-attention target the attention bytes are
-    overestimated (compare with ``transformer_layer_activation_bytes(..., flash_attention=True)``). Dropout keeps its
+    overestimated (compare with ``transformer_layer_activation_bytes(..., flash_attention=True)``), unless
+    ``fused_attention=True`` runs it as a fused kernel (:class:`FusedAttention`: output and log-sum-exp kept, as
+    flash attention keeps them on GPUs and on the CPU). Dropout keeps its
     masks in the activation dtype, as eager CPU dropout does (GPUs keep 1-byte masks), and selective regions keep them
     at one byte per element (see :mod:`remat.checkpointing.replayed_draws`). PyTorch has no autocast on ``meta``: the
     estimate is in the parameters' dtype (cast the model, e.g. ``remat plan --device meta --dtype bfloat16``, for bf16
@@ -250,6 +292,7 @@ def meta_cost_table(
     device = device_throughput(device_flops)
     model = _meta_model(model_or_factory)
     chain = resolve_blocks(model, blocks)
+    refuse_recomputed_blocks(chain)  # as remat.profile does: their costs would be those of recomputed blocks
     io = block_ios(chain, main_input, main_output)
     actions = [KEEP, CHECKPOINT] + [Action.selective(name).text for name in _policies.expand(policies)]
     inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
@@ -270,10 +313,33 @@ def meta_cost_table(
     hooks = [m.register_forward_pre_hook(remember_inputs(i), with_kwargs=True) for i, (_, m) in enumerate(chain)]
     hooks.append(chain[-1][1].register_forward_hook(chain_end, with_kwargs=True))
     meta_batch = _to_meta(batch)
+    attention = FusedAttention() if fused_attention else contextlib.nullcontext()
+    with attention:
+        table = _meta_table(
+            model, chain, meta_batch, loss_fn, spec.holds_output, io, actions, device, tracker, bounds, hooks, inputs
+        )
+    table.info["attention"] = "fused" if fused_attention else "as the meta device runs it"
+    return table
+
+
+def _meta_table(
+    model: nn.Module,
+    chain: list[tuple[str, nn.Module]],
+    meta_batch: Batch,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    holds_output: bool,
+    io: list[BlockIO],
+    actions: list[str],
+    device: DeviceThroughput,
+    tracker: LiveTensorTracker,
+    bounds: ChainBounds,
+    hooks: list[Any],
+    inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]],
+) -> CostTable:
     try:
         with GradsRestored(model):
             with tracker:
-                run_step(model, meta_batch, loss_fn)
+                run_step(model, meta_batch, loss_fn, holds_output=holds_output)
             tracker.close()  # while parameter gradients are alive: survivors, as in remat.profile
     except RuntimeError as error:
         if "meta" not in str(error):
