@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 	# each is skipped, with the reason, where it does not install.
 	$(PIP) install -q -c constraints.txt megatron-core || echo "megatron-core unavailable: its tests are skipped"
 	DS_BUILD_OPS=0 $(PIP) install -q -c constraints.txt deepspeed || echo "deepspeed unavailable: its tests are skipped"
+	# torchtitan's model and parallelize code without its trainer's data and logging dependencies (datasets,
+	# tensorboard, wandb), which its RematAC tests do not use; it imports triton unconditionally.
+	$(PIP) install -q -c constraints.txt --no-deps torchtitan triton "spmd_types==0.2.3" tyro docstring-parser \
+		typeguard || echo "torchtitan unavailable: its tests are skipped"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -17,6 +17,9 @@ DeepSpeed:
 * :mod:`remat.integrations.compile`: using plans and policies with ``torch.compile``.
 * :mod:`remat.integrations.pipeline`: ``torch.distributed.pipelining`` stages cut from a chain, GPipe or 1F1B,
   a plan or a PGAC mask per stage under a per-stage budget that counts the micro-batches in flight.
+* :mod:`remat.integrations.torchtitan`: ``RematAC``, torchtitan's activation-checkpointing mode, with its plan
+  estimated on the ``meta`` model torchtitan builds (or read from a saved plan or cost table), eager or inside the
+  blocks torchtitan compiles.
 * :mod:`remat.integrations.session`: :class:`~remat.integrations.session.RematSession`, the object the
   integrations above return: a plan now, or every block checkpointed and profiled during the first training
   step and the plan from the second step on, or PGAC.
@@ -38,6 +41,7 @@ _SUBMODULES = (
     "lightning",
     "pipeline",
     "session",
+    "torchtitan",
 )
 # Names taken from a submodule, imported with it on first use.
 _NAMES = {"fit": "front_door", "RematSession": "session", "Stage": "pipeline", "split_chain": "pipeline"}
