@@ -27,8 +27,10 @@ and takes a per-operator policy or offload over keeping or checkpointing only wh
 noise (:func:`within_noise`). Whole plans too: a complete plan whose predicted time exceeds the fastest's by no
 more than twice the noise times the root of the summed squares of the per-action block counts by which the two
 differ is a tie (:func:`remat.planning.search.plans_tied`), and among ties a fixed order decides (fewest
-deferred blocks, fewest re-executions, lowest peak, then recomputation on the earliest blocks; see
-:meth:`remat.planning.search.Search.run`, :func:`remat.planning.search.plans_tied`): on a Llama whose actions all
+deferred blocks, fewest re-executions, lowest peak, then recomputation on the earliest blocks), taking the first
+that no tied plan beats beyond the two plans' own tie width (ties are not transitive: a far-off fastest plan ties
+with both of two plans one of which is clearly the faster; see :meth:`remat.planning.search.Search.run`): on a
+Llama whose actions all
 save memory at about the same price per byte, mixes as far apart as ``8 checkpoint, 1 dots_saveable, 3 keep`` and
 ``6 checkpoint, 3 dots_every_other_saveable, 3 keep`` came first in different profiles of the same step. A choice
 the noise could flip is made by that fixed order instead, so that the same

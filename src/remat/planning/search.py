@@ -167,11 +167,14 @@ class Search:
         # noise could have put first; among those, a fixed order decides:
         # fewest deferred blocks (a segment's price is the profile's least certain figure), fewest re-executions,
         # lowest peak, then the blocks kept latest in the chain (recomputation on the earlier blocks, whose
-        # activations wait longest), then time.
+        # activations wait longest), then time. Ties are not transitive: a far-off fastest plan ties with two
+        # plans one of which is clearly faster than the other, and the slower one, first in the order, sits at
+        # the edge of the tie window, in or out with each profile's noise. So the first in the order that no
+        # tied plan beats beyond their own tie width is taken (the fastest is beaten by none).
         times = store.time[final]
         fastest = times[order[0]]
         best_actions = chain.actions_from_units(best)
-        candidates = {}
+        tied = []
         # plans_tied's width is at most 2 * noise * sqrt(2) * n (every block moved from one action to another);
         # the nearest TIE_CANDIDATES by time are read
         near = np.flatnonzero(times <= fastest + 2 * self.ties_s * math.sqrt(2) * n)
@@ -181,8 +184,13 @@ class Search:
             if plans_tied(self.ties_s, best_actions, actions, fastest, times[k]):
                 kept = tuple(action == KEEP for action in actions)
                 key = (store.deferred[first + k], store.reexec[first + k], total_peak[k], kept, times[k])
-                candidates[key] = units
-        return candidates[min(candidates)] if candidates else best
+                tied.append((key, units, action_counts(actions), float(times[k])))
+        tied.sort(key=lambda candidate: candidate[0])
+        for _, units, counts, time_s in tied:
+            if not any(other_s < time_s and not counts_tied(self.ties_s, other, counts, other_s, time_s)
+                       for _, _, other, other_s in tied):  # fmt: skip
+                return units
+        return best
 
     def _units(self, store: Store, index: int) -> list[tuple[int, int, int]]:
         """The units (start, end, code) of the complete plan stored at ``index``, in chain order."""
@@ -272,9 +280,15 @@ def plans_tied(noise_s: float, faster: Iterable[str], slower: Iterable[str], fas
     memory-poor group counted by its kind). An action's figure is shared by the blocks that cost the same, so its
     error enters once per block it has more; two plans with the same counts tie only where their times do."""
 
-    def counts(actions: Iterable[str]) -> Counter[str]:
-        return Counter(a.split(":")[0] if a.split(":")[0] in GROUP_KINDS else a for a in actions)
+    return counts_tied(noise_s, action_counts(faster), action_counts(slower), faster_s, slower_s)
 
-    a, b = counts(faster), counts(slower)
-    distance = math.sqrt(sum((a[k] - b[k]) ** 2 for k in set(a) | set(b)))
+
+def action_counts(actions: Iterable[str]) -> Counter[str]:
+    """How many blocks each action has in a plan, a group counted by its kind (what :func:`plans_tied` reads)."""
+    return Counter(a.split(":")[0] if a.split(":")[0] in GROUP_KINDS else a for a in actions)
+
+
+def counts_tied(noise_s: float, faster: Counter[str], slower: Counter[str], faster_s: float, slower_s: float) -> bool:
+    """:func:`plans_tied` on the plans' :func:`action_counts`."""
+    distance = math.sqrt(sum((faster[k] - slower[k]) ** 2 for k in set(faster) | set(slower)))
     return slower_s - faster_s <= 2 * noise_s * distance
