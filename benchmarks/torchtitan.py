@@ -16,12 +16,15 @@ Gradients are compared with no checkpointing's bitwise over two SGD steps. Steps
 intra-op thread, in interleaved rounds (order reversed every other round), as ratios to no checkpointing's step of
 the same round.
 
-What a CPU run maps (:func:`torchtitan_on_cpu`): torchtitan builds its device mesh on ``"cuda"`` when it finds no
-accelerator, so the mesh's device type is set to ``"cpu"``; and the model's attention is SDPA, since torchtitan's
-language models name flex attention, built for GPUs. On a GPU nothing is mapped.
+What a CPU run maps (:func:`torchtitan_on_cpu`, :func:`build`): torchtitan builds its device mesh on ``"cuda"`` when
+it finds no accelerator, so the mesh's device type is set to ``"cpu"``; gloo reduces with SUM only, so ``fully_shard``
+is told to divide the gradients around a SUM (``set_force_sum_reduction_for_comms``); and the model's attention is
+SDPA, since flex attention, which torchtitan's language models name, has no backward on the CPU. On a GPU nothing
+is mapped.
 
     .venv/bin/python -m benchmarks.torchtitan [--rounds 9] [--compile] [--markdown docs/results/torchtitan.md]
     .venv/bin/python -m benchmarks.torchtitan --check [--compile] [--precision bfloat16]   # one JSON line, tests
+    .venv/bin/python -m benchmarks.torchtitan --check --ranks 2   # FSDP2 sharding over two gloo ranks
 """
 
 from __future__ import annotations
@@ -49,14 +52,15 @@ SHARE = 0.5
 
 
 @contextlib.contextmanager
-def torchtitan_on_cpu() -> Iterator[None]:
-    """One gloo rank, and torchtitan's device mesh on the CPU (module docstring); undone on exit."""
+def torchtitan_on_cpu(rank: int = 0, world: int = 1, port: int | None = None) -> Iterator[None]:
+    """A gloo group, and torchtitan's device mesh on the CPU (module docstring); undone on exit."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims
 
     saved = parallel_dims.device_type
     parallel_dims.device_type = "cpu"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port or free_port()}", rank=rank,
+                            world_size=world)  # fmt: skip
     try:
         yield
     finally:
@@ -76,8 +80,10 @@ def llama3_debug() -> Any:
 
 
 def build(ac_config: Any, *, compile_backend: str | None = None, precision: str = "float32",
-          dump_folder: str = "") -> torch.nn.Module:  # fmt: skip
-    """The debug model through torchtitan's ``parallelize_llama`` with ``ac_config``, initialised from seed 0."""
+          dump_folder: str = "", world: int = 1) -> torch.nn.Module:  # fmt: skip
+    """The debug model through torchtitan's ``parallelize_llama`` with ``ac_config``, initialised from seed 0,
+    sharded over ``world`` ranks."""
+    from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3 import parallelize_llama
@@ -89,10 +95,13 @@ def build(ac_config: Any, *, compile_backend: str | None = None, precision: str 
         model = llama3_debug().build()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # policies the blocks cannot run are left out of their costs, with a warning
-        model = parallelize_llama(model, parallel_dims=ParallelDims.from_config(parallelism, 1),
+        model = parallelize_llama(model, parallel_dims=ParallelDims.from_config(parallelism, world),
                                   training=TrainingConfig(mixed_precision_param=precision), parallelism=parallelism,
                                   compile_config=compile_config, ac_config=ac_config,
                                   dump_folder=dump_folder)  # fmt: skip
+    for module in model.modules():  # gloo reduces with SUM only (no PREMUL_SUM, no AVG): divide around it
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -207,6 +216,62 @@ def run(compile_backend: str | None, precision: str, rounds: int, dump_folder: s
             "torch": torch.__version__, "seconds": time.perf_counter() - started, "rows": rows}  # fmt: skip
 
 
+def sharded_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One of ``world`` gloo ranks: no checkpointing, ``FullAC`` and ``RematAC`` sharded over them by torchtitan's
+    ``fully_shard``, each rank its own batch; rank 0 writes each contender's activation peak and whether its full
+    gradients equal no checkpointing's over two SGD steps, bitwise."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    from remat.integrations.torchtitan import RematAC
+
+    torch.set_num_threads(1)
+    rows, seq = 2, 128
+    with torchtitan_on_cpu(rank, world, port):
+        modes = {"no checkpointing": None, "torchtitan FullAC": FullAC.Config(),
+                 "remat RematAC": RematAC.Config(activations=str(SHARE), batch_size=rows, seq_len=seq,
+                                                 dtype="float32")}  # fmt: skip
+        figures = {}
+        for name, mode in modes.items():
+            model = build(mode, world=world)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            peaks, steps = [], []
+            for seed in (0, 1):
+                tokens, labels = batch(100 * rank + seed, rows, seq)
+                with remat.measure() as meter:
+                    logits = model(tokens)
+                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+                    del logits
+                    loss.backward()
+                peaks.append(meter.activation_bytes)
+                steps.append(gradients(model))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            figures[name] = (max(peaks), steps, getattr(getattr(model, "_remat_handle", None), "plan", None))
+        plain = figures["no checkpointing"][1]
+        record = {"world": world, "rows": []}
+        for name, (peak, steps, plan) in figures.items():
+            exact = all(torch.equal(a, b) for got, want in zip(steps, plain, strict=True)
+                        for a, b in zip(got, want, strict=True))  # fmt: skip
+            row = {"contender": name, "peak_bytes": peak, "bitwise": exact}
+            if plan is not None:
+                row.update(budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes)
+            record["rows"].append(row)
+        if rank == 0:
+            Path(out).write_text(json.dumps(record))
+    os._exit(0)  # gloo's threads can abort a torn-down process at interpreter exit
+
+
+def sharded_check(world: int) -> dict[str, Any]:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "record.json")
+        mp.spawn(sharded_worker, args=(world, free_port(), out), nprocs=world)
+        return json.loads(Path(out).read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
@@ -215,12 +280,16 @@ def main() -> None:
     parser.add_argument("--precision", default="float32", choices=["float32", "bfloat16"],
                         help="torchtitan's training.mixed_precision_param")  # fmt: skip
     parser.add_argument("--check", action="store_true", help="no timing: print one JSON line (the tests read it)")
+    parser.add_argument("--ranks", type=int, default=1, help="with --check: shard over this many gloo ranks")
     parser.add_argument("--dump-folder", default=None, help="where RematAC writes its plan (a temporary folder)")
     parser.add_argument("--out", type=Path, default=Path("docs/results/torchtitan.jsonl"))
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
     import tempfile
 
+    if args.check and args.ranks > 1:
+        print(json.dumps(sharded_check(args.ranks)))
+        return
     with tempfile.TemporaryDirectory() as scratch:
         record = run(args.backend if args.compile else None, args.precision, 0 if args.check else args.rounds,
                      args.dump_folder or scratch)  # fmt: skip

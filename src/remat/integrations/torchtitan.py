@@ -76,7 +76,8 @@ class RematAC(ActivationCheckpointing):
         activations: str = "0.5"
         """The activation budget: bytes (``"6GiB"``) or a fraction (``"0.5"``) of the no-checkpoint activations of
         one micro-batch. torchtitan shards and compiles after this mode runs, so the device's whole-step memory
-        cannot be measured here: ``remat.fit`` does that where the model exists before training."""
+        cannot be measured here: ``remat.fit`` does that where the model exists before training. Sharded over
+        several ranks, ``fully_shard``'s all-gathered parameters of the block running come on top."""
 
         strategy: str = "optimal"
         """Any of ``remat.STRATEGIES`` that plans from a cost table."""
