@@ -355,3 +355,35 @@ def test_an_image_model_keeps_one_budget_over_changing_batch_sizes_with_exact_gr
     assert all(s[1] == second for s in plans.seen.values())  # the second dimension is not bucketed
     assert plans.largest_fitting(8, None) == second
     handle.remove()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_a_batch_beyond_the_measured_shapes_is_measured_before_its_forward(name: str, make_gpt2) -> None:
+    from benchmarks.shapes import build
+
+    model = make_gpt2(n_layer=3, n_embd=64, dropout=0.1, seed=0, n_positions=512) if name == "gpt2" else build(name)
+    plain = build(name) if name == "bert" else make_gpt2(n_layer=3, n_embd=64, dropout=0.1, seed=0, n_positions=512)
+    plain.load_state_dict(model.state_dict())
+    shapes = remat.profile_shapes(model, _batch(4, 32), holds_output=False)
+    handle = remat.apply(model, remat.plan(shapes.reference, "none"))
+    budget = int(remat.plan(shapes.at(4, 128), "none").predicted_peak_bytes * 0.6)
+    plans = remat.ShapePlans(shapes, budget)
+    handle.plan_per_shape(plans)
+    hook = remat.profiling.measure_beyond(model, plans, holds_output=False)
+    big = _batch(4, 128, seed=3)
+    for seed in (4, 5):  # the first forward measures the costs at 4 x 128 first; the second is measured here
+        torch.manual_seed(seed)
+        with remat.measure() as measured:
+            loss = model(**big).loss
+            loss.backward()
+        torch.manual_seed(seed)
+        plain(**big).loss.backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+    assert plans.remeasured == 1 and plans.costs.reference_shape == (4, 128)
+    assert plans.costs.reference.info["measured_for"] == [4, 128]
+    assert measured.activation_bytes <= budget * 1.02
+    assert abs(handle.plan.predicted_peak_bytes - measured.activation_bytes) <= 0.05 * measured.activation_bytes
+    model(**_batch(2, 96)).loss.backward()  # within the measured shapes now: planned, not measured
+    assert plans.remeasured == 1
+    hook.remove()
+    handle.remove()

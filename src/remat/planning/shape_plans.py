@@ -83,6 +83,7 @@ class ShapePlans:
     switch_s: float = 0.0  # seconds the runtime spent choosing and setting plans (remat.runtime, Note [11])
     planning_s: float = 0.0  # of which planning new shapes (and the refusals' searches for what fits)
     warned_beyond: bool = False
+    remeasured: int = 0  # times the costs were measured again for a shape beyond them (remat.profiling)
 
     def __post_init__(self) -> None:
         if self.on_overflow not in ON_OVERFLOW:
@@ -93,6 +94,22 @@ class ShapePlans:
                 "(an int, or a string like '2GiB')"
             )
         self.budget_bytes = parse_budget(self.budget)
+
+    def beyond(self, batch: int, seq: int) -> bool:
+        """Whether ``(batch, seq)`` lies beyond every shape the costs were measured at (its costs extrapolated)."""
+        top_batch = max(b for b, _ in self.costs.shapes)
+        top_seq = max(s for _, s in self.costs.shapes)
+        return batch > top_batch or (self.costs.fixed_second is None and seq > top_seq)
+
+    def use_costs(self, costs: ShapeCosts) -> None:
+        """Plan from ``costs`` from now on (measured again, over a wider range): the plans, refusals and shapes
+        seen so far were made from the old costs and are dropped."""
+        self.costs = costs
+        self.plans.clear()
+        self.seen.clear()
+        self.refused.clear()
+        self.warned_beyond = False
+        self.remeasured += 1
 
     def plan_for(self, batch: int, seq: int) -> Plan:
         """The plan for a batch of ``(batch, seq)``: its bucket's, planned the first time the bucket is seen."""
@@ -145,17 +162,18 @@ class ShapePlans:
 
     def _warn_beyond(self, shape: tuple[int, int]) -> None:
         """Warn once where a shape lies beyond the profiled ones: its costs are extrapolated."""
-        top_batch = max(b for b, _ in self.costs.shapes)
-        top_seq = max(s for _, s in self.costs.shapes)
-        if self.warned_beyond or (shape[0] <= top_batch and shape[1] <= top_seq):
+        if self.warned_beyond or not self.beyond(*shape):
             return
         self.warned_beyond = True
+        top_batch = max(b for b, _ in self.costs.shapes)
+        top_seq = max(s for _, s in self.costs.shapes)
         warnings.warn(
             f"remat: planning a batch of shape {list(shape)} beyond the profiled {[top_batch, top_seq]}: its costs "
             f"are extrapolated on the form {self.costs.form}, which holds for most models (within 3% at 4x the "
             "sequence on GPT-2, Llama and T5) but not for kernels whose workspace grows in steps (BERT's fused CPU "
             "attention: 16% under at 4x). Profile with the largest batch the run will see (remat.profile_shapes "
-            "cuts it to the smaller shapes).",
+            "cuts it to the smaller shapes), or let remat.profiling.measure_beyond(model, plans) measure such "
+            "shapes before their forward.",
             stacklevel=4,
         )
 

@@ -12,6 +12,7 @@ estimated on the ``meta`` device (:mod:`.estimate`).
   outside the blocks), :mod:`.action_steps` (each action's time read within whole steps, which runs plans through
   :mod:`remat.runtime`: the reason this stage sits above it);
 * :mod:`.shape_profile`: :func:`profile_shapes`, the costs at every input shape from three profiled ones;
+  :func:`measure_beyond`, which measures them again before the forward of a batch beyond them;
 * :mod:`.profile_cache`: :func:`cached_profile`, a machine's profiles kept on disk per model, batch shape and
   precision, so that a restarted run plans at once.
 """
@@ -30,10 +31,11 @@ from .estimate import (
 )
 from .profile_cache import cache_directory, cached_profile, keep_profile, profile_key
 from .profiler import BlockProfiler, price_segments, profile
-from .shape_profile import batch_at, profile_shapes
+from .shape_profile import batch_at, measure_beyond, profile_shapes
 
 __all__ = [
     "batch_at",
+    "measure_beyond",
     "profile_shapes",
     "cache_directory",
     "cached_profile",

@@ -1,6 +1,7 @@
 """A model's costs at every input shape: :func:`profile_shapes` profiles the batch given, then the same batch cut to
 half its sequence, half its batch and half of both (a batch of one row: half and a quarter of its sequence), and
-returns the :class:`~remat.core.ShapeCosts` through the tables.
+returns the :class:`~remat.core.ShapeCosts` through the tables. :func:`measure_beyond` measures them again, before
+its forward, where a batch comes beyond them.
 
 The batch is cut, never padded: every tensor of the batch whose first dimension is the batch size keeps its first
 rows, and every one whose second dimension is the sequence length keeps its first positions (``input_ids``,
@@ -13,13 +14,20 @@ batch is cut in rows only, to half its rows: the costs then vary with the batch 
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..core import Batch, CostTable, ShapeCosts, shape_of
+from ..planning import ShapePlans
+from .block_run import step_aside
 from .profiler import profile
+
+logger = logging.getLogger(__name__)
 
 MIN_SEQUENCE = 4  # the shortest profiled sequence a quarter of which is still a sequence
 
@@ -106,4 +114,80 @@ def profile_shapes(model: nn.Module, batch: Batch, *, reference: CostTable | Non
     return ShapeCosts(tables, seen)
 
 
-__all__ = ["batch_at", "has_sequence", "measured_shapes", "profile_shapes"]
+def batch_resized(batch: Batch, current: tuple[int, int], shape: tuple[int, int]) -> Batch:
+    """``batch`` (at ``current``, (batch, sequence)) brought to ``shape``: rows and positions cut where ``shape`` is
+    smaller (:func:`batch_at`), repeated in turn where it is larger (the batch's own tokens again: the same kinds of
+    values, so the same kernels run)."""
+    rows, positions = current
+
+    def resize(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        if x.shape[0] == rows and shape[0] != rows:
+            x = x[torch.arange(shape[0]) % rows]
+        if x.dim() >= 2 and x.shape[1] == positions and positions > 1 and shape[1] != positions:
+            x = x[:, torch.arange(shape[1]) % positions]
+        return x.contiguous()
+
+    if isinstance(batch, dict):
+        return {k: resize(v) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(resize(v) for v in batch)
+    return resize(batch)
+
+
+def _batch_shape(batch: Batch, sequence: bool) -> tuple[int, int] | None:
+    """(rows, sequence) of a batch as its tensors carry them: the first dimension of its first tensor, the second
+    of its first tensor of two or more (None where it has no tensor)."""
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, tuple) else (batch,)
+    tensors = [x for x in values if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    if not tensors:
+        return None
+    rows = int(tensors[0].shape[0])
+    if not sequence:
+        return rows, 1
+    wide = [x for x in tensors if x.dim() >= 2]
+    return (rows, int(wide[0].shape[1])) if wide else None
+
+
+def measure_beyond(model: nn.Module, plans: ShapePlans, **options: Any) -> RemovableHandle:
+    """Where a training batch comes beyond every shape ``plans``' costs were measured at, measure the costs again
+    before its forward, at the larger of both in rows and in sequence (the batch's own rows and tokens repeated where
+    it is the smaller), and plan from them (:meth:`ShapePlans.use_costs`): extrapolated costs are right for most
+    models but not for kernels whose workspace grows in steps (``docs/shapes.md``), and the budget is to hold for
+    every batch. ``options`` are :func:`profile_shapes`' (``step=``, ``loss_fn=``...), as the costs were made. The
+    measuring steps leave training as it was (gradients and generators put back, :func:`step_aside`); it costs a
+    shape profile (about 30 plain steps of the larger shape) each time the range grows, and memory: some of its steps
+    keep every block's activations at the larger shape, as a plain step does, so it is for a device that holds that
+    step (the CPU, a GPU with room), not for one the budget is all that fits. The new costs' reference table records
+    the batch shape that asked for them (``info["measured_for"]``). Returns the hook's handle (``.remove()`` stops
+    it)."""
+    sequence = plans.costs.fixed_second is None
+    measuring = False
+
+    def before_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        nonlocal measuring
+        if measuring or not torch.is_grad_enabled():
+            return
+        batch: Batch = kwargs if kwargs else args if len(args) != 1 else args[0]
+        shape = _batch_shape(batch, sequence)
+        if shape is None or not plans.beyond(*shape):
+            return
+        top = (max(b for b, _ in plans.costs.shapes), max(s for _, s in plans.costs.shapes))
+        wanted = (max(shape[0], top[0]), max(shape[1], top[1]) if sequence else shape[1])
+        started = time.perf_counter()
+        measuring = True
+        try:
+            with step_aside(model):
+                costs = profile_shapes(model, batch_resized(batch, shape, wanted), **options)
+        finally:
+            measuring = False
+        costs.reference.info["measured_for"] = list(shape)
+        plans.use_costs(costs)
+        logger.info("remat: a batch of shape %s came beyond the measured %s: costs measured again at %s in %.1f s",
+                    list(shape), list(top), list(wanted), time.perf_counter() - started)
+
+    return model.register_forward_pre_hook(before_forward, with_kwargs=True)
+
+
+__all__ = ["batch_at", "batch_resized", "has_sequence", "measure_beyond", "measured_shapes", "profile_shapes"]
