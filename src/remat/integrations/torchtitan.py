@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 logger = logging.getLogger(__name__)
 
 
-def _estimate_loss(labels: torch.Tensor):
+def _estimate_loss(labels: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     def loss(logits: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
@@ -66,9 +67,10 @@ class RematAC(ActivationCheckpointing):
     """remat's plan for ``model.layers`` as a torchtitan activation-checkpointing mode.
 
     ``Trainer.Config(activation_checkpoint=RematAC.Config(activations=0.5, batch_size=8, seq_len=2048))``, or
-    :func:`remat_ac` which reads the batch and sequence length from the trainer's config. After ``apply``,
-    ``mode.handle`` is the :class:`~remat.runtime.handle.RematHandle` (``describe()``, ``stats``, ``remove()``),
-    and the model's ``_remat_handle`` too.
+    :func:`remat_ac` which reads the batch and sequence length from the trainer's config. After an eager ``apply``,
+    ``mode.handle`` is the :class:`~remat.runtime.handle.RematHandle` (``plan``, ``stats``, ``remove()``), and the
+    model's ``_remat_handle`` too; under ``compiled=True`` the plan lives in the blocks' forwards and ``handle`` is
+    None. ``mode.costs`` is the table the plan was made from (None for a saved plan).
     """
 
     @dataclass(kw_only=True, slots=True)
