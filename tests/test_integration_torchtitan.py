@@ -171,3 +171,21 @@ def test_layers_wrapped_by_torchtitans_own_mode_are_refused() -> None:
     FullAC.Config().build().apply(model)
     with pytest.raises(RuntimeError, match=r"block 'layers.0' is recomputed already by .*checkpoint_wrapper"):
         RematAC.Config(activations="0.5", batch_size=2, seq_len=32, dtype="float32").build().apply(model)
+
+
+def test_pipeline_stages_are_estimated_from_what_each_holds() -> None:
+    from torchtitan.distributed.pipeline_parallel import _split_module  # how torchtitan cuts its stages
+
+    whole = meta_model()
+    stages = [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3"], ["layers.4", "layers.5", "norm",
+              "lm_head"]]  # fmt: skip
+    whole_costs = RematAC.Config(activations="1.0", batch_size=2, seq_len=64, dtype="float32").build()
+    whole_costs.apply(meta_model())
+    for names in stages:
+        stage = _split_module(whole, names)
+        mode = RematAC.Config(activations="0.8", batch_size=2, seq_len=64, dtype="float32").build()
+        mode.apply(stage)  # the first stage takes tokens, the others hidden states; only the last has the head
+        assert mode.handle.plan.fits
+        assert set(mode.handle.plan.actions) == {name for name in names if name.startswith("layers.")}
+        for block in mode.costs.blocks:  # each layer costs what it costs in the whole model
+            assert block.saved_bytes == whole_costs.costs.blocks[whole_costs.costs.index(block.fqn)].saved_bytes

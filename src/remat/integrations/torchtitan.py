@@ -149,17 +149,31 @@ class RematAC(ActivationCheckpointing):
         if any(p.device.type != "meta" for p in model.parameters()):
             raise ValueError(
                 "RematAC's estimate runs on the meta device, where torchtitan builds the model; this model has real "
-                "weights: measure it with remat.profile(model, batch, blocks='layers') and pass the table as costs="
+                "weights: measure it with remat.profile(model, batch, blocks=['layers.0', ...]) and pass the table as "
+                "costs="
             )
         # A copy in the activations' dtype (free on meta): the model torchtitan shards keeps its own dtype.
         estimated = copy.deepcopy(model).to(_DTYPES[config.dtype])
         _sdpa_for_masked_attention(estimated)
-        vocab = _vocabulary(estimated)
-        tokens = torch.randint(0, vocab, (config.batch_size, config.seq_len), device="meta")
-        labels = torch.randint(0, vocab, (config.batch_size, config.seq_len), device="meta")
+        rows, positions = config.batch_size, config.seq_len
+        embedding = getattr(estimated, "tok_embeddings", None)
+        if isinstance(embedding, nn.Embedding):
+            first = torch.randint(0, embedding.num_embeddings, (rows, positions), device="meta")
+        elif embedding is None:  # a pipeline stage after the first: it takes the hidden states
+            first = torch.empty(rows, positions, _width(estimated), dtype=_DTYPES[config.dtype], device="meta")
+            first.requires_grad_()
+        else:
+            raise ValueError("RematAC's estimate feeds tokens to model.tok_embeddings, an nn.Embedding, or hidden "
+                             f"states to a pipeline stage without one; this model's is {type(embedding).__name__}")
+        head = getattr(estimated, "lm_head", None)
+        if head is not None and not getattr(estimated, "_skip_lm_head", False):
+            labels = torch.randint(0, head.out_features, (rows, positions), device="meta")
+            loss = _estimate_loss(labels)
+        else:  # a stage before the last: the next stage's gradient arrives for its output
+            loss = _stage_loss
         # torchtitan's step drops the logits before the backward (`del pred`): so does the estimated one.
-        step = StepSpec(blocks=_layers(estimated), loss_fn=_estimate_loss(labels), holds_output=False)
-        return meta_cost_table(estimated, (tokens,), step=step, device_flops=_flops(config), fused_attention=True)
+        step = StepSpec(blocks=_layers(estimated), loss_fn=loss, holds_output=False)
+        return meta_cost_table(estimated, (first,), step=step, device_flops=_flops(config), fused_attention=True)
 
     def _save(self, plan: Plan) -> None:
         if not self.dump_folder:
@@ -251,11 +265,18 @@ def _flops(config: RematAC.Config) -> float | str:
         return config.device_flops
 
 
-def _vocabulary(model: nn.Module) -> int:
-    embedding = getattr(model, "tok_embeddings", None)
-    if isinstance(embedding, nn.Embedding):
-        return embedding.num_embeddings
-    raise ValueError("RematAC's estimate feeds tokens to model.tok_embeddings, an nn.Embedding; this model has none")
+def _width(model: nn.Module) -> int:
+    """The hidden width a stage's first block takes: the input features of its first linear layer."""
+    first = next(iter(model.get_submodule(LAYERS).children()))
+    for module in first.modules():
+        if isinstance(module, nn.Linear):
+            return module.in_features
+    raise ValueError("RematAC's estimate of a pipeline stage reads the hidden width from its first block's first "
+                     "linear layer; this block has none: pass a saved plan= or costs=")
+
+
+def _stage_loss(output: torch.Tensor) -> torch.Tensor:
+    return output.sum()
 
 
 def remat_ac(trainer_config: Any, activations: str | float = 0.5, **options: Any) -> RematAC.Config:
