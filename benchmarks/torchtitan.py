@@ -111,8 +111,9 @@ def build(ac_config: Any, *, compile_backend: str | None = None, precision: str 
 
 def batch(seed: int, rows: int = BATCH, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (rows, seq), generator=generator), torch.randint(0, VOCAB, (rows, seq),
-                                                                                    generator=generator)
+    return torch.randint(0, VOCAB, (rows, seq), generator=generator), torch.randint(
+        0, VOCAB, (rows, seq), generator=generator
+    )
 
 
 def step(model: torch.nn.Module, seed: int = 0) -> None:
@@ -336,8 +337,11 @@ def markdown(record: dict[str, Any], target: str) -> str:
     mine, selective = rows["remat RematAC"], rows["torchtitan SelectiveAC"]
     paired = [a / b for a, b in zip(mine["ratios"], selective["ratios"], strict=True)]
     aa = rows["no checkpointing (A/A)"]["ratios"]
-    lines += ["", f"RematAC over SelectiveAC, paired by round: {statistics.median(paired):.3f} "
-              f"[{min(paired):.3f}-{max(paired):.3f}]; A/A {statistics.median(aa):.3f} [{min(aa):.3f}-{max(aa):.3f}]."]
+    lines += [
+        "",
+        f"RematAC over SelectiveAC, paired by round: {statistics.median(paired):.3f} "
+        f"[{min(paired):.3f}-{max(paired):.3f}]; A/A {statistics.median(aa):.3f} [{min(aa):.3f}-{max(aa):.3f}].",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -163,8 +163,10 @@ class RematAC(ActivationCheckpointing):
             first = torch.empty(rows, positions, _width(estimated), dtype=_DTYPES[config.dtype], device="meta")
             first.requires_grad_()
         else:
-            raise ValueError("RematAC's estimate feeds tokens to model.tok_embeddings, an nn.Embedding, or hidden "
-                             f"states to a pipeline stage without one; this model's is {type(embedding).__name__}")
+            raise ValueError(
+                "RematAC's estimate feeds tokens to model.tok_embeddings, an nn.Embedding, or hidden "
+                f"states to a pipeline stage without one; this model's is {type(embedding).__name__}"
+            )
         head = getattr(estimated, "lm_head", None)
         if head is not None and not getattr(estimated, "_skip_lm_head", False):
             labels = torch.randint(0, head.out_features, (rows, positions), device="meta")
@@ -271,8 +273,10 @@ def _width(model: nn.Module) -> int:
     for module in first.modules():
         if isinstance(module, nn.Linear):
             return module.in_features
-    raise ValueError("RematAC's estimate of a pipeline stage reads the hidden width from its first block's first "
-                     "linear layer; this block has none: pass a saved plan= or costs=")
+    raise ValueError(
+        "RematAC's estimate of a pipeline stage reads the hidden width from its first block's first "
+        "linear layer; this block has none: pass a saved plan= or costs="
+    )
 
 
 def _stage_loss(output: torch.Tensor) -> torch.Tensor:

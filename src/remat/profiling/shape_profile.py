@@ -184,8 +184,13 @@ def measure_beyond(model: nn.Module, plans: ShapePlans, **options: Any) -> Remov
             measuring = False
         costs.reference.info["measured_for"] = list(shape)
         plans.use_costs(costs)
-        logger.info("remat: a batch of shape %s came beyond the measured %s: costs measured again at %s in %.1f s",
-                    list(shape), list(top), list(wanted), time.perf_counter() - started)
+        logger.info(
+            "remat: a batch of shape %s came beyond the measured %s: costs measured again at %s in %.1f s",
+            list(shape),
+            list(top),
+            list(wanted),
+            time.perf_counter() - started,
+        )
 
     return model.register_forward_pre_hook(before_forward, with_kwargs=True)
 
