@@ -313,58 +313,36 @@ def meta_cost_table(
     hooks = [m.register_forward_pre_hook(remember_inputs(i), with_kwargs=True) for i, (_, m) in enumerate(chain)]
     hooks.append(chain[-1][1].register_forward_hook(chain_end, with_kwargs=True))
     meta_batch = _to_meta(batch)
-    attention = FusedAttention() if fused_attention else contextlib.nullcontext()
-    with attention:
-        table = _meta_table(
-            model, chain, meta_batch, loss_fn, spec.holds_output, io, actions, device, tracker, bounds, hooks, inputs
-        )
-    table.info["attention"] = "fused" if fused_attention else "as the meta device runs it"
-    return table
-
-
-def _meta_table(
-    model: nn.Module,
-    chain: list[tuple[str, nn.Module]],
-    meta_batch: Batch,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    holds_output: bool,
-    io: list[BlockIO],
-    actions: list[str],
-    device: DeviceThroughput,
-    tracker: LiveTensorTracker,
-    bounds: ChainBounds,
-    hooks: list[Any],
-    inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]],
-) -> CostTable:
-    try:
-        with GradsRestored(model):
-            with tracker:
-                run_step(model, meta_batch, loss_fn, holds_output=holds_output)
-            tracker.close()  # while parameter gradients are alive: survivors, as in remat.profile
-    except RuntimeError as error:
-        if "meta" not in str(error):
-            raise
-        raise RuntimeError(
-            f"the model's forward or backward cannot run on the meta device: {error}. The meta device has "
-            "shapes but no values, so code that reads tensor values (.item(), data-dependent branches) fails. "
-            "For Hugging Face models keep use_cache at its default or pass an attention_mask in the batch."
-        ) from error
-    finally:
-        for hook in hooks:
-            hook.remove()
-    missing = [fqn for i, (fqn, _) in enumerate(chain) if i not in inputs]
-    if missing:
-        raise RuntimeError(f"blocks {missing} did not run with grad enabled in the model's forward on meta")
-    measured: dict[Any, BlockCost] = {}
-    rows = []
-    for i, (fqn, module) in enumerate(chain):
-        args, kwargs = inputs[i]
-        key = (_block_key(module, args, kwargs), io[i].main_input, io[i].main_output)
-        if key not in measured:
-            measured[key] = _meta_block_cost(fqn, module, args, kwargs, actions, device, io[i])
-        row = measured[key]
-        rows.append(BlockCost(**{**row.__dict__, "fqn": fqn, "saved_bytes": dict(row.saved_bytes),
-                                 "recompute_s": dict(row.recompute_s)}))  # fmt: skip
+    with FusedAttention() if fused_attention else contextlib.nullcontext():
+        try:
+            with GradsRestored(model):
+                with tracker:
+                    run_step(model, meta_batch, loss_fn, holds_output=spec.holds_output)
+                tracker.close()  # while parameter gradients are alive: survivors, as in remat.profile
+        except RuntimeError as error:
+            if "meta" not in str(error):
+                raise
+            raise RuntimeError(
+                f"the model's forward or backward cannot run on the meta device: {error}. The meta device has "
+                "shapes but no values, so code that reads tensor values (.item(), data-dependent branches) fails. "
+                "For Hugging Face models keep use_cache at its default or pass an attention_mask in the batch."
+            ) from error
+        finally:
+            for hook in hooks:
+                hook.remove()
+        missing = [fqn for i, (fqn, _) in enumerate(chain) if i not in inputs]
+        if missing:
+            raise RuntimeError(f"blocks {missing} did not run with grad enabled in the model's forward on meta")
+        measured: dict[Any, BlockCost] = {}
+        rows = []
+        for i, (fqn, module) in enumerate(chain):
+            args, kwargs = inputs[i]
+            key = (_block_key(module, args, kwargs), io[i].main_input, io[i].main_output)
+            if key not in measured:
+                measured[key] = _meta_block_cost(fqn, module, args, kwargs, actions, device, io[i])
+            row = measured[key]
+            rows.append(BlockCost(**{**row.__dict__, "fqn": fqn, "saved_bytes": dict(row.saved_bytes),
+                                     "recompute_s": dict(row.recompute_s)}))  # fmt: skip
     return CostTable(
         blocks=rows,
         **bounds.figures(),
@@ -377,5 +355,6 @@ def _meta_table(
             "flops_per_s": device.flops,
             "bandwidth_bytes_per_s": device.bandwidth,
             "torch": str(torch.__version__),
+            "attention": "fused" if fused_attention else "as the meta device runs it",
         },
     )
