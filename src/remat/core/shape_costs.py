@@ -106,6 +106,11 @@ class ShapeCosts:
         return self.shapes[0][1] if self.form == FORM_BATCH else None
 
     @property
+    def largest(self) -> Shape:
+        """The largest batch size and the longest sequence measured (beyond them, costs are extrapolated)."""
+        return max(b for b, _ in self.shapes), max(s for _, s in self.shapes)
+
+    @property
     def reference(self) -> CostTable:
         """The table of the profiled shape (the first)."""
         return self.tables[0]

@@ -97,8 +97,7 @@ class ShapePlans:
 
     def beyond(self, batch: int, seq: int) -> bool:
         """Whether ``(batch, seq)`` lies beyond every shape the costs were measured at (its costs extrapolated)."""
-        top_batch = max(b for b, _ in self.costs.shapes)
-        top_seq = max(s for _, s in self.costs.shapes)
+        top_batch, top_seq = self.costs.largest
         return batch > top_batch or (self.costs.fixed_second is None and seq > top_seq)
 
     def use_costs(self, costs: ShapeCosts) -> None:
@@ -165,10 +164,8 @@ class ShapePlans:
         if self.warned_beyond or not self.beyond(*shape):
             return
         self.warned_beyond = True
-        top_batch = max(b for b, _ in self.costs.shapes)
-        top_seq = max(s for _, s in self.costs.shapes)
         warnings.warn(
-            f"remat: planning a batch of shape {list(shape)} beyond the profiled {[top_batch, top_seq]}: its costs "
+            f"remat: planning a batch of shape {list(shape)} beyond the profiled {list(self.costs.largest)}: its costs "
             f"are extrapolated on the form {self.costs.form}, which holds for most models (within 3% at 4x the "
             "sequence on GPT-2, Llama and T5) but not for kernels whose workspace grows in steps (BERT's fused CPU "
             "attention: 16% under at 4x). Profile with the largest batch the run will see (remat.profile_shapes "

@@ -34,34 +34,21 @@ MIN_SEQUENCE = 4  # the shortest profiled sequence a quarter of which is still a
 
 def batch_at(batch: Batch, reference: tuple[int, int], shape: tuple[int, int]) -> Batch:
     """``batch`` (made at ``reference``, (batch, sequence)) cut to ``shape``: leading rows and positions kept."""
-    rows, positions = shape
-    ref_rows, ref_positions = reference
-    if rows > ref_rows or positions > ref_positions:
+    if shape[0] > reference[0] or shape[1] > reference[1]:
         raise ValueError(f"a batch is cut, not grown: {shape} from {reference}")
+    return batch_resized(batch, reference, shape)
 
-    def cut(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return x
-        if x.shape[0] == ref_rows:
-            x = x[:rows]
-        if x.dim() >= 2 and x.shape[1] == ref_positions and ref_positions > 1:
-            x = x[:, :positions]
-        return x.contiguous()  # as a data loader makes it (a model may view it flat)
 
-    if isinstance(batch, dict):
-        return {k: cut(v) for k, v in batch.items()}
-    if isinstance(batch, tuple):
-        return tuple(cut(v) for v in batch)
-    return cut(batch)
+def _values(batch: Batch) -> Any:
+    return batch.values() if isinstance(batch, dict) else batch if isinstance(batch, tuple) else (batch,)
 
 
 def has_sequence(batch: Batch, reference: tuple[int, int]) -> bool:
     """Whether some tensor of ``batch`` has the reference's sequence as its second dimension (so that cutting the
     batch shortens the sequence the first block sees)."""
-    rows, positions = reference
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, tuple) else (batch,)
+    positions = reference[1]
     return positions > 1 and any(
-        isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == positions for x in values
+        isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == positions for x in _values(batch)
     )
 
 
@@ -115,32 +102,38 @@ def profile_shapes(model: nn.Module, batch: Batch, *, reference: CostTable | Non
 
 
 def batch_resized(batch: Batch, current: tuple[int, int], shape: tuple[int, int]) -> Batch:
-    """``batch`` (at ``current``, (batch, sequence)) brought to ``shape``: rows and positions cut where ``shape`` is
-    smaller (:func:`batch_at`), repeated in turn where it is larger (the batch's own tokens again: the same kinds of
-    values, so the same kernels run)."""
+    """``batch`` (at ``current``, (batch, sequence)) brought to ``shape``: every tensor whose first dimension is the
+    batch size and every one whose second is the sequence (``input_ids``, ``attention_mask``, ``labels``) keeps its
+    leading rows and positions where ``shape`` is smaller, and repeats them in turn where it is larger (the batch's
+    own tokens again: the same kinds of values, so the same kernels run); each made contiguous, as a data loader
+    makes it (a model may view it flat)."""
     rows, positions = current
 
-    def resize(x: Any) -> Any:
+    def resize(x: Any, dim: int, have: int, want: int) -> torch.Tensor:
+        if want <= have:
+            return x.narrow(dim, 0, want)
+        return x.index_select(dim, torch.arange(want, device=x.device) % have)
+
+    def resized(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return x
-        if x.shape[0] == rows and shape[0] != rows:
-            x = x[torch.arange(shape[0]) % rows]
-        if x.dim() >= 2 and x.shape[1] == positions and positions > 1 and shape[1] != positions:
-            x = x[:, torch.arange(shape[1]) % positions]
+        if x.shape[0] == rows:
+            x = resize(x, 0, rows, shape[0])
+        if x.dim() >= 2 and x.shape[1] == positions and positions > 1:
+            x = resize(x, 1, positions, shape[1])
         return x.contiguous()
 
     if isinstance(batch, dict):
-        return {k: resize(v) for k, v in batch.items()}
+        return {k: resized(v) for k, v in batch.items()}
     if isinstance(batch, tuple):
-        return tuple(resize(v) for v in batch)
-    return resize(batch)
+        return tuple(resized(v) for v in batch)
+    return resized(batch)
 
 
 def _batch_shape(batch: Batch, sequence: bool) -> tuple[int, int] | None:
     """(rows, sequence) of a batch as its tensors carry them: the first dimension of its first tensor, the second
     of its first tensor of two or more (None where it has no tensor)."""
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, tuple) else (batch,)
-    tensors = [x for x in values if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    tensors = [x for x in _values(batch) if isinstance(x, torch.Tensor) and x.dim() >= 1]
     if not tensors:
         return None
     rows = int(tensors[0].shape[0])
@@ -173,7 +166,7 @@ def measure_beyond(model: nn.Module, plans: ShapePlans, **options: Any) -> Remov
         shape = _batch_shape(batch, sequence)
         if shape is None or not plans.beyond(*shape):
             return
-        top = (max(b for b, _ in plans.costs.shapes), max(s for _, s in plans.costs.shapes))
+        top = plans.costs.largest
         wanted = (max(shape[0], top[0]), max(shape[1], top[1]) if sequence else shape[1])
         started = time.perf_counter()
         measuring = True
