@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..core import AutocastArg, BlocksArg, CostTable, StepSpec
+from ..meters import is_compiled
 from ..planning import Plan
 from .compiled_session import CompiledSession, compiled_route
 from .session import RematSession
@@ -100,7 +101,7 @@ def _refuse_whole_model_compiled(model: nn.Module, compile: bool | dict[str, Any
             "remat.fit was given torch.compile's wrapper: pass the model itself (wrapper._orig_mod) with "
             "compile=True and train that model; remat compiles the route it chooses in place (docs/compile.md)"
         )
-    if not compile and getattr(model, "_compiled_call_impl", None) is not None:
+    if not compile and is_compiled(model):
         raise ValueError(
             "the model is compiled (model.compile()): remat.fit(model, memory, batch=..., compile=True) fits it "
             "on the faster of the compiled routes and the eager plan, set up in place (docs/compile.md)"

@@ -51,7 +51,7 @@ from ..fitting import (
     fixed_memory,
     stepping_optimizer,
 )
-from ..meters import model_device
+from ..meters import is_compiled, model_device
 from ..planning import STRATEGIES, Buckets, Plan, ShapePlans, check_plan_options, make_plan
 from ..profiling import BlockProfiler, profile, profile_shapes
 from ..runtime import RecomputeStats, RematHandle, apply
@@ -104,7 +104,7 @@ class OwnRecomputeOff:
 
 
 def _refuse_compiled(chain: Sequence[tuple[str, nn.Module]]) -> None:
-    compiled = [fqn for fqn, m in chain if getattr(m, "_compiled_call_impl", None) is not None]
+    compiled = [fqn for fqn, m in chain if is_compiled(m)]
     if compiled:
         raise RuntimeError(
             f"blocks {compiled} are compiled (module.compile()): remat's profiler would make dynamo run them "

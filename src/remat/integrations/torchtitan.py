@@ -42,6 +42,7 @@ from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
 
 from ..checkpointing import checkpoint
 from ..core import CHECKPOINT, KEEP, SELECTIVE, Action, CostTable, StepSpec
+from ..meters import is_compiled
 from ..planning import Plan, make_plan
 from ..profiling import meta_cost_table
 from ..runtime import RematHandle, apply
@@ -135,7 +136,7 @@ class RematAC(ActivationCheckpointing):
         options = {}
         if config.compiled and config.strategy == "optimal":
             options["actions"] = _whole_block_actions(self.costs)
-        return make_plan(self.costs, config.strategy, _budget(config.activations), **options)
+        return make_plan(self.costs, config.strategy, config.activations, **options)  # bytes, "6GiB", "0.5", "50%"
 
     def _estimate(self, model: nn.Module, config: RematAC.Config) -> CostTable:
         if config.batch_size <= 0 or config.seq_len <= 0:
@@ -214,7 +215,7 @@ def _refuse_compiled_blocks_once(model: nn.Module) -> None:
     their ``fullgraph`` compilation at remat's hooks; say what to set instead of the compiler's error."""
 
     def check(module: nn.Module, args: Any) -> None:
-        compiled = [name for name, block in module.get_submodule(LAYERS).named_children() if block._compiled_call_impl]
+        compiled = [name for name, block in module.get_submodule(LAYERS).named_children() if is_compiled(block)]
         if compiled:
             raise RuntimeError(
                 f"RematAC's plan runs around the blocks, and torchtitan compiled them ({LAYERS}.{compiled[0]}, ...): "
@@ -250,14 +251,6 @@ def _checkpointed(forward: Any, policy: str | None) -> Any:
         return checkpoint(forward, *args, policy=policy, **kwargs)
 
     return checkpointed_forward
-
-
-def _budget(text: str) -> int | float | str:
-    try:
-        value = float(text)
-    except ValueError:
-        return text  # "6GiB", read by the planner
-    return value if value <= 1 else int(value)
 
 
 def _flops(config: RematAC.Config) -> float | str:
