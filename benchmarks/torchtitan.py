@@ -116,8 +116,8 @@ def batch(seed: int, rows: int = BATCH, seq: int = SEQ) -> tuple[torch.Tensor, t
     )
 
 
-def step(model: torch.nn.Module, seed: int = 0) -> None:
-    tokens, labels = batch(seed)
+def step(model: torch.nn.Module, seed: int = 0, rows: int = BATCH, seq: int = SEQ) -> None:
+    tokens, labels = batch(seed, rows, seq)
     logits = model(tokens)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
     del logits
@@ -126,6 +126,12 @@ def step(model: torch.nn.Module, seed: int = 0) -> None:
 
 def gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in model.parameters()]
+
+
+def same_steps(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> bool:
+    """Whether two runs' gradients, step by step, are bitwise equal."""
+    return all(torch.equal(a, b) for mine, theirs in zip(got, want, strict=True)
+               for a, b in zip(mine, theirs, strict=True))  # fmt: skip
 
 
 def saved_bytes(model: torch.nn.Module, seed: int = 0) -> int:
@@ -194,9 +200,8 @@ def run(compile_backend: str | None, precision: str, rounds: int, dump_folder: s
         plain_peak, expected = figures["no checkpointing"]
         rows = []
         for name, (peak, steps) in figures.items():
-            exact = all(torch.equal(a, b) for got, want in zip(steps, expected, strict=True)
-                        for a, b in zip(got, want, strict=True))  # fmt: skip
-            rows.append({"contender": name, "peak_bytes": peak, "peak_share": peak / plain_peak, "bitwise": exact})
+            rows.append({"contender": name, "peak_bytes": peak, "peak_share": peak / plain_peak,
+                         "bitwise": same_steps(steps, expected)})  # fmt: skip
 
         def timed(name: str) -> float:
             begun = time.process_time()
@@ -237,12 +242,8 @@ def sharded_worker(rank: int, world: int, port: int, out: str) -> None:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             peaks, steps = [], []
             for seed in (0, 1):
-                tokens, labels = batch(100 * rank + seed, rows, seq)
                 with remat.measure() as meter:
-                    logits = model(tokens)
-                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-                    del logits
-                    loss.backward()
+                    step(model, 100 * rank + seed, rows, seq)
                 peaks.append(meter.activation_bytes)
                 steps.append(gradients(model))
                 optimizer.step()
@@ -251,9 +252,7 @@ def sharded_worker(rank: int, world: int, port: int, out: str) -> None:
         plain = figures["no checkpointing"][1]
         record = {"world": world, "rows": []}
         for name, (peak, steps, plan) in figures.items():
-            exact = all(torch.equal(a, b) for got, want in zip(steps, plain, strict=True)
-                        for a, b in zip(got, want, strict=True))  # fmt: skip
-            row = {"contender": name, "peak_bytes": peak, "bitwise": exact}
+            row = {"contender": name, "peak_bytes": peak, "bitwise": same_steps(steps, plain)}
             if plan is not None:
                 row.update(budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes)
             record["rows"].append(row)
