@@ -227,8 +227,13 @@ def _refuse_compiled_blocks_once(model: nn.Module) -> None:
     hook = model.register_forward_pre_hook(check)
 
 
+def _whole_block(action: str) -> bool:
+    """Whether ``action`` runs inside a compiled block: keep, checkpoint or a per-operator policy."""
+    return action in (KEEP, CHECKPOINT) or Action.parse(action).kind == SELECTIVE
+
+
 def _whole_block_actions(costs: CostTable) -> list[str]:
-    return [a for a in costs.plannable_actions() if a in (KEEP, CHECKPOINT) or Action.parse(a).kind == SELECTIVE]
+    return [a for a in costs.plannable_actions() if _whole_block(a)]
 
 
 def _checkpoint_forwards(model: nn.Module, plan: Plan) -> None:
@@ -236,13 +241,13 @@ def _checkpoint_forwards(model: nn.Module, plan: Plan) -> None:
     for fqn, action in plan.actions.items():
         if action == KEEP:
             continue
-        parsed = Action.parse(action)
-        if action != CHECKPOINT and parsed.kind != SELECTIVE:
+        if not _whole_block(action):
             raise ValueError(
                 f"{fqn}: {action!r} cannot run inside torchtitan's compiled blocks, which take whole-block actions "
                 "only (keep, checkpoint, selective:<policy>); plan with strategy 'optimal', which chooses among them"
             )
         block = model.get_submodule(fqn)
+        parsed = Action.parse(action)
         block.forward = _checkpointed(block.forward, parsed.arg if parsed.kind == SELECTIVE else None)
 
 
