@@ -92,3 +92,22 @@ def test_held_bytes_counts_each_storage_an_object_holds_once() -> None:
     holder.weights.weight.grad = torch.ones(4, 4)
     assert held_bytes(holder) == 0  # Holder's own attributes are not followed by default
     assert held_bytes(holder, through=("test_meters", "torch")) == (16 + 4 + 16 + 10) * 4
+
+
+def test_summits_are_the_moments_before_each_free_and_the_last() -> None:
+    from remat.meters import LiveTensorTracker
+
+    tracker = LiveTensorTracker("cpu")
+    with tracker:
+        tracker.mark("start")
+        a = torch.empty(100, dtype=torch.uint8)  # 100
+        b = torch.empty(50, dtype=torch.uint8)  # 150: a summit, b is freed next
+        del b
+        c = torch.empty(400, dtype=torch.uint8)  # 500: a summit, a is freed next
+        del a
+        d = torch.empty(10, dtype=torch.uint8)  # 410, the last
+        tracker.mark("end")
+        del c, d  # freed before the region closes: not survivors, which the series leaves out
+    tracker.close()
+    assert tracker.summits_between("start", "end") == [150, 500, 410]
+    assert max(tracker.summits_between("start", "end")) == tracker.peak_between("start", "end")

@@ -46,7 +46,7 @@ from .actions import (
     validate_action,
     warn_legacy,
 )
-from .costs import BlockCost, CostTable, plan_choices, profile_summary
+from .costs import BlockCost, CostTable, plan_choices, profile_summary, reads_own_peaks, temp_terms
 from .precision import (
     AutocastArg,
     AutocastSpec,
@@ -113,6 +113,8 @@ __all__ = [
     "plan_choices",
     "precision_mismatch",
     "profile_summary",
+    "reads_own_peaks",
+    "temp_terms",
     "recorded_spec",
     "regroup",
     "step_autocast",

@@ -18,6 +18,15 @@ Memory terms, all in bytes, for block ``i`` run on its own with its input alread
   keep's backward peak, negative when both are lower (its backward restores one autograd node's tensors at
   a time; its forward holds full tensors and their compressed copies at once).
 
+The transients are read from peaks (:func:`temp_terms`): ``fwd_temp_bytes`` from keep's forward peak,
+``bwd_temp_bytes`` and ``bwd_extra_bytes`` from each action's backward peak. ``peak_summits`` keeps what the
+peaks are the largest of: the live bytes at every local maximum of the block's run, keep's forward under
+``"forward"`` and each action's backward under its name (for a lossy or partitioned action its forward's
+summits too, as its peak is read). A peak is a maximum, and which moment reaches it changes with the input's
+shape (a block's MLP backward at short sequences, its attention scores' at long ones); each summit is a sum of
+tensors that grow with the shape, so :mod:`remat.core.shape_costs` predicts the summits at a new shape and
+takes their largest. Empty where not recorded (estimates, older tables).
+
 Lossy actions (``compress:<format>``, opt-in) also have ``grad_error[action]``, the relative error of the
 block's parameter gradients against exact ones on the profiling batch, and ``grad_cosine[action]``, their
 cosine similarity; exact actions have no entry (their error is 0).
@@ -102,7 +111,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .actions import CHECKPOINT, GROUP_KINDS, KEEP
+from .actions import CHECKPOINT, GROUP_KINDS, KEEP, PARTITION, Action, kind_of
 
 
 @dataclass
@@ -126,6 +135,7 @@ class BlockCost:
     overhead_s: dict[str, float] = field(default_factory=dict)
     nograd_fwd_s: float | None = None
     unavailable: dict[str, str] = field(default_factory=dict)  # action -> why it cannot run on this block
+    peak_summits: dict[str, list[int]] = field(default_factory=dict)
 
     def time_cost(self, action: str) -> float:
         """Seconds ``action`` adds to a step over keeping: its recomputation plus its overhead."""
@@ -157,6 +167,28 @@ class BlockCost:
         if action in self.unavailable:
             return f"{message} The action cannot run on this block: {self.unavailable[action]}. Choose another."
         return f"{message} Profile with that action included (remat.profile(..., policies=...))."
+
+
+def reads_own_peaks(action: str) -> bool:
+    """Whether the simulator reads ``action``'s own forward and backward peaks, lower than keep's included:
+    lossy actions and compiled partitions (see :func:`temp_terms`)."""
+    return Action.parse(action).is_lossy or kind_of(action) == PARTITION
+
+
+def temp_terms(saved_keep: int, forward_peak: int, backward_peaks: dict[str, int]) -> tuple[int, int, dict[str, int]]:
+    """``fwd_temp_bytes``, ``bwd_temp_bytes`` and ``bwd_extra_bytes`` of a block from keep's bytes saved, keep's
+    forward peak and each action's backward peak (for a lossy or partitioned action, the higher of its forward
+    and backward peaks: a lossy forward holds full tensors and their compressed copies at once, and a partitioned
+    one computes what keep's does while saving less, so keep's forward transient describes neither)."""
+    keep = backward_peaks[KEEP]
+    extra = {
+        # only the positive ones, but also the negative ones of lossy and partitioned actions: their backward
+        # restores one node's tensors at a time, or recomputes only what the compiled backward needs next
+        action: peak - keep
+        for action, peak in backward_peaks.items()
+        if action != KEEP and (peak > keep or (reads_own_peaks(action) and peak < keep))
+    }
+    return max(0, forward_peak - saved_keep), max(0, keep - saved_keep), extra
 
 
 @dataclass

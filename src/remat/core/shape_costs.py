@@ -25,8 +25,19 @@ overhead that saves time) scales with the tokens from the reference.
 Terms that do not depend on the input by their meaning (``deferred_s_per_byte``, a rate; ``call_grad_bytes``,
 parameter gradients) are the reference table's.
 
+A block's transients are peaks, and a peak is the largest of several moments of its run (the summits its table
+records, ``BlockCost.peak_summits``), of which the largest changes with the shape: a BERT layer's backward peaks
+in its MLP below 192 tokens and in its attention's ``s x s`` scores beyond. Each summit is on the form, the peak
+between them is not, so each summit is fitted and the transients at a new shape are read from the largest
+predicted (:func:`remat.core.costs.temp_terms`). A block whose runs at the measured shapes recorded other moments
+(another count of summits: a kernel that took another course) has its transients fitted whole, and
+``info["peaks_fitted_whole"]`` names it.
+
 Invariant 1: at each measured shape, :meth:`ShapeCosts.at` returns that shape's table itself; elsewhere its bytes
-are on the form through the measured points, its seconds on a form with no negative coefficient. Under the batch
+are on the form through the measured points, its seconds on a form with no negative coefficient.
+Invariant 2: where a block's summits line up at every measured shape, its ``fwd_temp_bytes``, ``bwd_temp_bytes``
+and ``bwd_extra_bytes`` at a new shape are :func:`~remat.core.costs.temp_terms` of its summits predicted there,
+as a profile at that shape reads them from the summits it measures. Under the batch
 form, a shape of another second dimension is refused (:attr:`ShapeCosts.fixed_second`). The coefficients
 are fitted once per :class:`ShapeCosts`; a table at a new shape is a product per term.
 
@@ -44,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from .costs import BlockCost, CostTable
+from .costs import BlockCost, CostTable, temp_terms
 
 Shape = tuple[int, int]  # (batch, sequence)
 FORM = "c + u*s^2 + b*(l*s + r*s^2)"
@@ -55,6 +66,7 @@ FORM_BATCH = "c + b*l"
 _FIXED_TABLE_FIELDS = frozenset({"deferred_s_per_byte", "call_grad_bytes", "chain_lengths", "outputs_kept",
                                  "device", "source", "info", "autocast", "copy_bytes_per_s", "blocks"})
 _FIXED_BLOCK_FIELDS = frozenset({"fqn", "grad_error", "grad_cosine", "unavailable"})
+_SUMMITS = "peak_summits"  # fitted summit by summit, and the transients read from them (see _Summits)
 
 
 def shape_of(input_shape: Sequence[int]) -> Shape:
@@ -140,12 +152,16 @@ class ShapeCosts:
         ref = self.reference
         values = {name: _evaluate(term, row, tokens) for name, term in self._fitted["table"].items()}
         blocks = []
-        for reference_row, terms in zip(ref.blocks, self._fitted["blocks"], strict=True):
+        for reference_row, terms, summits in zip(ref.blocks, self._fitted["blocks"], self._fitted["summits"],
+                                                 strict=True):  # fmt: skip
             fields = {name: getattr(reference_row, name) for name in _FIXED_BLOCK_FIELDS}
             fields.update({name: _evaluate(term, row, tokens) for name, term in terms.items()})
+            if summits is not None:
+                fields.update(summits.fields_at(row, fields["saved_bytes"]["keep"]))
             blocks.append(BlockCost(**fields))
         shapes = ref.info.get("input_shapes") or {}
-        info = {**ref.info, "shape": [batch, seq], "shape_form": self.form,
+        unaligned = [b.fqn for b, summits in zip(ref.blocks, self._fitted["summits"], strict=True) if summits is None]
+        info = {**ref.info, "shape": [batch, seq], "shape_form": self.form, "peaks_fitted_whole": unaligned,
                 "measured_shapes": [list(s) for s in self.shapes],
                 "input_shapes": {k: _scaled(v, batch, seq) for k, v in shapes.items()}}
         return dataclasses.replace(ref, blocks=blocks, info=info, **values)
@@ -154,11 +170,13 @@ class ShapeCosts:
         """Every term's coefficients, fitted once (bytes exactly, seconds with none negative)."""
         table = {field.name: _fit_term([getattr(t, field.name) for t in self.tables], self._design, self._inverse)
                  for field in dataclasses.fields(CostTable) if field.name not in _FIXED_TABLE_FIELDS}
-        blocks = []
+        blocks, summits = [], []
+        fitted = [f.name for f in dataclasses.fields(BlockCost) if f.name not in _FIXED_BLOCK_FIELDS | {_SUMMITS}]
         for rows in zip(*(t.blocks for t in self.tables), strict=True):
-            blocks.append({field.name: _fit_term([getattr(r, field.name) for r in rows], self._design, self._inverse)
-                           for field in dataclasses.fields(BlockCost) if field.name not in _FIXED_BLOCK_FIELDS})
-        return {"table": table, "blocks": blocks}
+            blocks.append({name: _fit_term([getattr(r, name) for r in rows], self._design, self._inverse)
+                           for name in fitted})  # fmt: skip
+            summits.append(_Summits.fitted([r.peak_summits for r in rows], self._inverse))
+        return {"table": table, "blocks": blocks, "summits": summits}
 
     def to_dict(self) -> dict[str, Any]:
         return {"shapes": [list(s) for s in self.shapes], "tables": [t.to_dict() for t in self.tables]}
@@ -166,6 +184,34 @@ class ShapeCosts:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShapeCosts:
         return cls([CostTable.from_dict(t) for t in data["tables"]], [tuple(s) for s in data["shapes"]])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Summits:
+    """A block's peak summits (``BlockCost.peak_summits``) fitted one by one on the form, so that its transients at
+    a new shape are read from the largest summits predicted there (invariant 2)."""
+
+    coefficients: dict[str, np.ndarray]  # "forward" and each action: one row of coefficients per summit
+
+    @classmethod
+    def fitted(cls, per_shape: list[dict[str, list[int]]], inverse: np.ndarray) -> _Summits | None:
+        """The fit through the summits of every measured shape; None where a shape recorded none, or other
+        moments than the reference (another count of summits under some action: its run took another course)."""
+        first = per_shape[0]
+        if "forward" not in first or "keep" not in first:
+            return None
+        if any(set(s) != set(first) or any(len(s[k]) != len(first[k]) for k in first) for s in per_shape):
+            return None
+        return cls({k: np.array([s[k] for s in per_shape], dtype=float).T @ inverse.T for k in first})
+
+    def fields_at(self, row: np.ndarray, saved_keep: int) -> dict[str, Any]:
+        """``fwd_temp_bytes``, ``bwd_temp_bytes``, ``bwd_extra_bytes`` and ``peak_summits`` at the shape of
+        feature ``row``, ``saved_keep`` being keep's bytes saved there."""
+        summits = {k: [int(round(v)) for v in c @ row] for k, c in self.coefficients.items()}
+        backward = {k: max(v) for k, v in summits.items() if k != "forward"}
+        fwd_temp, bwd_temp, bwd_extra = temp_terms(saved_keep, max(summits["forward"]), backward)
+        return {"fwd_temp_bytes": fwd_temp, "bwd_temp_bytes": bwd_temp, "bwd_extra_bytes": bwd_extra,
+                "peak_summits": summits}  # fmt: skip
 
 
 def _scaled(shape: list[int], batch: int, seq: int) -> list[int]:

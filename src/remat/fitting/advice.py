@@ -68,6 +68,7 @@ def scale_costs(costs: CostTable, factor: float) -> CostTable:
             fwd_temp_bytes=int(b.fwd_temp_bytes * factor),
             bwd_temp_bytes=int(b.bwd_temp_bytes * factor),
             bwd_extra_bytes={k: int(v * factor) for k, v in b.bwd_extra_bytes.items()},
+            peak_summits={k: [int(v * factor) for v in vs] for k, vs in b.peak_summits.items()},
         )
 
     return replace(

@@ -54,6 +54,14 @@ class LiveBytesSeries:
     def peak_between(self, start: str, end: str, exclude_survivors: bool = True) -> int:
         return max(self._series(exclude_survivors)[self._index(start) : self._index(end) + 1])
 
+    def summits_between(self, start: str, end: str, exclude_survivors: bool = True) -> list[int]:
+        """Live bytes at every local maximum between the marks: each moment right before bytes are freed, and the
+        last. Their largest is :meth:`peak_between`; runs of the same operators at other input shapes have the
+        same summits in the same order, each growing with the shape as its tensors do, so the peak at a shape
+        not run is the largest of the summits predicted there (:mod:`remat.core.shape_costs`)."""
+        window = self._series(exclude_survivors)[self._index(start) : self._index(end) + 1]
+        return [live for k, live in enumerate(window) if k + 1 == len(window) or window[k + 1] < live]
+
     def alive_at_peak(self, exclude_survivors: bool = True) -> set[int]:
         """Event ids of the allocations alive at the first moment live bytes reach :meth:`peak`."""
         skip = self.survivors if exclude_survivors else set()

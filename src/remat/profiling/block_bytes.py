@@ -18,7 +18,7 @@ from torch import nn
 
 from ..chains import main_tensor
 from ..checkpointing import SavedOutputChanged
-from ..core import INPUT_COMPRESS, KEEP, PARTITION, SELECTIVE, Action, kind_of
+from ..core import INPUT_COMPRESS, KEEP, SELECTIVE, kind_of, reads_own_peaks, temp_terms
 from ..meters import AllocationTracker, LiveTensorTracker
 from .block_run import backward_releasing_output, clear_grads, run_action
 
@@ -105,12 +105,6 @@ def warm_up(
     clear_grads(module)
 
 
-def _reads_own_peaks(action: str) -> bool:
-    """Whether the simulator reads ``action``'s own forward and backward peaks, lower than keep's included:
-    lossy actions and compiled partitions (see :meth:`ByteTerms.from_trackers`)."""
-    return Action.parse(action).is_lossy or kind_of(action) == PARTITION
-
-
 @dataclass
 class ByteTerms:
     """The byte fields of a :class:`BlockCost`, read from one tracked run per action (see :func:`run_tracked`)."""
@@ -119,6 +113,7 @@ class ByteTerms:
     fwd_temp: int
     bwd_temp: int
     bwd_extra: dict[str, int]
+    summits: dict[str, list[int]]  # BlockCost.peak_summits
 
     @classmethod
     def from_trackers(
@@ -127,30 +122,19 @@ class ByteTerms:
         """The fields from the tracked runs; ``input_bytes`` are the bytes of the block's main input, which
         the runs held throughout (as the block before does in a step)."""
         saved = {action: t.bytes_at("fwd_end") for action, t in trackers.items()}
-        bwd_peak = {action: t.peak_between("bwd_start", "bwd_end") for action, t in trackers.items()}
+        summits = {"forward": trackers[KEEP].summits_between("start", "fwd_end")}
         for action, t in trackers.items():
+            backward = t.summits_between("bwd_start", "bwd_end")
             if kind_of(action) == INPUT_COMPRESS:
                 # In a step the input is freed once this block's forward ends: only its compressed copy stays,
                 # and in backward the restored copy (tracked as new) stands in for it. So the input leaves what
                 # the block retains, and its backward peak counts the input once.
                 saved[action] -= input_bytes
-                bwd_peak[action] -= input_bytes
-            if _reads_own_peaks(action):
-                # A lossy forward holds full tensors and their compressed copies at once, and a partitioned one
-                # computes what keep's does while saving less: keep's forward transient does not describe either,
-                # so the action's own forward peak goes into the one term the simulator reads.
-                bwd_peak[action] = max(bwd_peak[action], t.peak_between("start", "fwd_end"))
-        keep = trackers[KEEP]
-        return cls(
-            saved=saved,
-            fwd_temp=max(0, keep.peak_between("start", "fwd_end") - saved[KEEP]),
-            bwd_temp=max(0, bwd_peak[KEEP] - saved[KEEP]),
-            # how much higher the backward peaked under an action than under keep (only the positive ones, but
-            # also the negative ones of lossy and partitioned actions: their backward restores one node's
-            # tensors at a time, or recomputes only what the compiled backward needs next)
-            bwd_extra={
-                a: p - bwd_peak[KEEP]
-                for a, p in bwd_peak.items()
-                if a != KEEP and (p > bwd_peak[KEEP] or (_reads_own_peaks(a) and p < bwd_peak[KEEP]))
-            },
+                backward = [live - input_bytes for live in backward]
+            if reads_own_peaks(action):
+                backward += t.summits_between("start", "fwd_end")
+            summits[action] = backward
+        fwd_temp, bwd_temp, bwd_extra = temp_terms(
+            saved[KEEP], max(summits["forward"]), {action: max(summits[action]) for action in trackers}
         )
+        return cls(saved=saved, fwd_temp=fwd_temp, bwd_temp=bwd_temp, bwd_extra=bwd_extra, summits=summits)

@@ -105,6 +105,7 @@ def measure_block(
         fwd_temp_bytes=terms.fwd_temp,
         bwd_temp_bytes=terms.bwd_temp,
         bwd_extra_bytes=terms.bwd_extra,
+        peak_summits=terms.summits,
         grad_error={a: e.relative for a, e in errors.items()},
         grad_cosine={a: e.cosine for a, e in errors.items()},
         fwd_s_by_action=times.fwd_s_by_action,
