@@ -191,7 +191,9 @@ class _Summits:
     """A block's peak summits (``BlockCost.peak_summits``) fitted one by one on the form, so that its transients at
     a new shape are read from the largest summits predicted there (invariant 2)."""
 
-    coefficients: dict[str, np.ndarray]  # "forward" and each action: one row of coefficients per summit
+    keys: list[str]  # "forward" and each action, in the order of their rows in ``coefficients``
+    starts: np.ndarray  # the first row of each key's summits
+    coefficients: np.ndarray  # one row of coefficients per summit, every key's after the other
 
     @classmethod
     def fitted(cls, per_shape: list[dict[str, list[int]]], inverse: np.ndarray) -> _Summits | None:
@@ -202,14 +204,20 @@ class _Summits:
             return None
         if any(set(s) != set(first) or any(len(s[k]) != len(first[k]) for k in first) for s in per_shape):
             return None
-        return cls({k: np.array([s[k] for s in per_shape], dtype=float).T @ inverse.T for k in first})
+        keys = list(first)
+        values = np.array([[v for k in keys for v in s[k]] for s in per_shape], dtype=float)  # shapes x summits
+        starts = np.cumsum([0] + [len(first[k]) for k in keys[:-1]])
+        return cls(keys, starts, values.T @ inverse.T)
 
     def fields_at(self, row: np.ndarray, saved_keep: int) -> dict[str, Any]:
         """``fwd_temp_bytes``, ``bwd_temp_bytes``, ``bwd_extra_bytes`` and ``peak_summits`` at the shape of
         feature ``row``, ``saved_keep`` being keep's bytes saved there."""
-        summits = {k: [int(round(v)) for v in c @ row] for k, c in self.coefficients.items()}
-        backward = {k: max(v) for k, v in summits.items() if k != "forward"}
-        fwd_temp, bwd_temp, bwd_extra = temp_terms(saved_keep, max(summits["forward"]), backward)
+        predicted = np.rint(self.coefficients @ row).astype(np.int64)
+        peaks = dict(zip(self.keys, np.maximum.reduceat(predicted, self.starts).tolist(), strict=True))
+        forward = peaks.pop("forward")
+        fwd_temp, bwd_temp, bwd_extra = temp_terms(saved_keep, forward, peaks)
+        ends = [*self.starts[1:].tolist(), len(predicted)]
+        summits = {k: predicted[a:b].tolist() for k, a, b in zip(self.keys, self.starts.tolist(), ends, strict=True)}
         return {"fwd_temp_bytes": fwd_temp, "bwd_temp_bytes": bwd_temp, "bwd_extra_bytes": bwd_extra,
                 "peak_summits": summits}  # fmt: skip
 
