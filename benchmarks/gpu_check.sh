@@ -7,6 +7,9 @@
 #   benchmarks/gpu_check.sh OUT_DIR bench           # remat bench on a GPT-2 medium at 50%, energy from NVML
 #   benchmarks/gpu_check.sh OUT_DIR tests llama     # the GPU tests, then remat against hand-written and torch
 #                                                   # checkpointing on a 1.2B Llama, bf16, sequence 2048
+#   benchmarks/gpu_check.sh OUT_DIR shapes          # costs profiled at 4 x 512 against measured peaks and steps
+#                                                   # at 128-2048 tokens and batches 2 and 8 (GPT-2, Llama,
+#                                                   # BERT, T5 of width 768)
 #
 # Every step writes its log and results under OUT_DIR/files; OUT_DIR/results.tar.gz packs them at the end.
 # PYTHON (default python3) is the interpreter that has torch with CUDA; remat is imported from src/.
@@ -14,7 +17,7 @@
 # PEERS_MODELS (gpt2), PEERS_DTYPES (bf16), PEERS_LIMIT (360 s), PEERS_EXTRA (more options, like --no-compiled)
 # and BENCH_LIMIT (150 s) change the peers and bench steps; LLAMA_LIMIT (330 s) and LLAMA_EXTRA (more options of
 # benchmarks.gpu_llama; by default --compile-budget 0.5, compiled last so that the eager table is written first)
-# the llama step. The peers step measures ckptplan's plans where
+# the llama step; SHAPES_LIMIT (240 s) the shapes step. The peers step measures ckptplan's plans where
 # ckptplan imports (from PYTHONPATH or /tmp/ckptplan: `pip install --no-deps --target DIR ckptplan` on a machine
 # with a registry).
 set -uo pipefail
@@ -62,6 +65,10 @@ for mode in "$@"; do
         step gpu_llama ${LLAMA_LIMIT:-330} "$py" -m benchmarks.gpu_llama --device cuda --size 1b \
             --out "$out/files" ${LLAMA_EXTRA:---compile-budget 0.5}
         ;;
+    shapes)
+        step shapes ${SHAPES_LIMIT:-240} "$py" -m benchmarks.shapes --device cuda --steps 0 --text-steps 0 \
+            --repeats 5 --out "$out/files/shapes.jsonl" --markdown "$out/files/shapes-cuda.md"
+        ;;
     peers)
         limit=${PEERS_LIMIT:-360}
         step peers ${limit} "$py" -m benchmarks.peers --device cuda --size gpu --models "${PEERS_MODELS:-gpt2}" \
@@ -75,7 +82,7 @@ for mode in "$@"; do
             --no-progress --out "$out/files/bench_medium"
         ;;
     *)
-        echo "unknown step $mode: smoke, tests, peers, bench or llama" >&2
+        echo "unknown step $mode: smoke, tests, peers, bench, llama or shapes" >&2
         ;;
     esac
 done

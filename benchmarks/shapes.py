@@ -5,10 +5,13 @@ shapes under one byte budget with a plan per shape bucket.
 
 Part 1, predictions: each model (Hugging Face, built from its config, random weights, 4 blocks of width 64; GPT-2
 with eager attention, so its ``s x s`` scores exist) is profiled at batch 4 x 128 tokens with
-``remat.profile_shapes`` (three profiles: that shape, half its sequence, half its batch). At sequence lengths 32, 64,
-256 and 512 (batch 4) and batch sizes 2 and 8 (sequence 128), for keep-all, ``full`` and ``optimal`` at half of
-keep-all's predicted peak, one step's activation peak is measured (``remat.measure``) and its step timed (median of
-``--repeats`` steps after one untimed), against the plan's predictions for that shape.
+``remat.profile_shapes`` (four profiles: that shape, half its sequence, half its batch, half of both). At sequence
+lengths 32, 64, 256 and 512 (batch 4) and batch sizes 2 and 8 (sequence 128), for keep-all, ``full`` and ``optimal``
+at half of keep-all's predicted peak, one step's activation peak is measured (``remat.measure``) and its step timed
+(median of ``--repeats`` steps after one untimed), against the plan's predictions for that shape. With ``--direct``
+each of those shapes is also profiled itself and the same plans predicted from its costs: the extrapolated step over
+that one is the form's own error, apart from the profile's. ``--device cuda`` runs part 1 on a GPU, on models of
+width 768 profiled at 4 x 512 and predicted at 128-2048 tokens and batches 2 and 8 (``SIZES``).
 
 Part 2, a run: GPT-2 trains ``--steps`` steps on random batches (batch 1 to 8, sequence 32 to 512) under a byte
 budget, keep-all's predicted peak at batch 4 x 256, through each of ``--doors``: ``remat.apply`` with
@@ -28,6 +31,12 @@ run ``--text-steps`` steps under keep-all's predicted peak at 8 x 256, each step
 part 2.
 
 Records go to ``--out`` (JSON lines) as they are measured; a markdown summary to ``--markdown``.
+
+Step times on a CPU: glibc's allocator hands tensors above its mmap threshold back to the system when they are
+freed, and every step faults them in again, a cost that grows with the tensors (a BERT step at 4 x 512: 339 ms,
+214 ms with the memory kept), which no profile at a smaller shape sees. ``MALLOC_MMAP_THRESHOLD_=4294967296
+MALLOC_TRIM_THRESHOLD_=68719476736`` keeps freed memory for the next tensors, as a GPU's caching allocator does;
+the command recorded in the summary names them when they are set.
 """
 
 from __future__ import annotations
@@ -55,33 +64,55 @@ SEQUENCES = (32, 64, 256, 512)
 BATCHES = (2, 8)
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
+@dataclass(frozen=True)
+class Size:
+    """The models' width and the shapes of part 1: the profiled one, and the sequences and batch sizes predicted."""
+
+    hidden: int
+    heads: int
+    reference: tuple[int, int]
+    sequences: tuple[int, ...]
+    batches: tuple[int, ...]
+
+
+SIZES = {
+    "cpu": Size(64, 4, REFERENCE, SEQUENCES, BATCHES),
+    # A GPU runs the CPU's models in kernel launches; these are wide enough for the shape to show in the time.
+    "gpu": Size(768, 12, (4, 512), (128, 256, 1024, 2048), (2, 8)),
+}
+
+
+def build(name: str, seed: int = 0, size: Size = SIZES["cpu"]) -> nn.Module:
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     torch.manual_seed(seed)
-    width = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB)
+    hidden, heads = size.hidden, size.heads
+    positions = 2 * max(size.sequences)
+    width = dict(num_hidden_layers=4, hidden_size=hidden, num_attention_heads=heads, intermediate_size=2 * hidden,
+                 vocab_size=VOCAB)  # fmt: skip
     if name == "gpt2":
-        config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=1024,
-                                         bos_token_id=0, eos_token_id=0, use_cache=False,
-                                         attn_implementation="eager")  # fmt: skip
+        config = transformers.GPT2Config(n_layer=4, n_embd=hidden, n_head=heads, vocab_size=VOCAB,
+                                         n_positions=max(1024, positions), bos_token_id=0, eos_token_id=0,
+                                         use_cache=False, attn_implementation="eager")  # fmt: skip
         return transformers.GPT2LMHeadModel(config).train()
     if name == "llama":
-        config = transformers.LlamaConfig(**width, num_key_value_heads=2, max_position_embeddings=1024,
-                                          bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
+        config = transformers.LlamaConfig(**width, num_key_value_heads=heads // 2,
+                                          max_position_embeddings=max(1024, positions), bos_token_id=0,
+                                          eos_token_id=0, pad_token_id=0, use_cache=False)  # fmt: skip
         return transformers.LlamaForCausalLM(config).train()
     if name == "bert":
-        config = transformers.BertConfig(**width, max_position_embeddings=1024)
+        config = transformers.BertConfig(**width, max_position_embeddings=max(1024, positions))
         return transformers.BertForMaskedLM(config).train()
     if name == "t5":
-        config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=4, num_heads=4,
-                                       decoder_start_token_id=0, pad_token_id=0)
+        config = transformers.T5Config(vocab_size=VOCAB, d_model=hidden, d_kv=hidden // heads, d_ff=2 * hidden,
+                                       num_layers=4, num_heads=heads, decoder_start_token_id=0, pad_token_id=0)
         return transformers.T5ForConditionalGeneration(config).train()
     raise ValueError(f"unknown model {name!r}: gpt2, llama, bert or t5")
 
 
-def make_batch(rows: int, positions: int, seed: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(1, VOCAB, (rows, positions), generator=torch.Generator().manual_seed(seed))
+def make_batch(rows: int, positions: int, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (rows, positions), generator=torch.Generator().manual_seed(seed)).to(device)
     return {"input_ids": ids, "labels": ids}
 
 
@@ -100,28 +131,42 @@ def peak_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
 
 def step_time(model: nn.Module, batch: dict[str, torch.Tensor], repeats: int) -> float:
     times = []
+    cuda = batch["input_ids"].is_cuda
     for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
         started = time.perf_counter()
         step(model, batch)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
         model.zero_grad(set_to_none=True)
     return statistics.median(times)
 
 
-def predictions(name: str, repeats: int, emit: Any) -> None:
-    model = build(name)
+def predictions(name: str, repeats: int, emit: Any, device: str = "cpu", direct: bool = False) -> None:
+    size = SIZES["gpu" if device.startswith("cuda") else "cpu"]
+    model = build(name, size=size).to(device)
     started = time.perf_counter()
-    shapes = remat.profile_shapes(model, make_batch(*REFERENCE, seed=0), holds_output=False)
-    emit({"part": "profile", "model": name, "shapes": [list(s) for s in shapes.shapes],
+    shapes = remat.profile_shapes(model, make_batch(*size.reference, seed=0, device=device), holds_output=False)
+    emit({"part": "profile", "model": name, "device": device, "shapes": [list(s) for s in shapes.shapes],
           "seconds": round(time.perf_counter() - started, 2)})
-    cases = [(REFERENCE[0], s) for s in SEQUENCES] + [(b, REFERENCE[1]) for b in BATCHES]
+    cases = [(size.reference[0], s) for s in size.sequences] + [(b, size.reference[1]) for b in size.batches]
     for rows, positions in cases:
         costs = shapes.at(rows, positions)
         keep = remat.plan(costs, "none")
         plans = {"none": keep, "full": remat.plan(costs, "full"),
                  "optimal": remat.plan(costs, "optimal", budget=keep.predicted_peak_bytes // 2)}
-        batch = make_batch(rows, positions, seed=1)
+        batch = make_batch(rows, positions, seed=1, device=device)
+        there = remat.profile(model, make_batch(rows, positions, seed=0, device=device), holds_output=False) \
+            if direct else None  # fmt: skip
         for strategy, plan in plans.items():
+            profiled = {}
+            if there is not None:  # the same actions on the costs profiled at this shape: the form's own error
+                alike = remat.Plan.from_actions(there, plan.actions, strategy=strategy)
+                profiled = {"profiled_there_peak": alike.predicted_peak_bytes,
+                            "profiled_there_step_s": alike.predicted_step_s,
+                            "step_over_profiled_there": round(plan.predicted_step_s / alike.predicted_step_s, 3)}
             handle = remat.apply(model, plan)
             try:
                 measured = peak_of(model, batch)
@@ -132,7 +177,8 @@ def predictions(name: str, repeats: int, emit: Any) -> None:
                   "predicted_peak": plan.predicted_peak_bytes, "measured_peak": measured,
                   "peak_ratio": round(plan.predicted_peak_bytes / measured, 4),
                   "predicted_step_s": plan.predicted_step_s, "measured_step_s": seconds,
-                  "step_ratio": round(plan.predicted_step_s / seconds, 3) if plan.predicted_step_s else None})
+                  "step_ratio": round(plan.predicted_step_s / seconds, 3) if plan.predicted_step_s else None,
+                  **profiled})
 
 
 @dataclass
@@ -374,13 +420,16 @@ def text_run(steps: int, emit: Any) -> None:
 
 
 def summary(records: list[dict[str, Any]], command: str) -> str:
+    direct = any("step_over_profiled_there" in r for r in records)
     lines = ["# Budgets across input shapes", "", f"Command: `{command}`", "",
-             "| model | shape | strategy | predicted / measured peak | predicted / measured step |",
-             "|---|---|---|---|---|"]
+             "| model | shape | strategy | predicted / measured peak | predicted / measured step |"
+             + (" predicted / profiled-there step |" if direct else ""),
+             "|---|---|---|---|---|" + ("---|" if direct else "")]
     for r in records:
         if r["part"] == "prediction":
             lines.append(f"| {r['model']} | {r['shape'][0]}x{r['shape'][1]} | {r['strategy']} | {r['peak_ratio']:.3f} "
-                         f"| {r['step_ratio'] if r['step_ratio'] is not None else '-'} |")
+                         f"| {r['step_ratio'] if r['step_ratio'] is not None else '-'} |"
+                         + (f" {r.get('step_over_profiled_there', '-')} |" if direct else ""))
     run_rows = [r for r in records if r["part"] == "run_summary"]
     doors = {"apply": "remat.apply + handle.plan_per_shape", "fit": "remat.fit(..., shapes=True)",
              "pgac": "PGAC + plan_per_shape", "lightning": "Lightning RematCallback(memory=..., shapes=True)"}
@@ -413,9 +462,14 @@ def main() -> None:
     parser.add_argument("--doors", default=",".join(DOORS), help="the doors of part 2: apply, fit, pgac, lightning")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--text-steps", type=int, default=200, help="steps of the dynamic-padding run (0: none)")
+    parser.add_argument("--direct", action="store_true",
+                        help="also profile each shape of part 1 and predict the same plans from its own costs")
+    parser.add_argument("--device", default="cpu", help="cuda: part 1 only, on wider models (SIZES['gpu'])")
     parser.add_argument("--out", default="docs/results/shapes.jsonl")
     parser.add_argument("--markdown", default="docs/results/shapes.md")
     args = parser.parse_args()
+    if args.device != "cpu" and (args.steps or args.text_steps):
+        parser.error("parts 2 and 3 run on the CPU: pass --steps 0 --text-steps 0 with --device")
     torch.set_num_threads(1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -429,13 +483,16 @@ def main() -> None:
         print(json.dumps(record)[:300], flush=True)
 
     for name in [m for m in args.models.split(",") if m]:
-        predictions(name, args.repeats, emit)
+        predictions(name, args.repeats, emit, args.device, args.direct)
     if args.steps:
         for door in [d for d in args.doors.split(",") if d]:
             run(args.steps, emit, door)
     if args.text_steps:
         text_run(args.text_steps, emit)
-    command = "python -m benchmarks.shapes " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+    allocator = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_"))
+    options = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+               if v is not False]  # fmt: skip
+    command = (f"{allocator} " if allocator else "") + "python -m benchmarks.shapes " + " ".join(options)
     Path(args.markdown).write_text(summary(records, command))
 
 
