@@ -199,8 +199,9 @@ class _Marks:
         assert mark == "fwd_end"
         return self.saved
 
-    def peak_between(self, start: str, end: str) -> int:
-        return self.fwd_peak if (start, end) == ("start", "fwd_end") else self.bwd_peak
+    def summits_between(self, start: str, end: str) -> list[int]:
+        """A run whose forward and backward each have one summit, their peak."""
+        return [self.fwd_peak if (start, end) == ("start", "fwd_end") else self.bwd_peak]
 
 
 def test_a_partitions_backward_term_is_its_own_peak_below_or_above_keeps() -> None:
