@@ -34,12 +34,13 @@ predicted (:func:`remat.core.costs.temp_terms`). A block whose runs at the measu
 ``info["peaks_fitted_whole"]`` names it.
 
 Invariant 1: at each measured shape, :meth:`ShapeCosts.at` returns that shape's table itself; elsewhere its bytes
-are on the form through the measured points, its seconds on a form with no negative coefficient.
-Invariant 2: where a block's summits line up at every measured shape, its ``fwd_temp_bytes``, ``bwd_temp_bytes``
-and ``bwd_extra_bytes`` at a new shape are :func:`~remat.core.costs.temp_terms` of its summits predicted there,
-as a profile at that shape reads them from the summits it measures. Under the batch
+are on the form through the measured points, its seconds on a form with no negative coefficient. Under the batch
 form, a shape of another second dimension is refused (:attr:`ShapeCosts.fixed_second`). The coefficients
 are fitted once per :class:`ShapeCosts`; a table at a new shape is a product per term.
+
+Invariant 2: where a block's summits line up at every measured shape, its ``fwd_temp_bytes``, ``bwd_temp_bytes``
+and ``bwd_extra_bytes`` at a new shape are :func:`~remat.core.costs.temp_terms` of its summits predicted there,
+as a profile at that shape reads them from the summits it measures.
 
 Where a model's terms do not follow the form (the fit is checked at no fourth shape by itself), the tests and
 ``benchmarks/shapes.py`` compare predicted with measured peaks at shapes not profiled; ``info["shape_form"]`` names
@@ -55,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from .actions import KEEP
 from .costs import BlockCost, CostTable, temp_terms
 
 Shape = tuple[int, int]  # (batch, sequence)
@@ -157,7 +159,7 @@ class ShapeCosts:
             fields = {name: getattr(reference_row, name) for name in _FIXED_BLOCK_FIELDS}
             fields.update({name: _evaluate(term, row, tokens) for name, term in terms.items()})
             if summits is not None:
-                fields.update(summits.fields_at(row, fields["saved_bytes"]["keep"]))
+                fields.update(summits.fields_at(row, fields["saved_bytes"][KEEP]))  # invariant 2
             blocks.append(BlockCost(**fields))
         shapes = ref.info.get("input_shapes") or {}
         unaligned = [b.fqn for b, summits in zip(ref.blocks, self._fitted["summits"], strict=True) if summits is None]
@@ -200,7 +202,7 @@ class _Summits:
         """The fit through the summits of every measured shape; None where a shape recorded none, or other
         moments than the reference (another count of summits under some action: its run took another course)."""
         first = per_shape[0]
-        if "forward" not in first or "keep" not in first:
+        if "forward" not in first or KEEP not in first:
             return None
         if any(set(s) != set(first) or any(len(s[k]) != len(first[k]) for k in first) for s in per_shape):
             return None

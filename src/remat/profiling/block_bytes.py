@@ -2,8 +2,9 @@
 
 :func:`run_tracked` runs one forward and backward of a block under an action inside a live-bytes tracker
 (:class:`~remat.meters.memory.LiveTensorTracker`) and marks the moments the fields are read at; :class:`ByteTerms`
-derives the fields from the trackers of all actions. The profiler (real device) and the meta estimator
-(``meta`` device) share both, so their byte figures are derived alike.
+derives the fields from the trackers of all actions: the summits of each run (its live bytes before each free,
+``BlockCost.peak_summits``) and the transients read from their largest (:func:`remat.core.temp_terms`). The
+profiler (real device) and the meta estimator (``meta`` device) share both, so their byte figures are derived alike.
 """
 
 from __future__ import annotations
