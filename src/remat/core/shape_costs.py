@@ -162,8 +162,8 @@ class ShapeCosts:
                 fields.update(summits.fields_at(row, fields["saved_bytes"][KEEP]))  # invariant 2
             blocks.append(BlockCost(**fields))
         shapes = ref.info.get("input_shapes") or {}
-        unaligned = [b.fqn for b, summits in zip(ref.blocks, self._fitted["summits"], strict=True) if summits is None]
-        info = {**ref.info, "shape": [batch, seq], "shape_form": self.form, "peaks_fitted_whole": unaligned,
+        info = {**ref.info, "shape": [batch, seq], "shape_form": self.form,
+                "peaks_fitted_whole": list(self._fitted["peaks_fitted_whole"]),
                 "measured_shapes": [list(s) for s in self.shapes],
                 "input_shapes": {k: _scaled(v, batch, seq) for k, v in shapes.items()}}
         return dataclasses.replace(ref, blocks=blocks, info=info, **values)
@@ -178,7 +178,8 @@ class ShapeCosts:
             blocks.append({name: _fit_term([getattr(r, name) for r in rows], self._design, self._inverse)
                            for name in fitted})  # fmt: skip
             summits.append(_Summits.fitted([r.peak_summits for r in rows], self._inverse))
-        return {"table": table, "blocks": blocks, "summits": summits}
+        whole = [t.fqn for t, fit in zip(self.reference.blocks, summits, strict=True) if fit is None]
+        return {"table": table, "blocks": blocks, "summits": summits, "peaks_fitted_whole": whole}
 
     def to_dict(self) -> dict[str, Any]:
         return {"shapes": [list(s) for s in self.shapes], "tables": [t.to_dict() for t in self.tables]}

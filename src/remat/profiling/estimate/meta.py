@@ -50,6 +50,7 @@ from ...meters import LiveTensorTracker
 from ...runtime import suspend_all
 from ..block_bytes import ByteTerms, run_tracked
 from ..block_run import GradsRestored, backward_releasing_output, clear_grads, run_action
+from ..block_signature import renamed
 from ..chain_bounds import ChainBounds
 from .time_model import DeviceThroughput, device_throughput, flops_time_model
 
@@ -340,9 +341,7 @@ def meta_cost_table(
             key = (_block_key(module, args, kwargs), io[i].main_input, io[i].main_output)
             if key not in measured:
                 measured[key] = _meta_block_cost(fqn, module, args, kwargs, actions, device, io[i])
-            row = measured[key]
-            rows.append(BlockCost(**{**row.__dict__, "fqn": fqn, "saved_bytes": dict(row.saved_bytes),
-                                     "recompute_s": dict(row.recompute_s)}))  # fmt: skip
+            rows.append(renamed(measured[key], fqn))
     return CostTable(
         blocks=rows,
         **bounds.figures(),
