@@ -10,7 +10,13 @@ lengths 32, 64, 256 and 512 (batch 4) and batch sizes 2 and 8 (sequence 128), fo
 at half of keep-all's predicted peak, one step's activation peak is measured (``remat.measure``) and its step timed
 (median of ``--repeats`` steps after one untimed), against the plan's predictions for that shape. With ``--direct``
 each of those shapes is also profiled itself and the same plans predicted from its costs: the extrapolated step over
-that one is the form's own error, apart from the profile's. ``--device cuda`` runs part 1 on a GPU, on models of
+that one is the extrapolation's error, the measured step's noise left out; and ``optimal`` plans from those costs
+under the same budget: where it chooses other actions, both plans' steps are timed interleaved, so the table shows
+what choosing from extrapolated costs loses. Plain steps are also timed at the profiled shapes and at every case,
+interleaved, and the form fitted exactly through their medians is read at each case: the error of the form itself on
+the machine, which no profile at the profiled shapes can remove. ``--profiles N`` profiles each model N times and
+gives, for every row, the predicted over measured step from each profile: how far an extrapolated step moves from
+one profile of the same model to the next. ``--device cuda`` runs part 1 on a GPU, on models of
 width 768 profiled at 4 x 512 and predicted at 128-2048 tokens and batches 2 and 8 (``SIZES``).
 
 Part 2, a run: GPT-2 trains ``--steps`` steps on random batches (batch 1 to 8, sequence 32 to 512) under a byte
@@ -52,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -144,7 +151,8 @@ def step_time(model: nn.Module, batch: dict[str, torch.Tensor], repeats: int) ->
     return statistics.median(times)
 
 
-def predictions(name: str, repeats: int, emit: Any, device: str = "cpu", direct: bool = False) -> None:
+def predictions(name: str, repeats: int, emit: Any, device: str = "cpu", direct: bool = False,
+                profiles: int = 1) -> None:  # fmt: skip
     size = SIZES["gpu" if device.startswith("cuda") else "cpu"]
     model = build(name, size=size).to(device)
     started = time.perf_counter()
@@ -152,6 +160,11 @@ def predictions(name: str, repeats: int, emit: Any, device: str = "cpu", direct:
     emit({"part": "profile", "model": name, "device": device, "shapes": [list(s) for s in shapes.shapes],
           "seconds": round(time.perf_counter() - started, 2)})
     cases = [(size.reference[0], s) for s in size.sequences] + [(b, size.reference[1]) for b in size.batches]
+    if len(shapes.shapes) == 4:
+        form_ceiling(name, model, [tuple(s) for s in shapes.shapes], cases, repeats, emit, device)
+    # The same model profiled again: how far the extrapolated steps move from one profile to the next.
+    others = [remat.profile_shapes(model, make_batch(*size.reference, seed=0, device=device), holds_output=False)
+              for _ in range(profiles - 1)]  # fmt: skip
     for rows, positions in cases:
         costs = shapes.at(rows, positions)
         keep = remat.plan(costs, "none")
@@ -173,12 +186,74 @@ def predictions(name: str, repeats: int, emit: Any, device: str = "cpu", direct:
                 seconds = step_time(model, batch, repeats)
             finally:
                 handle.remove()
+            if there is not None and strategy == "optimal":
+                profiled.update(choice_against_there(model, batch, plan, there, repeats))
+            if others:
+                profiled["step_ratio_by_profile"] = [
+                    round(remat.plan(o.at(rows, positions), strategy, budget=plan.budget_bytes).predicted_step_s
+                          / seconds, 3) for o in [shapes, *others]]  # fmt: skip
             emit({"part": "prediction", "model": name, "shape": [rows, positions], "strategy": strategy,
                   "predicted_peak": plan.predicted_peak_bytes, "measured_peak": measured,
                   "peak_ratio": round(plan.predicted_peak_bytes / measured, 4),
                   "predicted_step_s": plan.predicted_step_s, "measured_step_s": seconds,
                   "step_ratio": round(plan.predicted_step_s / seconds, 3) if plan.predicted_step_s else None,
                   **profiled})
+
+
+def choice_against_there(model: nn.Module, batch: dict[str, torch.Tensor], plan: remat.Plan,
+                         there: remat.CostTable, repeats: int) -> dict[str, Any]:
+    """What choosing from extrapolated costs loses: the plan ``optimal`` chooses from the profile at the batch's own
+    shape under the same budget, and where its actions differ, both plans' steps timed interleaved (medians) and the
+    other's peak measured."""
+    chosen = remat.plan(there, "optimal", budget=plan.budget_bytes)
+    record: dict[str, Any] = {"same_choice_as_there": chosen.actions == plan.actions}
+    if record["same_choice_as_there"]:
+        return record
+    times: dict[str, list[float]] = {"extrapolated": [], "there": []}
+    for _ in range(repeats):
+        for key, candidate in (("extrapolated", plan), ("there", chosen)):
+            handle = remat.apply(model, candidate)
+            try:
+                times[key].append(step_time(model, batch, 1))
+            finally:
+                handle.remove()
+    handle = remat.apply(model, chosen)
+    try:
+        record["chosen_there_peak"] = peak_of(model, batch)
+    finally:
+        handle.remove()
+    record["step_over_chosen_there"] = round(statistics.median(times["extrapolated"])
+                                             / statistics.median(times["there"]), 3)
+    return record
+
+
+def form_ceiling(name: str, model: nn.Module, measured: list[tuple[int, int]], cases: list[tuple[int, int]],
+                 repeats: int, emit: Any, device: str) -> None:
+    """Plain steps (no remat) timed at the profiled shapes and at every case, the shapes interleaved round by round
+    so that the machine's drift falls on all alike; the cost form fitted exactly through the medians at the
+    profiled shapes and read at each case. Its error is the form's own on this machine, free of any profile's."""
+    shapes = list(dict.fromkeys([*measured, *cases]))
+    batches = {shape: make_batch(*shape, seed=0, device=device) for shape in shapes}
+    for shape in shapes:
+        step_time(model, batches[shape], 1)  # the first step of a shape: allocations and kernels chosen
+    times: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
+    for _ in range(max(7, 2 * repeats + 1)):
+        for shape in shapes:
+            times[shape].append(step_time(model, batches[shape], 1))
+    b0, s0 = measured[0]
+
+    def features(batch: int, seq: int) -> list[float]:
+        b, s = batch / b0, seq / s0
+        return [1.0, s * s, b * s, b * s * s]
+
+    medians = {shape: statistics.median(v) for shape, v in times.items()}
+    coefficients = np.linalg.solve(np.array([features(*s) for s in measured]), [medians[s] for s in measured])
+    for shape in cases:
+        quartiles = statistics.quantiles(times[shape], n=4)
+        emit({"part": "form", "model": name, "device": device, "shape": list(shape),
+              "plain_step_s": medians[shape],
+              "spread": [round(quartiles[0] / medians[shape], 3), round(quartiles[2] / medians[shape], 3)],
+              "form_over_plain": round(float(np.dot(features(*shape), coefficients)) / medians[shape], 3)})
 
 
 @dataclass
@@ -421,15 +496,38 @@ def text_run(steps: int, emit: Any) -> None:
 
 def summary(records: list[dict[str, Any]], command: str) -> str:
     direct = any("step_over_profiled_there" in r for r in records)
+    spread = any("step_ratio_by_profile" in r for r in records)
+
+    def over_profiles(r: dict[str, Any]) -> str:
+        ratios = r.get("step_ratio_by_profile")
+        return f" {min(ratios)}-{max(ratios)} ({len(ratios)}) |" if ratios else " - |"
+
     lines = ["# Budgets across input shapes", "", f"Command: `{command}`", "",
              "| model | shape | strategy | predicted / measured peak | predicted / measured step |"
-             + (" predicted / profiled-there step |" if direct else ""),
-             "|---|---|---|---|---|" + ("---|" if direct else "")]
+             + (" predicted / profiled-there step | plan chosen there: step of this one / that one |"
+                if direct else "")
+             + (" predicted / measured step, each profile (least-most) |" if spread else ""),
+             "|---|---|---|---|---|" + ("---|---|" if direct else "") + ("---|" if spread else "")]
+
+    def chosen_there(r: dict[str, Any]) -> str:
+        if "same_choice_as_there" not in r:
+            return "-"
+        return "the same plan" if r["same_choice_as_there"] else str(r["step_over_chosen_there"])
+
     for r in records:
         if r["part"] == "prediction":
             lines.append(f"| {r['model']} | {r['shape'][0]}x{r['shape'][1]} | {r['strategy']} | {r['peak_ratio']:.3f} "
                          f"| {r['step_ratio'] if r['step_ratio'] is not None else '-'} |"
-                         + (f" {r.get('step_over_profiled_there', '-')} |" if direct else ""))
+                         + (f" {r.get('step_over_profiled_there', '-')} | {chosen_there(r)} |" if direct else "")
+                         + (over_profiles(r) if spread else ""))
+    forms = [r for r in records if r["part"] == "form"]
+    if forms:
+        lines += ["", "Plain steps (no remat) against the cost form fitted exactly through the medians of plain "
+                  "steps at the four profiled shapes: the form's own error on this machine, no profile involved.", "",
+                  "| model | shape | plain step, median (quartiles / median) | form / plain step |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['shape'][0]}x{r['shape'][1]} | {1e3 * r['plain_step_s']:.1f} ms "
+                  f"({r['spread'][0]:.2f}-{r['spread'][1]:.2f}) | {r['form_over_plain']:.3f} |" for r in forms]
     run_rows = [r for r in records if r["part"] == "run_summary"]
     doors = {"apply": "remat.apply + handle.plan_per_shape", "fit": "remat.fit(..., shapes=True)",
              "pgac": "PGAC + plan_per_shape", "lightning": "Lightning RematCallback(memory=..., shapes=True)"}
@@ -464,6 +562,8 @@ def main() -> None:
     parser.add_argument("--text-steps", type=int, default=200, help="steps of the dynamic-padding run (0: none)")
     parser.add_argument("--direct", action="store_true",
                         help="also profile each shape of part 1 and predict the same plans from its own costs")
+    parser.add_argument("--profiles", type=int, default=1,
+                        help="profile each model this many times: the extrapolated steps' spread over profiles")
     parser.add_argument("--device", default="cpu", help="cuda: part 1 only, on wider models (SIZES['gpu'])")
     parser.add_argument("--out", default="docs/results/shapes.jsonl")
     parser.add_argument("--markdown", default="docs/results/shapes.md")
@@ -483,7 +583,7 @@ def main() -> None:
         print(json.dumps(record)[:300], flush=True)
 
     for name in [m for m in args.models.split(",") if m]:
-        predictions(name, args.repeats, emit, args.device, args.direct)
+        predictions(name, args.repeats, emit, args.device, args.direct, args.profiles)
     if args.steps:
         for door in [d for d in args.doors.split(",") if d]:
             run(args.steps, emit, door)
