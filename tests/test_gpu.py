@@ -2,8 +2,9 @@
 from the CUDA generator), a plan's peak read from the CUDA allocator within its budget and near the prediction
 (fp32 and under bf16 autocast), ``remat.measure`` on the allocator, offload copying saved tensors into pinned
 host memory, a plan kept by ``remat.fitting.measured_fit.fit`` within its budget by the allocator, the offload policies
-(``selective:offload_dots``) keeping less on the device than ``selective:dots_saveable``, and the menu policies
-exact on an SDPA GPT-2 whose fused attention kernel draws (attention dropout) or does not.
+(``selective:offload_dots``) keeping less on the device than ``selective:dots_saveable``, the menu policies
+exact on an SDPA GPT-2 whose fused attention kernel draws (attention dropout) or does not, and ``remat.fit`` with a
+sample batch on a device held to less than the plain step needs.
 
 Every test here is marked ``gpu`` and skipped where no CUDA device is available (``pytest -m gpu`` selects
 them)."""
@@ -430,3 +431,45 @@ def test_offload_overlaps_compute_bounded_and_exact() -> None:
     print(f"offload/keep step: {ratio:.4f}; keep peak {keep_peak / 2**30:.2f} GiB, offload {offload_peak / 2**30:.2f}")
     assert ratio <= 1.03
     handle.remove()
+
+
+def test_fit_with_a_batch_on_a_device_the_plain_step_does_not_fit(
+    make_gpt2: Callable[..., nn.Module], deterministic: None
+) -> None:
+    """The allocator held to less than the plain step needs (``set_per_process_memory_fraction``): the plain step
+    runs out of memory, ``remat.fit`` profiles with every block checkpointed and returns a plan whose steps run
+    within that memory, with the gradients of a plain step (taken before the limit)."""
+    model = make_gpt2(n_layer=6, n_embd=256, n_head=8, vocab=VOCAB, n_positions=1024, seed=0).cuda()
+    ids = torch.randint(0, VOCAB, (8, 1024), generator=torch.Generator().manual_seed(0)).cuda()
+    batch = {"input_ids": ids, "labels": ids}
+    reference = _step(model, batch)
+    model.zero_grad(set_to_none=True)
+    full = Plan({fqn: "checkpoint" for fqn, _ in remat.find_blocks(model)})
+    keep_peak, full_peak = _allocator_peak_of_step(model, batch), None
+    handle = remat.apply(model, full)
+    try:
+        full_peak = _allocator_peak_of_step(model, batch)
+    finally:
+        handle.remove()
+    assert full_peak < 0.5 * keep_peak, (full_peak, keep_peak)
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    resident = torch.cuda.memory_allocated(device)
+    memory = resident + (keep_peak + 2 * full_peak) // 3
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (memory * 1.1 + (64 << 20)) / total), device)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            _step(model, batch)
+        torch.cuda.empty_cache()
+        session = remat.fit(model, memory, batch=batch)
+        assert session.costs.info["profiled_under"] == "checkpoint"
+        assert "did not fit the device" in session.describe()
+        for _ in range(2):
+            loss, grads = _step(model, batch)
+            assert torch.equal(loss, reference[0])
+            assert all(torch.equal(grads[name], reference[1][name]) for name in grads)
+        session.remove()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()

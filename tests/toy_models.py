@@ -1,6 +1,6 @@
 """Small models the foundation tests share: chains of MLP blocks, tiny Hugging Face models built from their
-config classes (nothing is downloaded), synthetic cost tables, and a helper that runs one training step and
-returns its loss and gradients."""
+config classes (nothing is downloaded), synthetic cost tables, a helper that runs one training step and returns
+its loss and gradients, and a device of a given memory emulated on the CPU (:class:`DeviceOf`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import nn
 
 from remat import Plan, apply, find_blocks, measure
 from remat.core import CHECKPOINT, KEEP, OFFLOAD, BlockCost, CostTable
+from remat.meters import LiveTensorTracker
 
 
 class MLPBlock(nn.Module):
@@ -251,3 +252,23 @@ def resident_bytes(model: nn.Module, *optimizers: torch.optim.Optimizer) -> int:
         tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in local}.values())
+
+
+class DeviceOf(LiveTensorTracker):
+    """A device of ``capacity`` bytes, on the CPU: while the mode is active every storage an operator makes counts
+    as long as it lives, and the allocation that takes the count beyond ``capacity`` raises
+    ``torch.OutOfMemoryError``, as CUDA's allocator does. What existed before (parameters, optimizer state) is
+    not counted: ``capacity`` is what the steps may add to it. ``refused`` counts the allocations refused."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.refused = 0
+
+    def allocated(self, event_id: int, t: torch.Tensor) -> None:
+        if self.live_bytes > self.capacity:
+            self.refused += 1
+            raise torch.OutOfMemoryError(
+                f"emulated device: {t.untyped_storage().nbytes()} bytes asked with {self.live_bytes} of "
+                f"{self.capacity} in use"
+            )

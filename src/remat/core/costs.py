@@ -108,7 +108,7 @@ does not say (tables written before it was recorded, hand-made tables).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .actions import CHECKPOINT, GROUP_KINDS, KEEP, PARTITION, Action, kind_of
@@ -136,6 +136,13 @@ class BlockCost:
     nograd_fwd_s: float | None = None
     unavailable: dict[str, str] = field(default_factory=dict)  # action -> why it cannot run on this block
     peak_summits: dict[str, list[int]] = field(default_factory=dict)
+
+    def times_scaled(self, factor: float) -> BlockCost:
+        """A copy with every time term times ``factor`` (bytes as they are)."""
+        scaled = {name: {a: v * factor for a, v in getattr(self, name).items()}
+                  for name in ("recompute_s", "fwd_s_by_action", "bwd_s_by_action", "overhead_s")}  # fmt: skip
+        nograd = None if self.nograd_fwd_s is None else self.nograd_fwd_s * factor
+        return replace(self, fwd_s=self.fwd_s * factor, bwd_s=self.bwd_s * factor, nograd_fwd_s=nograd, **scaled)
 
     def time_cost(self, action: str) -> float:
         """Seconds ``action`` adds to a step over keeping: its recomputation plus its overhead."""

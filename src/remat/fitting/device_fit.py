@@ -22,6 +22,11 @@ Invariants, enforced here:
    levers (a smaller batch, computed; ``allow_lossy=True``; offload where the device has a host).
 3. The model ends with no hooks of the fit's (the caller applies the plan) and its gradients and RNG state as
    they were; :func:`fit_memory_compiled` leaves it set up for the route it chose, and only for that one.
+4. A device the plain step does not fit at all is the case the fit is for: a step that runs out of memory
+   (``torch.OutOfMemoryError``) is measured as over the memory (:mod:`.whole_step`, rule 4), the profile is then
+   taken with every block checkpointed (:mod:`remat.profiling.profiler`, invariant 1), the step's bytes beyond
+   the activations start as the fixed memory with every gradient counted, and a plan whose step runs out of
+   memory lowers the budget as one measured over it does.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from torch import nn
 from ..chains import resolve_blocks, run_step
 from ..checkpointing import PROFILED_BY_DEFAULT
 from ..core import KEEP, Batch, BudgetError, CostTable, StepSpec, autocast_spec, format_bytes
-from ..meters import model_device
+from ..meters import memory_given_back, model_device
 from ..planning import Plan, make_plan, minimum_peak_bytes, no_checkpoint_peak, simulate
 from ..profiling import cached_profile, keep_profile, price_segments
 from ..runtime import RematHandle, apply
@@ -96,7 +101,10 @@ class MemoryFit:
                 f"activations planned within {format_bytes(self.activation_budget)} "
                 f"(the step's other bytes: {format_bytes(self.non_activation)})"
             )
-        if self.plain is not None:
+        if self.plain is not None and self.plain.out_of_memory:
+            past = format_bytes(self.plain.whole)
+            lines.append(f"plain step did not fit the device (it ran out of memory past {past})")
+        elif self.plain is not None:
             lines.append(f"plain step measured {format_bytes(self.plain.whole)}")
         if self.measured is not None and self.activation_budget is not None:
             lines.append(f"planned step measured {format_bytes(self.measured.whole)}")
@@ -180,14 +188,16 @@ def _fit_memory(
 
     plain = whole_step_peak(model, run, fixed)
     seconds["plain step"] = time.perf_counter() - start
-    if plain.whole <= limit:  # every block kept; a profile given is kept with the plan, none is taken
+    if plain.within(limit):  # every block kept; a profile given is kept with the plan, none is taken
         beyond = plain.whole if costs is None else _beyond_activations(plain, fixed, costs)
         return MemoryFit(limit, fixed, keep_all(model, spec.blocks), costs, plain, plain, None, beyond, seconds)
-    if costs is None:
+    if costs is None:  # on a device the plain step does not fit, profiled with every block checkpointed
         begun = time.perf_counter()
         costs = cached_profile(model, batch, step=spec, policies=policies, price_segments=False)
         seconds["profile"] = time.perf_counter() - begun
-    non_activation = _beyond_activations(plain, fixed, costs)
+    # Invariant 4: a plain step that ran out of memory measured nothing beyond the activations: every gradient
+    # counted, as without a batch, until a plan's whole step is measured.
+    non_activation = fixed.total if plain.out_of_memory else _beyond_activations(plain, fixed, costs)
     floor = minimum_peak_bytes(costs)
     begun = time.perf_counter()
     for _ in range(ATTEMPTS):
@@ -203,13 +213,15 @@ def _fit_memory(
             measured = whole_step_peak(model, run, fixed)
         finally:
             handle.remove()
-        if measured.whole <= limit:
+        if measured.within(limit):
             seconds["fit"] = time.perf_counter() - begun
             return MemoryFit(limit, fixed, plan, costs, plain, measured, budget, non_activation, seconds)
         # The plan's peak came where more of the step's other bytes were live (gradients later in the backward):
-        # what it measured beyond its predicted activations is the figure to plan with.
+        # what it measured beyond its predicted activations is the figure to plan with. A step that ran out of
+        # memory measured a floor only: the budget goes down by its overshoot over the floor, at least a step.
         beyond = measured.forward_backward - simulate(costs, plan.actions).peak_bytes
-        non_activation = max(beyond, non_activation + measured.whole - limit)
+        overshoot = measured.whole - limit if not measured.out_of_memory else max(measured.whole - limit, budget // 16)
+        non_activation = max(beyond, non_activation + max(1, overshoot))
     # Invariant 2: the least named is a measured one. The plan of least predicted activations is measured whole
     # (its bytes beyond the activations can exceed the plain step's, where its peak falls later in the backward).
     least = make_plan(costs, "optimal", floor)
@@ -274,6 +286,11 @@ def _plan_within(
     try:
         chosen = fit_activations(model, batch, budget, costs=costs, step=spec, rounds=rounds, clock=clock)
     except BudgetError:
+        return None
+    except torch.OutOfMemoryError:  # a near-tie's step the device does not hold: the budget goes down
+        chosen = None
+    if chosen is None:  # out of the handler, whose traceback held the step's tensors
+        memory_given_back(model_device(model))
         return None
     chosen.handle.remove()
     return chosen.plan

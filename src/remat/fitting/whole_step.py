@@ -24,6 +24,9 @@ Invariants, enforced here:
 3. A whole step's peak is the larger of its two phases, each measured: forward and backward (what is resident
    with the gradients cleared, plus the state the optimizer will make, plus the measured peak of what the phase
    creates, gradients included) and the optimizer step (the fixed memory plus the step's temporaries).
+4. A step that runs out of the device's memory (``torch.OutOfMemoryError``) is a measurement, not a failure: its
+   :class:`StepPeak` says ``out_of_memory``, with the peak it reached before (a floor of what it needs), and what
+   it held is given back before the next step runs.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 from torch import nn
 
 from ..core import format_bytes, parse_bytes
-from ..meters import LiveTensorTracker, measure, model_device, storage_key
+from ..meters import LiveTensorTracker, measure, memory_given_back, model_device, storage_key
 from ..profiling import GradsRestored
 
 MemoryArg = int | str
@@ -235,23 +238,34 @@ class StepPeak:
 
     forward_backward: int
     optimizer_step: int
+    out_of_memory: bool = False  # rule 4: the step ran out of the device's memory at ``forward_backward``
 
     @property
     def whole(self) -> int:
         return max(self.forward_backward, self.optimizer_step)
 
+    def within(self, limit: int) -> bool:
+        """Whether the step ran to its end within ``limit`` bytes."""
+        return not self.out_of_memory and self.whole <= limit
+
 
 def whole_step_peak(model: nn.Module, run: Callable[[], Any], fixed: FixedMemory) -> StepPeak:
     """Rule 3: the peak of a training step whose forward and backward ``run()`` does (gradients start cleared
-    and are put back afterwards; ``run`` restores the RNG if it cares)."""
+    and are put back afterwards; ``run`` restores the RNG if it cares). Rule 4 where it runs out of memory."""
     device = model_device(model)
+    out_of_memory = False
     with GradsRestored(model):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             resident = torch.cuda.memory_allocated(device)
         else:
             resident = fixed.resident - fixed.state_to_make
-        with measure(device) as meter:
-            run()
+        try:
+            with measure(device) as meter:
+                run()
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+    if out_of_memory:  # out of the handler, whose traceback held the step's tensors
+        memory_given_back(device)
     forward_backward = resident + fixed.state_to_make + meter.peak_bytes
-    return StepPeak(forward_backward, fixed.total + fixed.optimizer_step_bytes)
+    return StepPeak(forward_backward, fixed.total + fixed.optimizer_step_bytes, out_of_memory)

@@ -2,7 +2,8 @@
 on any device, ``meta`` included), CUDA allocator statistics, and a meter of the allocator's own events that
 sees inside code ``torch.compile`` compiled.
 
-* :mod:`.memory`: :func:`measure` (``remat.measure``), :class:`LiveTensorTracker`, :class:`MemoryReport`;
+* :mod:`.memory`: :func:`measure` (``remat.measure``), :class:`LiveTensorTracker`, :class:`MemoryReport`,
+  :func:`memory_given_back` after a step ran out of memory;
 * :mod:`.alloc_tracker`: :class:`AllocationTracker`, the allocator's events;
 * :mod:`.live_series`: the reading side both share (live bytes at a mark, peak between marks, timelines);
 * :mod:`.process`: the whole process's resident high-water mark, which sees every allocation (Linux).
@@ -19,6 +20,7 @@ from .memory import (
     MemoryReport,
     held_bytes,
     measure,
+    memory_given_back,
     model_device,
     storage_key,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "held_bytes",
     "is_compiled",
     "measure",
+    "memory_given_back",
     "model_device",
     "storage_key",
 ]

@@ -37,6 +37,13 @@ bytes come from the allocator's events (:class:`~remat.meters.alloc_tracker.Allo
 ignores compiled code, and they are profiled under keep, checkpoint, offload and the partitions they were
 compiled for only (:func:`~remat.profiling.profiler.compiled_block_actions`).
 It serves :func:`profile` and in-training profiling (the dynamic controllers wrap a first training step in it).
+
+Invariant 1: a profile fits wherever a step with every block checkpointed does. Where :func:`profile`'s steps
+keeping every block run out of the device's memory (``torch.OutOfMemoryError``: a device the plain step does not
+fit, the case remat is for), what they held is released and the profile is taken again with every block
+checkpointed, as a first training step is profiled without a sample batch (:func:`_profiled_checkpointed`;
+``info["profiled_under"]`` says ``"checkpoint"``). Its bytes are a kept profile's (each block is measured alone);
+its times are the blocks' isolated runs'.
 The module also holds which actions a block is profiled under (:func:`default_actions`,
 :func:`compiled_block_actions`).
 """
@@ -45,6 +52,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -87,8 +95,9 @@ from ..core import (
     casts_uncached,
     lossy_actions,
 )
-from ..meters import CompiledCodeIgnoringTracker, LiveTensorTracker, is_compiled, model_device
-from ..planning import Plan, overlap_priced
+from ..meters import CompiledCodeIgnoringTracker, LiveTensorTracker, is_compiled, memory_given_back, model_device
+from ..planning import Plan, overlap_priced, simulate
+from ..runtime import apply
 from .action_steps import (
     ISOLATED,
     SEGMENT_PAIRS,
@@ -462,42 +471,92 @@ def profile(
         lossy=lossy,
         clock=clock,
     )
-    with GradsRestored(model), profiled_step(model):
-        # One untimed plain step first unless one ran already: the first step in a process runs slower
-        # (allocator growth, first-touch page faults, lazy initialisation; 5% in the median on a CPU, up to
-        # 30%), and the one block timed of a group of identical ones prices them all.
-        if not stepped_before(model, batch):
-            with aside_from_step(model, device):
+    try:
+        with GradsRestored(model), profiled_step(model):
+            # One untimed plain step first unless one ran already: the first step in a process runs slower
+            # (allocator growth, first-touch page faults, lazy initialisation; 5% in the median on a CPU, up to
+            # 30%), and the one block timed of a group of identical ones prices them all.
+            if not stepped_before(model, batch):
+                with aside_from_step(model, device):
+                    run_step(model, batch, loss_fn, autocast=spec, holds_output=holds_output)
+            with profiler, casts_uncached():
                 run_step(model, batch, loss_fn, autocast=spec, holds_output=holds_output)
-        with profiler, casts_uncached():
-            run_step(model, batch, loss_fn, autocast=spec, holds_output=holds_output)
-        costs = profiler.cost_table()
-        costs.info["holds_output"] = holds_output
-        costs.info["clock"] = getattr(clock, "__name__", repr(clock))
-        # The step outside the chain's blocks, and the blocks' keep times within it: plain steps (no plan). Where
-        # the actions are timed within steps next, one plain step is enough: those steps anchor the table again.
-        fqns = [fqn for fqn, _ in profiler.chain]
-        modules = [module for _, module in profiler.chain]
-        in_steps = actions_in_steps and costs.device == "cpu" and bool(actions_to_time(costs))
-        with aside_from_step(model, costs.device):
-            steps = 1 if in_steps else 3
-            plain = plain_steps(model, batch, loss_fn, modules, io, steps=steps, autocast=spec, clock=clock)
-        anchor_to_plain_steps(costs, plain, fqns)
-        if actions_in_steps:
-            run = StepRun(model, batch, loss_fn, profiler.chain, io, main_input, main_output, spec, clock, holds_output)
-            with aside_from_step(model, costs.device, suspend=False):
-                time_actions_in_steps(run, costs, segment_pairs=SEGMENT_PAIRS if price_segments else 0)
-        else:
-            costs.info["action_times_from"] = f"{ISOLATED} (actions_in_steps=False)"
-        if in_steps and not costs.info["action_times_from"].startswith(STEPS):  # not anchored by the steps
+            costs = profiler.cost_table()
+            costs.info["holds_output"] = holds_output
+            costs.info["clock"] = getattr(clock, "__name__", repr(clock))
+            # The step outside the chain's blocks, and the blocks' keep times within it: plain steps (no plan). Where
+            # the actions are timed within steps next, one plain step is enough: those steps anchor the table again.
+            fqns = [fqn for fqn, _ in profiler.chain]
+            modules = [module for _, module in profiler.chain]
+            in_steps = actions_in_steps and costs.device == "cpu" and bool(actions_to_time(costs))
             with aside_from_step(model, costs.device):
-                more = plain_steps(model, batch, loss_fn, modules, io, steps=3, autocast=spec, clock=clock)
-            anchor_to_plain_steps(costs, more, fqns)
+                steps = 1 if in_steps else 3
+                plain = plain_steps(model, batch, loss_fn, modules, io, steps=steps, autocast=spec, clock=clock)
+            anchor_to_plain_steps(costs, plain, fqns)
+            if actions_in_steps:
+                run = StepRun(model, batch, loss_fn, profiler.chain, io, main_input, main_output, spec, clock,
+                              holds_output)  # fmt: skip
+                with aside_from_step(model, costs.device, suspend=False):
+                    time_actions_in_steps(run, costs, segment_pairs=SEGMENT_PAIRS if price_segments else 0)
+            else:
+                costs.info["action_times_from"] = f"{ISOLATED} (actions_in_steps=False)"
+            if in_steps and not costs.info["action_times_from"].startswith(STEPS):  # not anchored by the steps
+                with aside_from_step(model, costs.device):
+                    more = plain_steps(model, batch, loss_fn, modules, io, steps=3, autocast=spec, clock=clock)
+                anchor_to_plain_steps(costs, more, fqns)
+    except torch.OutOfMemoryError:  # invariant 1: the step keeping every block does not fit the device
+        costs = None  # out of the handler: its traceback holds the failed step's tensors
+    if costs is None:
+        memory_given_back(model_device(model))
+        costs = _profiled_checkpointed(model, batch, step, spec, chains, io, policies, repeats, reuse_identical,
+                                       lossy, clock)  # fmt: skip
     if device == "cuda" and any(OFFLOAD in row.saved_bytes for row in costs.blocks):
         moved = max(row.saved(KEEP) - row.saved(OFFLOAD) for row in costs.blocks if OFFLOAD in row.saved_bytes)
         costs.copy_bytes_per_s = copy_bandwidth(model_device(model), moved)
         costs = overlap_priced(costs)  # offload costs what its copies leave exposed (planning.offload_overlap)
     costs.info["profile_s"] = time.perf_counter() - started
+    return costs
+
+
+def _profiled_checkpointed(model: nn.Module, batch: Batch, step: StepSpec, spec: AutocastSpec | None,
+                           chains: list[list[tuple[str, nn.Module]]], io: list[BlockIO],
+                           policies: str | Iterable[str], repeats: int, reuse_identical: bool, lossy: Iterable[str],
+                           clock: Clock) -> CostTable:  # fmt: skip
+    """Invariant 1: the profile of a step that runs with every block checkpointed, as a first training step is
+    profiled without a sample batch. Each block is measured alone under every action as in a kept step (the same
+    bytes: a block's run alone does not depend on what the step keeps), the step holds only the checkpoints
+    beside it. Steps under the same plan give ``outside_s``; where the host times the blocks within them (a CPU),
+    every block time is scaled so that the plan's predicted blocks take what they took there (isolated runs of
+    small blocks read slower than within a step), else ``outside_s`` is the step less the blocks' isolated times.
+    A segment's price is left unmeasured."""
+    joined = [pair for chain in chains for pair in chain]
+    plan = Plan({fqn: CHECKPOINT for fqn, _ in joined}, strategy="profiling")
+    handle = apply(model, plan, step=replace(step, blocks=[fqn for fqn, _ in joined]))
+    device = model_device(model).type
+    try:
+        with GradsRestored(model), profiled_step(model):
+            with aside_from_step(model, device, suspend=False):
+                run_step(model, batch, step.loss_fn, autocast=spec, holds_output=step.holds_output)  # warm-up
+            profiler = BlockProfiler(model, chains, policies=policies, repeats=max(repeats, 3), io=handle.io,
+                                     reuse_identical=reuse_identical, lossy=lossy, clock=clock,
+                                     step_actions=[CHECKPOINT] * len(joined))  # fmt: skip
+            with profiler, casts_uncached():
+                run_step(model, batch, step.loss_fn, autocast=spec, holds_output=step.holds_output)
+            costs = profiler.cost_table()
+            with aside_from_step(model, device, suspend=False):
+                plain = plain_steps(model, batch, step.loss_fn, [m for _, m in joined], handle.io, steps=3,
+                                    autocast=spec, clock=clock)  # fmt: skip
+    finally:
+        handle.remove()
+    checkpointed = simulate(costs, [CHECKPOINT] * len(costs)).step_s  # the blocks' isolated times, outside none
+    if plain.outside_s is not None:  # the blocks' windows within the steps (a CPU): their times brought to them
+        factor = (plain.step_s - plain.outside_s) / checkpointed if checkpointed > 0 else 1.0
+        costs.blocks = [row.times_scaled(factor) for row in costs.blocks]
+        costs.outside_s = plain.outside_s
+    else:  # a device whose blocks the host cannot time within the step: the step less their isolated times
+        costs.outside_s = plain.step_s - checkpointed
+    costs.info.update(holds_output=step.holds_output, clock=getattr(clock, "__name__", repr(clock)),
+                      profiled_under=CHECKPOINT, times_from="isolated runs", action_times_from=ISOLATED)  # fmt: skip
     return costs
 
 

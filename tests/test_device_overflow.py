@@ -1,0 +1,109 @@
+"""A device the plain step does not fit (emulated on the CPU by :class:`toy_models.DeviceOf`, which raises
+``torch.OutOfMemoryError`` as CUDA's allocator does): ``remat.profile`` measures with every block checkpointed
+where keeping them runs out of memory, and ``remat.fit`` with a sample batch returns a plan that runs there, with
+the gradients of a plain step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from toy_models import DeviceOf, tiny_gpt2, uniform_chain
+
+import remat
+from remat.core import CHECKPOINT
+from remat.fitting import fixed_memory
+
+X = torch.randn(512, 8, generator=torch.Generator().manual_seed(3))
+IDS = torch.randint(1, 256, (8, 128), generator=torch.Generator().manual_seed(4))
+TEXT = {"input_ids": IDS, "labels": IDS}
+
+
+def mlp_case() -> tuple[Callable[[], nn.Module], Any, Callable[[nn.Module], torch.Tensor]]:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return uniform_chain(6, width=64, dropout=0.1)
+
+    return make, X, lambda model: model(X)
+
+
+def gpt2_case() -> tuple[Callable[[], nn.Module], Any, Callable[[nn.Module], torch.Tensor]]:
+    return lambda: tiny_gpt2(4, 64, seed=0), TEXT, lambda model: model(**TEXT).loss
+
+
+CASES = {"mlp chain": mlp_case, "hugging face gpt2": gpt2_case}
+
+
+def step_peak(model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], plan: remat.Plan | None = None) -> int:
+    """The bytes a training step adds to the parameters: activations, temporaries and gradients."""
+    handle = remat.apply(model, plan) if plan is not None else None
+    try:
+        with remat.measure() as meter:
+            loss(model).backward()
+        model.zero_grad(set_to_none=True)
+    finally:
+        if handle is not None:
+            handle.remove()
+    return meter.peak_bytes
+
+
+def capacity_between_full_and_keep(model: nn.Module, loss: Callable[[nn.Module], torch.Tensor]) -> int:
+    """A capacity the step with every block checkpointed fits with room and the plain step does not."""
+    full = remat.Plan({fqn: CHECKPOINT for fqn, _ in remat.find_blocks(model)})
+    keep, checkpointed = step_peak(model, loss), step_peak(model, loss, full)
+    assert checkpointed < 0.75 * keep, (checkpointed, keep)
+    return (keep + 2 * checkpointed) // 3
+
+
+def trained_on(model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], seed: int,
+               capacity: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+    """One training step's loss and gradients from RNG ``seed``, on a device of ``capacity`` bytes where given
+    (the gradients read after it: they are the step's own, counted in the memory)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if capacity is None:
+        value = loss(model)
+        value.backward()
+    else:
+        with DeviceOf(capacity) as device:
+            value = loss(model)
+            value.backward()
+        assert device.refused == 0
+    return value.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_profile_that_runs_out_of_memory_keeping_every_block_is_taken_with_them_checkpointed() -> None:
+    make, batch, loss = mlp_case()
+    model = make()
+    kept = remat.profile(model, batch)
+    with DeviceOf(capacity_between_full_and_keep(model, loss)) as device:
+        costs = remat.profile(model, batch)
+    assert device.refused >= 1  # the step keeping every block ran out of memory there
+    assert costs.info["profiled_under"] == CHECKPOINT and kept.info.get("profiled_under") is None
+    for a, b in zip(costs.blocks, kept.blocks, strict=True):  # each block measured alone: the same bytes
+        assert (a.saved_bytes, a.input_bytes, a.output_bytes) == (b.saved_bytes, b.input_bytes, b.output_bytes)
+    for strategy in ("none", "full"):
+        assert remat.plan(costs, strategy).predicted_peak_bytes == remat.plan(kept, strategy).predicted_peak_bytes
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fit_with_a_batch_on_a_device_the_plain_step_does_not_fit_returns_a_plan_that_runs_there(case: str) -> None:
+    make, batch, loss = CASES[case]()
+    model, reference = make(), make()
+    capacity = capacity_between_full_and_keep(model, loss)
+    with DeviceOf(capacity) as device:
+        session = remat.fit(model, fixed_memory(model).resident + capacity, batch=batch)
+    assert device.refused >= 2  # the plain step, and the profile's step keeping every block, ran out of memory
+    blocks = len(session.plan.actions)
+    assert session.plan.action_counts() != f"{blocks} keep"
+    assert session.costs.info["profiled_under"] == CHECKPOINT
+    assert "did not fit the device" in session.describe()
+    for seed in (1, 2):
+        value, grads = trained_on(model, loss, seed, capacity)  # no allocation refused
+        expected_value, expected = trained_on(reference, loss, seed)
+        assert torch.equal(value, expected_value)
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+    session.remove()
