@@ -107,3 +107,35 @@ def test_fit_with_a_batch_on_a_device_the_plain_step_does_not_fit_returns_a_plan
         assert torch.equal(value, expected_value)
         assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
     session.remove()
+
+
+def test_fit_per_shape_on_a_device_the_largest_plain_step_does_not_fit_runs_every_shape_there() -> None:
+    """``remat.fit(..., shapes=True)`` with the largest batch of the run, on a device that batch's plain step does
+    not fit: every batch of random shape then runs there without an allocation refused, or is refused before its
+    first block (``ShapeBudgetError``)."""
+    model = tiny_gpt2(4, 64, seed=0, n_positions=256)
+
+    def text(rows: int, positions: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(1, 256, (rows, positions), generator=torch.Generator().manual_seed(rows * 1000 + positions))
+        return {"input_ids": ids, "labels": ids}
+
+    largest = text(4, 256)
+    capacity = capacity_between_full_and_keep(model, lambda m: m(**largest).loss)
+    with DeviceOf(capacity) as device:
+        session = remat.fit(model, fixed_memory(model).resident + capacity, batch=largest, shapes=True)
+    assert device.refused >= 2 and session.costs.info["profiled_under"] == CHECKPOINT
+    shapes = torch.Generator().manual_seed(7)
+    ran = 0
+    for _ in range(10):
+        rows = int(torch.randint(1, 5, (1,), generator=shapes))
+        positions = int(torch.randint(32, 257, (1,), generator=shapes))
+        model.zero_grad(set_to_none=True)
+        try:
+            with DeviceOf(capacity) as device:
+                model(**text(rows, positions)).loss.backward()
+        except remat.ShapeBudgetError:
+            continue
+        assert device.refused == 0, (rows, positions)
+        ran += 1
+    assert ran >= 5
+    session.remove()
