@@ -139,3 +139,18 @@ def test_fit_per_shape_on_a_device_the_largest_plain_step_does_not_fit_runs_ever
         ran += 1
     assert ran >= 5
     session.remove()
+
+
+def test_advise_on_a_device_the_plain_step_does_not_fit_says_so_and_plans() -> None:
+    make, batch, loss = mlp_case()
+    model = make()
+    capacity = capacity_between_full_and_keep(model, loss)
+    with DeviceOf(capacity):
+        advice = remat.advise(model, batch, fixed_memory(model).resident + capacity, progress=None)
+    assert advice.out_of_memory == (512,) and not advice.fits_plain  # the half batch's plain step ran
+    assert advice.largest_plain_batch == 256 and advice.largest_planned_batch > 512
+    assert advice.fit is not None and advice.fit.measured is not None and not advice.fit.measured.out_of_memory
+    assert advice.memory_line is None and advice.planned_ratios == ()
+    text = advice.text()
+    assert "plain step at batch 512: ran out of the device's memory" in text
+    assert "the plain step does not run on this device to be measured against" in text

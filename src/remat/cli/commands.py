@@ -277,6 +277,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
                 "planned_ratios": list(measured.planned_ratios),
                 "largest_plain_batch": measured.largest_plain_batch,
                 "largest_planned_batch": measured.largest_planned_batch,
+                "out_of_memory": list(measured.out_of_memory),
                 "refusal": measured.refusal,
             },
         )

@@ -4,7 +4,10 @@ and whether the memory freed would buy a larger batch that raises throughput (th
 :func:`advise` (``remat.advise``) measures it on the model: the plain step's whole peak and seconds at two
 batch sizes (the batch and its half, or 1 and 2), a line through each (``fixed + per_sample * b``, fitted as
 measured, never clamped), the fastest plan that fits (:func:`~remat.fitting.device_fit.fit_memory`) with its
-predicted cost and its step measured against the plain one, and the largest batch that fits with a plan.
+predicted cost and its step measured against the plain one, and the largest batch that fits with a plan. A plain
+step that runs out of the device's memory is recorded as such (``out_of_memory``) and not timed: no line is drawn
+then, the plan is not measured against it, and the largest batches are read from the plain steps that ran and
+the least plan's activations per sample.
 :func:`advise_costs` is the same judgement from a CostTable at one batch size, the device memory and the bytes
 of model state given (the CLI's ``--device meta`` estimates): activation bytes and block times scale linearly
 with the batch, and the step time is the chain's or a line through two measured step times.
@@ -253,25 +256,33 @@ class ModelAdvice:
     largest_plain_batch: int = 0
     largest_planned_batch: int = 0
     seconds: float = 0.0
+    out_of_memory: tuple[int, ...] = ()  # batch sizes whose plain step ran out of the device's memory (not timed)
 
     @property
     def fits_plain(self) -> bool:
-        return self.whole_peaks[self.batch_size] <= self.memory
+        return self.batch_size not in self.out_of_memory and self.whole_peaks[self.batch_size] <= self.memory
 
     @property
-    def time_line(self) -> Line:
-        return Line.through(self.step_seconds)
+    def time_line(self) -> Line | None:
+        """Through the plain steps' seconds (None where fewer than two batch sizes ran)."""
+        return Line.through(self.step_seconds) if len(self.step_seconds) >= 2 else None
 
     @property
-    def memory_line(self) -> Line:
+    def memory_line(self) -> Line | None:
+        """Through the plain steps' whole peaks (None where a plain step ran out of memory)."""
+        if self.out_of_memory:
+            return None
         return Line.through({b: float(p) for b, p in self.whole_peaks.items()})
 
     def text(self) -> str:
         peak = self.whole_peaks[self.batch_size]
+        if self.batch_size in self.out_of_memory:
+            plain = f"ran out of the device's memory past {format_bytes(peak)}"
+        else:
+            plain = f"{format_bytes(peak)} measured whole, {self.step_seconds[self.batch_size] * 1e3:.1f} ms"
         lines = [
             f"memory {format_bytes(self.memory)} for the whole step; fixed: {self.fixed.describe()}",
-            f"plain step at batch {self.batch_size}: {format_bytes(peak)} measured whole, "
-            f"{self.step_seconds[self.batch_size] * 1e3:.1f} ms",
+            f"plain step at batch {self.batch_size}: {plain}",
         ]
         if self.fits_plain:
             lines.append("checkpointing is not needed: the plain step fits; checkpointing would only cost time.")
@@ -281,23 +292,31 @@ class ModelAdvice:
             costs = self.fit.costs
             assert costs is not None
             predicted = simulate(costs, self.fit.plan.actions).time_cost_s
-            measured = statistics.median(self.planned_ratios) if self.planned_ratios else float("nan")
+            if self.planned_ratios:
+                against = f"measured {statistics.median(self.planned_ratios):.3f}x the plain step"
+            else:
+                against = "the plain step does not run on this device to be measured against"
             lines.append(
                 f"checkpointing is needed: plan {self.fit.plan.action_counts()} measured "
                 f"{format_bytes(self.fit.measured.whole if self.fit.measured else 0)} whole; predicted "
-                f"+{predicted * 1e3:.1f} ms a step, measured {measured:.3f}x the plain step"
+                f"+{predicted * 1e3:.1f} ms a step, {against}"
             )
         time_line, memory_line = self.time_line, self.memory_line
-        note = " (a negative fixed part: the measurements' noise)" if time_line.fixed < 0 else ""
-        lines.append(
-            f"measured at batches {sorted(self.step_seconds)}: step = {time_line.fixed * 1e3:.1f} ms + "
-            f"{time_line.per_sample * 1e3:.3f} ms per sample{note}; whole peak = "
-            f"{format_bytes(int(memory_line.fixed))} + {format_bytes(int(memory_line.per_sample))} per sample"
-        )
+        if time_line is not None and memory_line is not None:
+            note = " (a negative fixed part: the measurements' noise)" if time_line.fixed < 0 else ""
+            lines.append(
+                f"measured at batches {sorted(self.step_seconds)}: step = {time_line.fixed * 1e3:.1f} ms + "
+                f"{time_line.per_sample * 1e3:.3f} ms per sample{note}; whole peak = "
+                f"{format_bytes(int(memory_line.fixed))} + {format_bytes(int(memory_line.per_sample))} per sample"
+            )
+        else:
+            lines.append(f"plain steps at batches {list(self.out_of_memory)} ran out of the device's memory: no line "
+                         "through the plain steps")  # fmt: skip
+        by = "the measured lines" if memory_line is not None else "the plain steps that ran"
         lines.append(
             f"largest batch that fits: {_batches(self.largest_plain_batch, self.batch_size)} without checkpointing, "
-            f"{_batches(self.largest_planned_batch, self.batch_size)} with a plan (by the measured lines and the least "
-            "plan's activations)"
+            f"{_batches(self.largest_planned_batch, self.batch_size)} with a plan (by {by} and the least plan's "
+            "activations)"
         )
         lines.append(f"advice took {self.seconds:.1f} s")
         return "\n".join(lines)
@@ -361,22 +380,19 @@ def advise(
         with step_aside(model):
             return timed_step(model, samples[b], spec.loss_fn, setting, holds_output=spec.holds_output)
 
-    first = sum(plain(b) for b in sizes)  # untimed: one warm step each
-    say(f"remat.advise: plain steps at batches {sizes}, {rounds} rounds (about {first * (rounds + 1):.1f} s)")
-    peaks = {b: whole_step_peak(model, lambda b=b: plain(b), fixed).whole for b in sizes}
-    timed = interleaved_rounds(sizes, plain, rounds)
-    seconds = {b: statistics.median(timed[b]) for b in sizes}
-    memory_line = Line.through({b: float(p) for b, p in peaks.items()})
-    per_sample = max(memory_line.per_sample, 1.0)
-    room = limit - memory_line.fixed
+    say(f"remat.advise: plain steps at batches {sizes}, {rounds} rounds")
+    measured = {b: whole_step_peak(model, lambda b=b: plain(b), fixed) for b in sizes}  # each one warm step too
+    peaks = {b: m.whole for b, m in measured.items()}
+    ran = [b for b in sizes if not measured[b].out_of_memory]  # a plain step the device does not hold is not timed
+    timed = interleaved_rounds(ran, plain, rounds)
+    seconds = {b: statistics.median(timed[b]) for b in ran}
     fixed_fits = fixed.total + fixed.optimizer_step_bytes <= limit
-    largest_plain = max(0, int(room // per_sample)) if fixed_fits else 0
     fit: MemoryFit | None = None
     refusal = ""
     ratios: tuple[float, ...] = ()
     say("remat.advise: profiling the step and fitting a plan (tens of plain steps)")
     costs: CostTable | None = None
-    if peaks[size] <= limit:
+    if measured[size].within(limit):
         costs = profile(model, batch, step=spec)
     else:
         try:
@@ -384,11 +400,22 @@ def advise(
             costs = fit.costs
         except MemoryFitError as err:
             refusal, costs = str(err), err.costs
-    largest_planned = largest_plain
-    if costs is not None and fixed_fits:
-        saved_per_sample = (no_checkpoint_peak(costs) - minimum_peak_bytes(costs)) / size
-        largest_planned = max(largest_plain, int(room // max(per_sample - saved_per_sample, 1.0)))
-    if fit is not None and fit.activation_budget is not None:
+    if len(ran) == len(sizes):
+        memory_line = Line.through({b: float(p) for b, p in peaks.items()})
+        per_sample = max(memory_line.per_sample, 1.0)
+        room = limit - memory_line.fixed
+        largest_plain = max(0, int(room // per_sample)) if fixed_fits else 0
+        largest_planned = largest_plain
+        if costs is not None and fixed_fits:
+            saved_per_sample = (no_checkpoint_peak(costs) - minimum_peak_bytes(costs)) / size
+            largest_planned = max(largest_plain, int(room // max(per_sample - saved_per_sample, 1.0)))
+    else:  # no line through plain steps: the largest that ran, and the least plan's activations per sample
+        largest_plain = max([b for b in ran if peaks[b] <= limit], default=0)
+        largest_planned = largest_plain
+        if costs is not None and fixed_fits:
+            beyond = fit.non_activation if fit is not None else fixed.total
+            largest_planned = max(largest_plain, int(size * (limit - beyond) / max(minimum_peak_bytes(costs), 1)))
+    if fit is not None and fit.activation_budget is not None and size in ran:
         planned, plain_plan = fit.plan, keep_all(model, spec.blocks)
         handle = applied(model, planned, spec)
         try:
@@ -403,6 +430,6 @@ def advise(
             handle.remove()
     return ModelAdvice(
         limit, size, fixed, peaks, seconds, fit, refusal, ratios, largest_plain, largest_planned,
-        time.perf_counter() - started,
+        time.perf_counter() - started, tuple(b for b in sizes if b not in ran),
     )  # fmt: skip
 
