@@ -154,3 +154,36 @@ def test_advise_on_a_device_the_plain_step_does_not_fit_says_so_and_plans() -> N
     text = advice.text()
     assert "plain step at batch 512: ran out of the device's memory" in text
     assert "the plain step does not run on this device to be measured against" in text
+
+
+def test_measure_beyond_on_a_device_the_larger_plain_step_does_not_fit_measures_with_blocks_checkpointed() -> None:
+    """Plans per shape profiled on a small batch, then a batch whose plain step the device does not hold:
+    ``measure_beyond``'s profile of it runs out of memory keeping every block and is taken with them checkpointed
+    through the plan the training runs (put back afterwards), and the step runs there with the gradients of a
+    plain step."""
+    model, reference = tiny_gpt2(4, 64, seed=0, n_positions=256), tiny_gpt2(4, 64, seed=0, n_positions=256)
+
+    def text(rows: int, positions: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(1, 256, (rows, positions), generator=torch.Generator().manual_seed(rows + positions))
+        return {"input_ids": ids, "labels": ids}
+
+    small, large = text(2, 32), text(4, 256)
+    capacity = capacity_between_full_and_keep(model, lambda m: m(**large).loss)
+    plans = remat.ShapePlans(remat.profile_shapes(model, small, holds_output=False), capacity - (1 << 20))
+    handle = remat.apply(model, remat.plan(plans.costs.reference, "none"))
+    handle.plan_per_shape(plans)
+    hook = remat.profiling.measure_beyond(model, plans, holds_output=False)
+    loss = lambda m: m(**large).loss  # noqa: E731
+    torch.manual_seed(3)
+    with DeviceOf(capacity) as device, pytest.warns(UserWarning):  # planned beyond the profiled shapes
+        value = loss(model)  # measured before its forward, then run
+        value.backward()
+    assert device.refused >= 1  # the profile's step keeping every block ran out of memory, and was caught
+    assert plans.remeasured == 1 and plans.costs.reference.info["profiled_under"] == CHECKPOINT
+    assert plans.costs.largest == (4, 256) and handle.plan is plans.last
+    expected_value, expected = trained_on(reference, loss, seed=3)
+    assert torch.equal(value.detach(), expected_value)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected, strict=True))
+    assert trained_on(model, loss, seed=4, capacity=capacity)[0].isfinite()  # the next step: none refused
+    hook.remove()
+    handle.remove()

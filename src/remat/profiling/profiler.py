@@ -42,8 +42,9 @@ Invariant 1: a profile fits wherever a step with every block checkpointed does. 
 keeping every block run out of the device's memory (``torch.OutOfMemoryError``: a device the plain step does not
 fit, the case remat is for), what they held is released and the profile is taken again with every block
 checkpointed, as a first training step is profiled without a sample batch (:func:`_profiled_checkpointed`;
-``info["profiled_under"]`` says ``"checkpoint"``). Its bytes are a kept profile's (each block is measured alone);
-its times are the blocks' isolated runs'.
+``info["profiled_under"]`` says ``"checkpoint"``), through the plan the training runs where one is applied
+(``RematHandle.running``, the plan put back afterwards). Its bytes are a kept profile's (each block is measured
+alone); its times are the blocks' isolated runs', scaled to the blocks' time within steps where the host reads it.
 The module also holds which actions a block is profiled under (:func:`default_actions`,
 :func:`compiled_block_actions`).
 """
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -97,7 +99,7 @@ from ..core import (
 )
 from ..meters import CompiledCodeIgnoringTracker, LiveTensorTracker, is_compiled, memory_given_back, model_device
 from ..planning import Plan, overlap_priced, simulate
-from ..runtime import apply
+from ..runtime import applied, apply
 from .action_steps import (
     ISOLATED,
     SEGMENT_PAIRS,
@@ -530,11 +532,18 @@ def _profiled_checkpointed(model: nn.Module, batch: Batch, step: StepSpec, spec:
     small blocks read slower than within a step), else ``outside_s`` is the step less the blocks' isolated times.
     A segment's price is left unmeasured."""
     joined = [pair for chain in chains for pair in chain]
-    plan = Plan({fqn: CHECKPOINT for fqn, _ in joined}, strategy="profiling")
-    handle = apply(model, plan, step=replace(step, blocks=[fqn for fqn, _ in joined]))
+    fqns = [fqn for fqn, _ in joined]
+    plan = Plan(dict.fromkeys(fqns, CHECKPOINT), strategy="profiling")
+    training = applied.owner_of(model)  # a plan the training runs (a profile before a batch beyond the measured)
+    if training is not None and training.fqns != fqns:
+        raise RuntimeError(
+            f"remat.profile: the step keeping every block ran out of memory, and the plan applied to the model acts "
+            f"on {training.fqns}, not on the blocks profiled ({fqns}): profile the blocks it acts on"
+        )
+    handle = training if training is not None else apply(model, plan, step=replace(step, blocks=fqns))
     device = model_device(model).type
     try:
-        with GradsRestored(model), profiled_step(model):
+        with GradsRestored(model), profiled_step(model), (training.running(plan) if training else nullcontext()):
             with aside_from_step(model, device, suspend=False):
                 run_step(model, batch, step.loss_fn, autocast=spec, holds_output=step.holds_output)  # warm-up
             profiler = BlockProfiler(model, chains, policies=policies, repeats=max(repeats, 3), io=handle.io,
@@ -547,7 +556,8 @@ def _profiled_checkpointed(model: nn.Module, batch: Batch, step: StepSpec, spec:
                 plain = plain_steps(model, batch, step.loss_fn, [m for _, m in joined], handle.io, steps=3,
                                     autocast=spec, clock=clock)  # fmt: skip
     finally:
-        handle.remove()
+        if training is None:
+            handle.remove()
     checkpointed = simulate(costs, [CHECKPOINT] * len(costs)).step_s  # the blocks' isolated times, outside none
     if plain.outside_s is not None:  # the blocks' windows within the steps (a CPU): their times brought to them
         factor = (plain.step_s - plain.outside_s) / checkpointed if checkpointed > 0 else 1.0

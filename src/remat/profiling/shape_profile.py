@@ -150,9 +150,10 @@ def measure_beyond(model: nn.Module, plans: ShapePlans, **options: Any) -> Remov
     models but not for kernels whose workspace grows in steps (``docs/shapes.md``), and the budget is to hold for
     every batch. ``options`` are :func:`profile_shapes`' (``step=``, ``loss_fn=``...), as the costs were made. The
     measuring steps leave training as it was (gradients and generators put back, :func:`step_aside`); it costs a
-    shape profile (about 30 plain steps of the larger shape) each time the range grows, and memory: some of its steps
-    keep every block's activations at the larger shape, as a plain step does, so it is for a device that holds that
-    step (the CPU, a GPU with room), not for one the budget is all that fits. The new costs' reference table records
+    shape profile (about 30 plain steps of the larger shape) each time the range grows. Its steps keep every block's
+    activations at the larger shape, as a plain step does; where the device does not hold them, the profile is
+    taken with every block checkpointed through the plan the training runs (:func:`remat.profile`), so no more
+    memory than such a step is needed. The new costs' reference table records
     the batch shape that asked for them (``info["measured_for"]``). Returns the hook's handle (``.remove()`` stops
     it)."""
     sequence = plans.costs.fixed_second is None

@@ -20,7 +20,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -260,6 +260,20 @@ class RematHandle:
         self._calls.reset()  # Note [8]
         self._offload.forward_started()  # Note [10]
         self._shape_read = False  # Note [11]
+
+    @contextlib.contextmanager
+    def running(self, plan: Plan) -> Iterator[None]:
+        """Within this context every forward runs under ``plan``, no plan per shape switched in (Note [11]): a
+        measurement's steps on a model in training (a profile taken with every block checkpointed). The plan and
+        the plans per shape are put back afterwards."""
+        before, shape_plans = self.plan, self._shape_plans
+        self._shape_plans = None
+        self.set_plan(plan)
+        try:
+            yield
+        finally:
+            self.set_plan(before)
+            self._shape_plans = shape_plans
 
     def plan_per_shape(self, plans: ShapePlans | None) -> None:
         """Run each forward under ``plans.plan_for(batch, sequence)`` of its input's shape, switched before the
