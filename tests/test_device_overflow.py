@@ -187,3 +187,16 @@ def test_measure_beyond_on_a_device_the_larger_plain_step_does_not_fit_measures_
     assert trained_on(model, loss, seed=4, capacity=capacity)[0].isfinite()  # the next step: none refused
     hook.remove()
     handle.remove()
+
+
+def test_fit_on_a_device_not_even_every_block_checkpointed_fits_is_refused_naming_the_levers() -> None:
+    make, batch, loss = mlp_case()
+    model = make()
+    full = remat.Plan({fqn: CHECKPOINT for fqn, _ in remat.find_blocks(model)})
+    capacity = step_peak(model, loss, full) // 2
+    with DeviceOf(capacity), pytest.raises(remat.fitting.MemoryFitError) as refused:
+        remat.fit(model, fixed_memory(model).resident + capacity, batch=batch)
+    message = str(refused.value)
+    assert "even the step with every block checkpointed ran out of the device's memory" in message
+    assert "a batch of 256 or fewer" in message
+    assert all(p.grad is None for p in model.parameters())  # nothing left of the failed steps

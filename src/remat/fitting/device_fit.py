@@ -26,7 +26,8 @@ Invariants, enforced here:
    (``torch.OutOfMemoryError``) is measured as over the memory (:mod:`.whole_step`, rule 4), the profile is then
    taken with every block checkpointed (:mod:`remat.profiling.profiler`, invariant 1), the step's bytes beyond
    the activations start as the fixed memory with every gradient counted, and a plan whose step runs out of
-   memory lowers the budget as one measured over it does.
+   memory lowers the budget as one measured over it does. Where even that profile's step runs out of memory,
+   :class:`MemoryFitError` says so, with the levers, before any training step.
 """
 
 from __future__ import annotations
@@ -193,7 +194,13 @@ def _fit_memory(
         return MemoryFit(limit, fixed, keep_all(model, spec.blocks), costs, plain, plain, None, beyond, seconds)
     if costs is None:  # on a device the plain step does not fit, profiled with every block checkpointed
         begun = time.perf_counter()
-        costs = cached_profile(model, batch, step=spec, policies=policies, price_segments=False)
+        try:
+            costs = cached_profile(model, batch, step=spec, policies=policies, price_segments=False)
+        except torch.OutOfMemoryError:
+            costs = None  # out of the handler, whose traceback held the step's tensors
+        if costs is None:
+            memory_given_back(device)
+            raise _checkpointed_out_of_memory(limit, fixed, batch_size(batch), device, plain)
         seconds["profile"] = time.perf_counter() - begun
     # Invariant 4: a plain step that ran out of memory measured nothing beyond the activations: every gradient
     # counted, as without a batch, until a plan's whole step is measured.
@@ -333,6 +340,22 @@ def _refuse_fixed_over(limit: int, fixed: FixedMemory) -> None:
         "state (FSDP2's fully_shard, DeepSpeed ZeRO), train in lower precision, or use an optimizer with less "
         "state",
         floor=least,
+    )
+
+
+def _checkpointed_out_of_memory(limit: int, fixed: FixedMemory, size: int | None, device: torch.device,
+                                plain: StepPeak) -> MemoryFitError:  # fmt: skip
+    """Invariant 4: the step with every block checkpointed ran out of the device's memory too (the profile's),
+    so no plan of remat's reaches the memory at this batch; what is known is said, and the levers."""
+    batch = f" of {size}" if size else ""
+    smaller = f"a batch of {size // 2} or fewer; " if size and size > 1 else ""
+    offload = "; the 'offload' action (saved tensors in host memory)" if device.type == "cuda" else ""
+    return MemoryFitError(
+        f"remat.fit: at this batch{batch} even the step with every block checkpointed ran out of the device's "
+        f"memory (the plain step ran out past {format_bytes(plain.whole)}); no checkpointing plan fits "
+        f"{format_bytes(limit)}. Fixed: {fixed.describe()}. Next: {smaller}allow_lossy=True (compressed "
+        f"activations; gradients no longer exact){offload}; shard the parameters and optimizer state",
+        floor=None,
     )
 
 
