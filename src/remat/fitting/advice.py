@@ -381,7 +381,9 @@ def advise(
             return timed_step(model, samples[b], spec.loss_fn, setting, holds_output=spec.holds_output)
 
     say(f"remat.advise: plain steps at batches {sizes}, {rounds} rounds")
-    measured = {b: whole_step_peak(model, lambda b=b: plain(b), fixed) for b in sizes}  # each one warm step too
+    warm = {b: whole_step_peak(model, lambda b=b: plain(b), fixed) for b in sizes}  # one warm step each, unread
+    measured = {b: warm[b] if warm[b].out_of_memory else whole_step_peak(model, lambda b=b: plain(b), fixed)
+                for b in sizes}  # fmt: skip
     peaks = {b: m.whole for b, m in measured.items()}
     ran = [b for b in sizes if not measured[b].out_of_memory]  # a plain step the device does not hold is not timed
     timed = interleaved_rounds(ran, plain, rounds)
