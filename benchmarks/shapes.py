@@ -36,7 +36,9 @@ short (3 paragraphs, an epoch's last batch); GPT-2 profiled at the largest batch
 run ``--text-steps`` steps under keep-all's predicted peak at 8 x 256, each step's peak and gradients measured as in
 part 2.
 
-Records go to ``--out`` (JSON lines) as they are measured; a markdown summary to ``--markdown``.
+Records go to ``--out`` (JSON lines) as they are measured; a markdown summary to ``--markdown``. A rerun keeps the
+units ``--out`` holds from a run of the same setting (a model's predictions, a door's run, the text run: each closed
+by a ``unit_done`` record) and measures the others, so an interrupted run resumes; ``--fresh`` starts over.
 
 Step times on a CPU: glibc's allocator hands tensors above its mmap threshold back to the system when they are
 freed, and every step faults them in again, a cost that grows with the tensors (a BERT step at 4 x 512: 339 ms,
@@ -494,6 +496,16 @@ def text_run(steps: int, emit: Any) -> None:
           "step_s": tally.seconds})
 
 
+def finished(out: Path, setting: dict[str, Any]) -> list[dict[str, Any]]:
+    """The records in ``out`` of the units a run with the same ``setting`` finished (each a model's predictions, a
+    door's run or the text run, closed by its ``unit_done`` record); those of an unfinished unit are dropped."""
+    if not out.exists():
+        return []
+    records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    done = {r.get("unit") for r in records if r["part"] == "unit_done" and r.get("setting") == setting}
+    return [r for r in records if r.get("unit") in done]
+
+
 def summary(records: list[dict[str, Any]], command: str) -> str:
     direct = any("step_over_profiled_there" in r for r in records)
     spread = any("step_ratio_by_profile" in r for r in records)
@@ -567,28 +579,40 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cuda: part 1 only, on wider models (SIZES['gpu'])")
     parser.add_argument("--out", default="docs/results/shapes.jsonl")
     parser.add_argument("--markdown", default="docs/results/shapes.md")
+    parser.add_argument("--fresh", action="store_true",
+                        help="measure every unit again (default: keep those --out holds from a run of this setting)")
     args = parser.parse_args()
     if args.device != "cpu" and (args.steps or args.text_steps):
         parser.error("parts 2 and 3 run on the CPU: pass --steps 0 --text-steps 0 with --device")
     torch.set_num_threads(1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("")
-    records: list[dict[str, Any]] = []
+    setting = {k: v for k, v in vars(args).items() if k not in ("models", "doors", "out", "markdown", "fresh")}
+    records = [] if args.fresh else finished(out, setting)
+    done = {r["unit"] for r in records if r["part"] == "unit_done"}
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    unit = ""
 
     def emit(record: dict[str, Any]) -> None:
+        record = {**record, "unit": unit}
         records.append(record)
         with out.open("a") as f:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record)[:300], flush=True)
 
-    for name in [m for m in args.models.split(",") if m]:
-        predictions(name, args.repeats, emit, args.device, args.direct, args.profiles)
+    units: list[tuple[str, Any]] = [(f"model {name}", lambda name=name: predictions(
+        name, args.repeats, emit, args.device, args.direct, args.profiles)) for name in args.models.split(",") if name]
     if args.steps:
-        for door in [d for d in args.doors.split(",") if d]:
-            run(args.steps, emit, door)
+        units += [(f"door {door}", lambda door=door: run(args.steps, emit, door)) for door in args.doors.split(",")
+                  if door]  # fmt: skip
     if args.text_steps:
-        text_run(args.text_steps, emit)
+        units.append(("text", lambda: text_run(args.text_steps, emit)))
+    for unit, measure in units:
+        if unit in done:
+            print(f"{unit}: in {out} already (--fresh measures it again)", flush=True)
+            continue
+        measure()
+        emit({"part": "unit_done", "setting": setting})
     allocator = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_"))
     options = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
                if v is not False]  # fmt: skip
