@@ -57,17 +57,10 @@ def scale_costs(costs: CostTable, factor: float) -> CostTable:
 
     def scale_block(b):  # noqa: ANN001, ANN202
         return replace(
-            b,
-            fwd_s=b.fwd_s * factor,
-            bwd_s=b.bwd_s * factor,
+            b.times_scaled(factor),
             input_bytes=int(b.input_bytes * factor),
             output_bytes=int(b.output_bytes * factor),
             saved_bytes={k: int(v * factor) for k, v in b.saved_bytes.items()},
-            recompute_s={k: v * factor for k, v in b.recompute_s.items()},
-            fwd_s_by_action={k: v * factor for k, v in b.fwd_s_by_action.items()},
-            bwd_s_by_action={k: v * factor for k, v in b.bwd_s_by_action.items()},
-            overhead_s={k: v * factor for k, v in b.overhead_s.items()},
-            nograd_fwd_s=None if b.nograd_fwd_s is None else b.nograd_fwd_s * factor,
             fwd_temp_bytes=int(b.fwd_temp_bytes * factor),
             bwd_temp_bytes=int(b.bwd_temp_bytes * factor),
             bwd_extra_bytes={k: int(v * factor) for k, v in b.bwd_extra_bytes.items()},
