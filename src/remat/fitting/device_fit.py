@@ -45,7 +45,7 @@ from torch import nn
 from ..chains import resolve_blocks, run_step
 from ..checkpointing import PROFILED_BY_DEFAULT
 from ..core import KEEP, Batch, BudgetError, CostTable, StepSpec, autocast_spec, format_bytes
-from ..meters import memory_given_back, model_device
+from ..meters import model_device, within_memory
 from ..planning import Plan, make_plan, minimum_peak_bytes, no_checkpoint_peak, simulate
 from ..profiling import cached_profile, keep_profile, price_segments
 from ..runtime import RematHandle, apply
@@ -194,12 +194,10 @@ def _fit_memory(
         return MemoryFit(limit, fixed, keep_all(model, spec.blocks), costs, plain, plain, None, beyond, seconds)
     if costs is None:  # on a device the plain step does not fit, profiled with every block checkpointed
         begun = time.perf_counter()
-        try:
-            costs = cached_profile(model, batch, step=spec, policies=policies, price_segments=False)
-        except torch.OutOfMemoryError:
-            costs = None  # out of the handler, whose traceback held the step's tensors
+        costs, _ = within_memory(
+            lambda: cached_profile(model, batch, step=spec, policies=policies, price_segments=False), device
+        )
         if costs is None:
-            memory_given_back(device)
             raise _checkpointed_out_of_memory(limit, fixed, batch_size(batch), device, plain)
         seconds["profile"] = time.perf_counter() - begun
     # Invariant 4: a plain step that ran out of memory measured nothing beyond the activations: every gradient
@@ -291,13 +289,13 @@ def _plan_within(
     if len(plans) == 1:  # the profile tells the plans apart: nothing to run head to head; its whole step is next
         return plans[0]
     try:
-        chosen = fit_activations(model, batch, budget, costs=costs, step=spec, rounds=rounds, clock=clock)
+        chosen, _ = within_memory(
+            lambda: fit_activations(model, batch, budget, costs=costs, step=spec, rounds=rounds, clock=clock),
+            model_device(model),
+        )
     except BudgetError:
         return None
-    except torch.OutOfMemoryError:  # a near-tie's step the device does not hold: the budget goes down
-        chosen = None
-    if chosen is None:  # out of the handler, whose traceback held the step's tensors
-        memory_given_back(model_device(model))
+    if chosen is None:  # a near-tie's step the device does not hold: the budget goes down
         return None
     chosen.handle.remove()
     return chosen.plan

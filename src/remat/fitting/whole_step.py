@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..core import format_bytes, parse_bytes
-from ..meters import LiveTensorTracker, measure, memory_given_back, model_device, storage_key
+from ..meters import LiveTensorTracker, measure, model_device, storage_key, within_memory
 from ..profiling import GradsRestored
 
 MemoryArg = int | str
@@ -253,19 +253,13 @@ def whole_step_peak(model: nn.Module, run: Callable[[], Any], fixed: FixedMemory
     """Rule 3: the peak of a training step whose forward and backward ``run()`` does (gradients start cleared
     and are put back afterwards; ``run`` restores the RNG if it cares). Rule 4 where it runs out of memory."""
     device = model_device(model)
-    out_of_memory = False
     with GradsRestored(model):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             resident = torch.cuda.memory_allocated(device)
         else:
             resident = fixed.resident - fixed.state_to_make
-        try:
-            with measure(device) as meter:
-                run()
-        except torch.OutOfMemoryError:
-            out_of_memory = True
-    if out_of_memory:  # out of the handler, whose traceback held the step's tensors
-        memory_given_back(device)
+        with measure(device) as meter:
+            _, out_of_memory = within_memory(run, device)
     forward_backward = resident + fixed.state_to_make + meter.peak_bytes
     return StepPeak(forward_backward, fixed.total + fixed.optimizer_step_bytes, out_of_memory)

@@ -3,7 +3,7 @@ on any device, ``meta`` included), CUDA allocator statistics, and a meter of the
 sees inside code ``torch.compile`` compiled.
 
 * :mod:`.memory`: :func:`measure` (``remat.measure``), :class:`LiveTensorTracker`, :class:`MemoryReport`,
-  :func:`memory_given_back` after a step ran out of memory;
+  :func:`within_memory` and :func:`memory_given_back` for a step that runs out of memory;
 * :mod:`.alloc_tracker`: :class:`AllocationTracker`, the allocator's events;
 * :mod:`.live_series`: the reading side both share (live bytes at a mark, peak between marks, timelines);
 * :mod:`.process`: the whole process's resident high-water mark, which sees every allocation (Linux).
@@ -23,6 +23,7 @@ from .memory import (
     memory_given_back,
     model_device,
     storage_key,
+    within_memory,
 )
 from .process import CHILD_ENV, ProcessPeakMeter, peak_rss_bytes, process_meter_problem, reset_peak_rss
 
@@ -42,4 +43,5 @@ __all__ = [
     "memory_given_back",
     "model_device",
     "storage_key",
+    "within_memory",
 ]

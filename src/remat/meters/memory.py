@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch.utils._python_dispatch import (
@@ -38,6 +39,8 @@ from torch.utils._pytree import tree_flatten
 
 from .alloc_tracker import AllocationTracker
 from .live_series import LiveBytesSeries
+
+T = TypeVar("T")
 
 
 def storage_key(t: torch.Tensor) -> int | None:
@@ -266,6 +269,18 @@ def memory_given_back(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def within_memory(call: Callable[[], T], device: torch.device) -> tuple[T | None, bool]:
+    """``call()``'s result and False; or None and True where it ran out of ``device``'s memory
+    (``torch.OutOfMemoryError``), what it held then given back (:func:`memory_given_back`, once the handler, whose
+    traceback holds the call's tensors, has let go of them)."""
+    try:
+        return call(), False
+    except torch.OutOfMemoryError:
+        pass
+    memory_given_back(device)
+    return None, True
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -97,7 +97,7 @@ from ..core import (
     casts_uncached,
     lossy_actions,
 )
-from ..meters import CompiledCodeIgnoringTracker, LiveTensorTracker, is_compiled, memory_given_back, model_device
+from ..meters import CompiledCodeIgnoringTracker, LiveTensorTracker, is_compiled, model_device, within_memory
 from ..planning import Plan, overlap_priced, simulate
 from ..runtime import applied, apply
 from .action_steps import (
@@ -473,7 +473,8 @@ def profile(
         lossy=lossy,
         clock=clock,
     )
-    try:
+    def kept() -> CostTable:
+        """The profile of steps that keep every block."""
         with GradsRestored(model), profiled_step(model):
             # One untimed plain step first unless one ran already: the first step in a process runs slower
             # (allocator growth, first-touch page faults, lazy initialisation; 5% in the median on a CPU, up to
@@ -506,10 +507,10 @@ def profile(
                 with aside_from_step(model, costs.device):
                     more = plain_steps(model, batch, loss_fn, modules, io, steps=3, autocast=spec, clock=clock)
                 anchor_to_plain_steps(costs, more, fqns)
-    except torch.OutOfMemoryError:  # invariant 1: the step keeping every block does not fit the device
-        costs = None  # out of the handler: its traceback holds the failed step's tensors
+        return costs
+
+    costs, _ = within_memory(kept, model_device(model))  # invariant 1
     if costs is None:
-        memory_given_back(model_device(model))
         costs = _profiled_checkpointed(model, batch, step, spec, chains, io, policies, repeats, reuse_identical,
                                        lossy, clock)  # fmt: skip
     if device == "cuda" and any(OFFLOAD in row.saved_bytes for row in costs.blocks):
