@@ -56,7 +56,9 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,7 @@ import torch
 from torch import nn
 
 import remat
+from remat.chains import interleaved_rounds
 
 os.environ.setdefault("REMAT_CACHE_DIR", "off")
 VOCAB = 256
@@ -190,10 +193,11 @@ def predictions(name: str, repeats: int, emit: Any, device: str = "cpu", direct:
                 handle.remove()
             if there is not None and strategy == "optimal":
                 profiled.update(choice_against_there(model, batch, plan, there, repeats))
-            if others:
-                profiled["step_ratio_by_profile"] = [
-                    round(remat.plan(o.at(rows, positions), strategy, budget=plan.budget_bytes).predicted_step_s
-                          / seconds, 3) for o in [shapes, *others]]  # fmt: skip
+            if others:  # the first profile's plan is this one
+                steps = [plan.predicted_step_s] + [
+                    remat.plan(o.at(rows, positions), strategy, budget=plan.budget_bytes).predicted_step_s
+                    for o in others]  # fmt: skip
+                profiled["step_ratio_by_profile"] = [round(step / seconds, 3) for step in steps]
             emit({"part": "prediction", "model": name, "shape": [rows, positions], "strategy": strategy,
                   "predicted_peak": plan.predicted_peak_bytes, "measured_peak": measured,
                   "peak_ratio": round(plan.predicted_peak_bytes / measured, 4),
@@ -211,16 +215,16 @@ def choice_against_there(model: nn.Module, batch: dict[str, torch.Tensor], plan:
     record: dict[str, Any] = {"same_choice_as_there": chosen.actions == plan.actions}
     if record["same_choice_as_there"]:
         return record
-    times: dict[str, list[float]] = {"extrapolated": [], "there": []}
-    for _ in range(repeats):
-        for key, candidate in (("extrapolated", plan), ("there", chosen)):
-            handle = remat.apply(model, candidate)
-            try:
-                times[key].append(step_time(model, batch, 1))
-            finally:
-                handle.remove()
-    handle = remat.apply(model, chosen)
+    candidates = {"extrapolated": plan, "there": chosen}
+    handle = remat.apply(model, plan)
+
+    def timed(name: str) -> float:
+        handle.set_plan(candidates[name])
+        return step_time(model, batch, 1)
+
     try:
+        times = interleaved_rounds(list(candidates), timed, repeats)
+        handle.set_plan(chosen)
         record["chosen_there_peak"] = peak_of(model, batch)
     finally:
         handle.remove()
@@ -238,10 +242,7 @@ def form_ceiling(name: str, model: nn.Module, measured: list[tuple[int, int]], c
     batches = {shape: make_batch(*shape, seed=0, device=device) for shape in shapes}
     for shape in shapes:
         step_time(model, batches[shape], 1)  # the first step of a shape: allocations and kernels chosen
-    times: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
-    for _ in range(max(7, 2 * repeats + 1)):
-        for shape in shapes:
-            times[shape].append(step_time(model, batches[shape], 1))
+    times = interleaved_rounds(shapes, lambda shape: step_time(model, batches[shape], 1), max(7, 2 * repeats + 1))
     b0, s0 = measured[0]
 
     def features(batch: int, seq: int) -> list[float]:
@@ -600,13 +601,13 @@ def main() -> None:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record)[:300], flush=True)
 
-    units: list[tuple[str, Any]] = [(f"model {name}", lambda name=name: predictions(
-        name, args.repeats, emit, args.device, args.direct, args.profiles)) for name in args.models.split(",") if name]
+    units: list[tuple[str, Callable[[], None]]] = [
+        (f"model {name}", partial(predictions, name, args.repeats, emit, args.device, args.direct, args.profiles))
+        for name in args.models.split(",") if name]  # fmt: skip
     if args.steps:
-        units += [(f"door {door}", lambda door=door: run(args.steps, emit, door)) for door in args.doors.split(",")
-                  if door]  # fmt: skip
+        units += [(f"door {door}", partial(run, args.steps, emit, door)) for door in args.doors.split(",") if door]
     if args.text_steps:
-        units.append(("text", lambda: text_run(args.text_steps, emit)))
+        units.append(("text", partial(text_run, args.text_steps, emit)))
     for unit, measure in units:
         if unit in done:
             print(f"{unit}: in {out} already (--fresh measures it again)", flush=True)
