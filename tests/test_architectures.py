@@ -16,6 +16,7 @@ import copy
 import functools
 import importlib.util
 import io
+import itertools
 import logging
 
 import pytest
@@ -466,15 +467,21 @@ def test_an_encoder_decoder_plan_that_recomputes_both_stacks_is_exact_and_within
 def test_arguments_a_block_makes_for_the_next_are_counted_where_a_recomputing_plan_holds_them() -> None:
     # T5's first block of each stack returns position biases the others take. A step keeping everything frees
     # them in the head; a plan that checkpoints a block holds them through it, so no such plan may be predicted
-    # below its measured peak (it was, by 8 KiB, while they were counted in the stem only).
+    # below its measured peak (it was, by 8 KiB, while they were counted in the stem only), and none far above
+    # (`full` was 2.4% above while they were counted in every row, its stacks' first blocks included).
     arch = by_name("t5")
     model = arch.build()
     batch = arch.batch()
     chains = remat.find_chains(model)
     costs = remat.profile(model, batch, blocks=chains, repeats=1)
-    for i in range(len(costs)):
-        actions = ["checkpoint" if j == i else "keep" for j in range(len(costs))]
-        plan = remat.Plan.from_actions(costs, actions)
+    # Each stack's biases are first passed to its second block: not alive in its first block's unit, which runs
+    # its backward after the others freed them.
+    held = costs.held_args_per_row()
+    assert held[0] == 0 < held[1] and held[1:LAYERS] == [held[1]] * (LAYERS - 1), held
+    assert held[1] <= held[LAYERS] < held[LAYERS + 1], held
+    assert held[LAYERS + 1 :] == [costs.held_args_bytes] * (LAYERS - 1), held
+    for actions in itertools.product(["keep", "checkpoint"], repeat=len(costs)):
+        plan = remat.Plan.from_actions(costs, list(actions))
         handle = remat.apply(model, plan, blocks=chains)
         tracker = LiveTensorTracker()
         try:
@@ -488,7 +495,9 @@ def test_arguments_a_block_makes_for_the_next_are_counted_where_a_recomputing_pl
         tracker.close()
         model.zero_grad(set_to_none=True)
         peak = tracker.peak(exclude_survivors=True)
-        assert peak <= plan.predicted_peak_bytes <= 1.05 * peak, (costs.fqns[i], peak, plan.predicted_peak_bytes)
+        assert peak <= plan.predicted_peak_bytes <= 1.025 * peak, (actions, peak, plan.predicted_peak_bytes)
+        if "keep" not in actions:  # every block holds its arguments, each freed after its stack's second block
+            assert plan.predicted_peak_bytes <= 1.005 * peak, (peak, plan.predicted_peak_bytes)
 
 
 def test_segments_on_two_towers_stay_inside_each_tower_and_are_exact() -> None:

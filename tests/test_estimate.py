@@ -136,6 +136,7 @@ def test_meta_table_byte_terms_equal_remat_profile_on_cpu() -> None:
         assert estimated.bwd_extra_bytes == real.bwd_extra_bytes
         assert (estimated.fwd_temp_bytes, estimated.bwd_temp_bytes) == (real.fwd_temp_bytes, real.bwd_temp_bytes)
     assert meta.held_args_bytes == measured.held_args_bytes > 0
+    assert meta.held_args_rows == measured.held_args_rows == [measured.held_args_bytes] * 3  # the mask: every row
     assert (meta.stem_bytes, meta.head_bytes, meta.head_retained_bytes) == (
         measured.stem_bytes,
         measured.head_bytes,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -187,6 +189,15 @@ def test_pipeline_stages_fit_their_own_budgets_and_segments_never_cross_a_stage(
             assert peak(sub, run.actions[t][p]) <= budgets[p]
         for unit in units_from_actions(run.chain_actions(t)):
             assert any(s <= unit.start and unit.end < e for s, e in run.stages)
+
+
+def test_a_stage_keeps_the_per_row_terms_of_its_rows():
+    rows = replace(chain([1000] * 4, out=400, head=300), held_args_bytes=30, held_args_rows=[0, 10, 30, 30],
+                   call_grad_bytes=[5, 6, 7, 8])  # fmt: skip
+    second = stage_costs(rows, 2, 4)
+    assert (second.held_args_rows, second.call_grad_bytes) == ([30, 30], [7, 8])
+    assert simulate(second, ["checkpoint"] * 2).peak_bytes == simulate(
+        replace(second, held_args_rows=[]), ["checkpoint"] * 2).peak_bytes  # fmt: skip
 
 
 def test_pipeline_rejects_bad_arguments():

@@ -12,7 +12,7 @@ import pytest
 
 from remat.core import MEMORY_POOR, SEGMENT, SINGLE, BlockCost, CostTable, Unit, units_from_actions
 from remat.planning import simulate
-from remat.planning.chain_units import ChainUnits, holding_arguments
+from remat.planning.chain_units import ChainUnits
 from remat.planning.unit_terms import TIME_GRID_S, ChainNumbers, group_table, on_time_grid, single_table, unit_terms
 
 SELECTIVE = "selective:dots_saveable"
@@ -80,6 +80,11 @@ CASES = [
         ["checkpoint", "segment:0", "segment:0", "memory_poor:1", "memory_poor:1"],
     ),
     ("held args", chain(4, held_args=23), ["keep", "memory_poor:0", "memory_poor:0", "checkpoint"]),
+    (
+        "held args row by row",  # an argument the first block computes for the later ones (T5's position bias)
+        replace(chain(5, held_args=23), held_args_rows=[3, 3, 23, 23, 23]),
+        ["checkpoint", "segment:0", "segment:0", "memory_poor:1", "memory_poor:1"],
+    ),
     ("segment, outputs kept", replace(chain(4), outputs_kept=True), ["keep", *["segment:0"] * 3]),
     ("memory-poor group, outputs kept", replace(chain(5), outputs_kept=True), ["memory_poor:0"] * 4 + ["keep"]),
     (
@@ -134,29 +139,28 @@ def table_seconds(costs: CostTable, actions: list[str]) -> list[tuple[float, flo
     return rows
 
 
-def folded_held(costs: CostTable) -> int:
-    """What the searched table (:func:`holding_arguments`) adds to the stem: the held arguments, which the
-    simulator adds to every unit's peak instead."""
-    return holding_arguments(costs).stem_bytes - costs.stem_bytes
+def held_at(costs: CostTable, unit: Unit) -> int:
+    """The held arguments a unit's peak counts under a plan that recomputes: the most alive at any of its rows."""
+    return max(costs.held_args_per_row()[unit.start : unit.end + 1])
 
 
 def table_form(costs: CostTable, actions: list[str]) -> list[Terms]:
-    """:func:`single_table` and :func:`group_table` over the whole chain, on the table the planner searches
-    (held arguments folded into the stem, added back to each unit's peak)."""
-    searched = holding_arguments(costs)
-    held = folded_held(costs)
+    """:func:`single_table` and :func:`group_table` over the whole chain, with each unit's held arguments and
+    backward bytes added as the simulator adds them."""
     n = len(costs)
+    extra = costs.backward_bytes_per_row()
     rows = []
     for unit in units_from_actions(actions):
+        added = held_at(costs, unit) + max(extra[unit.start : unit.end + 1])
         if unit.kind == SINGLE:
-            t = single_table(searched, [unit.action])
-            rows.append((t.retained[0, unit.start], t.peak[0, unit.start] + held, t.time_cost_s[0, unit.start],
+            t = single_table(costs, [unit.action])
+            rows.append((t.retained[0, unit.start], t.peak[0, unit.start] + added, t.time_cost_s[0, unit.start],
                          t.reexecutions[0], 0))  # fmt: skip
             continue
-        g = group_table(ChainNumbers.of(searched), searched.head_retained_bytes, n, [SEGMENT, MEMORY_POOR],
-                        outputs_kept=searched.outputs_kept)  # fmt: skip
+        g = group_table(ChainNumbers.of(costs), costs.head_retained_bytes, n, [SEGMENT, MEMORY_POOR],
+                        outputs_kept=costs.outputs_kept)  # fmt: skip
         s, j = unit.start, unit.size - 1
-        rows.append((g.retained[s, j], g.peak[unit.kind][s, j] + held, g.time_cost_s[unit.kind][s, j],
+        rows.append((g.retained[s, j], g.peak[unit.kind][s, j] + added, g.time_cost_s[unit.kind][s, j],
                      g.reexecutions[unit.kind][j], g.deferred[unit.kind][j]))  # fmt: skip
     return rows
 
@@ -164,13 +168,13 @@ def table_form(costs: CostTable, actions: list[str]) -> list[Terms]:
 def planner_form(costs: CostTable, actions: list[str], by: str) -> list[Terms]:
     """The columns the optimal planner's search reads: units listed by the block they start (``by="start"``,
     the suffix bounds) or end at (``by="end"``, the search)."""
-    chain_units = ChainUnits.from_costs(holding_arguments(costs), None)
+    chain_units = ChainUnits.from_costs(costs, None)
     n = len(costs)
     rows = []
     for unit in units_from_actions(actions):
         listed = chain_units.starting_at(unit.start, n) if by == "start" else chain_units.ending_at(unit.end, n)
         retained, peak, time_cost, reexec, deferred = _pick(chain_units, listed, unit)
-        rows.append((retained, peak + folded_held(costs), time_cost, reexec, deferred))
+        rows.append((retained, peak, time_cost, reexec, deferred))
     return rows
 
 
@@ -228,6 +232,10 @@ def test_the_table_exercises_what_it_names() -> None:
     costs, actions = by_name["held args"]
     held = simulate(costs, actions).unit_peaks[0] - unit_terms(costs, units_from_actions(actions)[0]).peak
     assert held == costs.held_args_bytes
+    costs, actions = by_name["held args row by row"]
+    units = units_from_actions(actions)
+    held = [p - unit_terms(costs, u).peak for u, p in zip(units, simulate(costs, actions).unit_peaks, strict=True)]
+    assert held == [3, 23, 23]  # the segment over rows 1 and 2 holds what row 2 does
     costs, actions = by_name["memory-poor group of the whole chain"]
     (unit,) = units_from_actions(actions)
     rerun = [b.recompute_s["checkpoint"] for b in costs.blocks]

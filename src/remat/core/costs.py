@@ -59,9 +59,10 @@ negative where the stem frees more than the head leaves. It counts in the backwa
 unit's forward runs before the head.
 ``held_args_bytes`` are the blocks' other tensor arguments (an attention mask, position embeddings) that a
 step keeping everything frees before the chain's backward, but that a plan recomputing any block keeps for
-that recomputation. ``outside_s`` is the seconds of a step spent outside the chain's blocks (the stem, the
-head, the loss and their backward): a plain step's time less every block's ``fwd_s + bwd_s``; None when it
-was not measured. Since the blocks are timed alone, it also holds what they cost more or less inside a step
+that recomputation; ``held_args_rows`` says, row by row, which of them are alive while that row's unit runs
+(:meth:`CostTable.held_args_per_row`). ``outside_s`` is the seconds of a step spent outside the chain's blocks
+(the stem, the head, the loss and their backward): a plain step's time less every block's ``fwd_s + bwd_s``; None
+when it was not measured. Since the blocks are timed alone, it also holds what they cost more or less inside a step
 than alone, and it is negative where that exceeds the stem and head (small blocks timed alone run slower).
 ``deferred_s_per_byte`` prices what a segment's re-runs cost beyond checkpoints of the same blocks: a block that a
 segment re-runs ahead of a later block's backward (each of its blocks but its last) adds this times its bytes
@@ -219,13 +220,15 @@ class CostTable:
     outputs_kept: bool = False
     call_grad_bytes: list[int] = field(default_factory=list)
     copy_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    held_args_rows: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.call_grad_bytes and len(self.call_grad_bytes) != len(self.blocks):
-            raise ValueError(
-                f"call_grad_bytes has {len(self.call_grad_bytes)} entries for {len(self.blocks)} rows; give one per "
-                "row (or none)"
-            )
+        for name in ("call_grad_bytes", "held_args_rows"):
+            if getattr(self, name) and len(getattr(self, name)) != len(self.blocks):
+                raise ValueError(
+                    f"{name} has {len(getattr(self, name))} entries for {len(self.blocks)} rows; give one per row "
+                    "(or none)"
+                )
         if not self.chain_lengths:
             if self.between_bytes or self.backward_bytes:
                 raise ValueError(
@@ -269,6 +272,15 @@ class CostTable:
         grads = self.backward_bytes or [0] * len(self.chains)
         calls = self.call_grad_bytes or [0] * len(self.blocks)
         return [grads[k] + extra for k, extra in zip(self.chain_index(), calls, strict=True)]
+
+    def held_args_per_row(self) -> list[int]:
+        """Per row, the held arguments (``held_args_bytes``) alive while a unit holding the row runs forward or
+        backward under a plan that recomputes: every argument of the chains run before the row's, and those of
+        its own chain first passed to the row or an earlier one. An argument that only later blocks take (a
+        position bias the chain's first block computes for the others, as T5's does) is freed with their
+        recomputation state before the earlier rows' backward, and does not exist yet in their forward.
+        ``held_args_rows`` where the profile recorded them; else ``held_args_bytes`` at every row."""
+        return list(self.held_args_rows) if self.held_args_rows else [self.held_args_bytes] * len(self.blocks)
 
     def held_outputs_per_row(self) -> list[int]:
         """Per row ``m``: with ``outputs_kept``, the outputs of blocks ``m`` to the last but one of ``m``'s chain,
@@ -345,6 +357,7 @@ class CostTable:
             outputs_kept=bool(data.get("outputs_kept", False)),
             call_grad_bytes=list(data.get("call_grad_bytes", [])),
             copy_bytes_per_s=dict(data.get("copy_bytes_per_s", {})),
+            held_args_rows=list(data.get("held_args_rows", [])),
         )
 
     def to_json(self) -> str:

@@ -172,6 +172,8 @@ class ShapeCosts:
         """Every term's coefficients, fitted once (bytes exactly, seconds with none negative)."""
         table = {field.name: _fit_term([getattr(t, field.name) for t in self.tables], self._design, self._inverse)
                  for field in dataclasses.fields(CostTable) if field.name not in _FIXED_TABLE_FIELDS}
+        if not all(t.held_args_rows for t in self.tables):  # a shape without them: all held at every row
+            table["held_args_rows"] = ("as is", [])
         blocks, summits = [], []
         fitted = [f.name for f in dataclasses.fields(BlockCost) if f.name not in _FIXED_BLOCK_FIELDS | {_SUMMITS}]
         for rows in zip(*(t.blocks for t in self.tables), strict=True):

@@ -74,6 +74,7 @@ def scale_costs(costs: CostTable, factor: float) -> CostTable:
         head_bytes=int(costs.head_bytes * factor),
         head_retained_bytes=int(costs.head_retained_bytes * factor),
         held_args_bytes=int(costs.held_args_bytes * factor),
+        held_args_rows=[int(v * factor) for v in costs.held_args_rows],
         outside_s=None if costs.outside_s is None else costs.outside_s * factor,
     )
 

@@ -5,7 +5,7 @@ block they start at or the block they end at. Also which actions a search may us
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,6 +43,7 @@ class ChainUnits:
     between: np.ndarray  # (blocks,): bytes that become alive after a unit ending at the block (chains' ends)
     chain_of: np.ndarray  # (blocks,): the chain of each block; no group spans two
     backward_extra: np.ndarray  # (blocks,): a unit's peak adds the largest over its blocks (simulator's term)
+    held_args: np.ndarray  # (blocks,): the held arguments alive at each block, added as backward_extra is
     outputs_kept: bool  # the model keeps every block's output (a group's inner outputs are not freed)
     _groups: dict[int, GroupTable] = field(default_factory=dict)
     _starting: dict[tuple[int, int], Units] = field(default_factory=dict)
@@ -50,15 +51,20 @@ class ChainUnits:
 
     @classmethod
     def from_costs(cls, costs: CostTable, actions: list[str] | None) -> ChainUnits:
+        """The units of ``costs``, with the held arguments counted in every unit's peak (those alive at its rows,
+        :meth:`CostTable.held_args_per_row`) and in the head's (all of them). The simulator counts them so for
+        every plan that is not all ``keep``; keeping everything, the one plan this overestimates, is weighed on
+        its own (:func:`remat.planning.optimal_plan.optimal`)."""
         singles, group_kinds = allowed_actions(costs, actions)
         numbers = ChainNumbers.of(costs) if group_kinds else None
         between = np.zeros(len(costs), dtype=np.int64)
         for end, gap in costs.between_after().items():
             between[end] = gap
         return cls(
-            single_table(costs, singles), group_kinds, numbers, int(costs.head_bytes), int(costs.stem_bytes),
-            int(costs.head_retained_bytes), between, np.array(costs.chain_index(), dtype=np.int64),
-            np.array(costs.backward_bytes_per_row(), dtype=np.int64), costs.outputs_kept,
+            single_table(costs, singles), group_kinds, numbers, int(costs.head_bytes + costs.held_args_bytes),
+            int(costs.stem_bytes), int(costs.head_retained_bytes), between,
+            np.array(costs.chain_index(), dtype=np.int64), np.array(costs.backward_bytes_per_row(), dtype=np.int64),
+            np.array(costs.held_args_per_row(), dtype=np.int64), costs.outputs_kept,
         )  # fmt: skip
 
     @property
@@ -137,7 +143,8 @@ class ChainUnits:
             parts.append(tuple(np.asarray(column)[within] for column in group))
         units = Units(*(np.concatenate(column) for column in zip(*parts, strict=True)))
         units.retained = units.retained + self.between[units.end]  # alive from the next chain's start on
-        units.peak = units.peak + range_max(self.backward_extra, units.start, units.end)
+        units.peak = (units.peak + range_max(self.backward_extra, units.start, units.end)
+                      + range_max(self.held_args, units.start, units.end))  # fmt: skip
         return units
 
     def actions_from_units(self, units: list[tuple[int, int, int]]) -> list[str]:
@@ -200,15 +207,6 @@ def _not_plannable(costs: CostTable, action: str, available: list[str]) -> str:
         f"action {action!r} has no costs for blocks {missing[:3]}{' ...' if len(missing) > 3 else ''} of the "
         f"cost table; profile with it included (remat.profile(..., policies=...)) or {choose}"
     )
-
-
-def holding_arguments(costs: CostTable) -> CostTable:
-    """``costs`` with the held arguments counted in every unit's peak and the head's (as stem bytes, which every
-    peak adds). The simulator counts them so for every plan that is not all ``keep``; the search runs on this
-    table, and keeping everything, the one plan it overestimates, is weighed on its own."""
-    if not costs.held_args_bytes:
-        return costs
-    return replace(costs, stem_bytes=costs.stem_bytes + costs.held_args_bytes, held_args_bytes=0)
 
 
 def range_max(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:

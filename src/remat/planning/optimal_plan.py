@@ -77,7 +77,7 @@ from ..core import (
     plan_choices,
     warn_legacy,
 )
-from .chain_units import ChainUnits, allowed_actions, holding_arguments
+from .chain_units import ChainUnits, allowed_actions
 from .plan import Plan
 from .search import Search, default_max_segment, front_limit, plans_tied, suffix_need
 from .simulator import simulate
@@ -88,7 +88,7 @@ def min_peak_bytes(costs: CostTable, actions: list[str] | None = None) -> int:
     exact under the simulator."""
     if len(costs) == 0:
         return int(costs.stem_bytes + costs.head_bytes)
-    chain = ChainUnits.from_costs(holding_arguments(costs), actions)
+    chain = ChainUnits.from_costs(costs, actions)
     least = chain.stem + int(suffix_need(chain, chain.n)[0])
     if costs.held_args_bytes:
         least = min(least, simulate(costs, [KEEP] * len(costs)).peak_bytes)
@@ -262,8 +262,8 @@ def _search(
     ties_s: float = 0.0,
 ) -> Plan:
     """The optimal plan on ``costs`` with the held arguments counted in every unit (see
-    :func:`remat.planning.chain_units.holding_arguments`), predicted on ``costs`` itself."""
-    chain = ChainUnits.from_costs(holding_arguments(costs), actions)
+    :meth:`remat.planning.chain_units.ChainUnits.from_costs`), predicted on ``costs`` itself."""
+    chain = ChainUnits.from_costs(costs, actions)
     n = chain.n
     room = budget - chain.stem
     max_segment_used = min(n, max_segment) if max_segment is not None else default_max_segment(n)

@@ -7,9 +7,9 @@ and while the unit's own forward or backward runs the live bytes rise to ``prefi
 is what the units before it retain. The head (loss) runs with everything retained; what it leaves alive
 (``head_retained_bytes``, less what the stem held only for the model's forward) is counted in every unit's
 backward, which runs after it, and in none of their forwards.
-When any unit is not ``keep``, the blocks' other arguments the runtime holds for recomputation
-(``held_args_bytes``) are counted in every unit's peak and in the head's too (they may be freed before the
-earliest units' backward, and they were alive in the head's forward anyway: the safe side).
+When any unit is not ``keep``, the blocks' other arguments the runtime holds for recomputation are counted in
+each unit's peak, those alive at its rows (:meth:`remat.core.costs.CostTable.held_args_per_row`: an argument only
+later blocks take is freed before the unit's backward), and all of them (``held_args_bytes``) in the head's.
 
 A table of several chains (:attr:`remat.core.costs.CostTable.chain_lengths`) is one ledger: the chains' units in
 the order the step runs them, with each chain's ``between_bytes`` added to the prefix after its last unit (alive
@@ -63,14 +63,16 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
     deferred = 0
     unit_peaks = []
     units = units_from_actions(actions)
-    held = costs.held_args_bytes if any(not (u.kind == SINGLE and u.action == KEEP) for u in units) else 0
+    holds = any(not (u.kind == SINGLE and u.action == KEEP) for u in units)
+    held_rows = costs.held_args_per_row() if holds else [0] * len(costs)
     between = costs.between_after()
     if between:
         check_within_chains(costs, units)
     backward_extra = costs.backward_bytes_per_row()
     for unit in units:
         terms = unit_terms(costs, unit)
-        unit_peak = terms.peak + held + max(backward_extra[unit.start : unit.end + 1])
+        rows = slice(unit.start, unit.end + 1)
+        unit_peak = terms.peak + max(held_rows[rows]) + max(backward_extra[rows])
         peak = max(peak, prefix + unit_peak)
         unit_peaks.append(unit_peak)
         prefix += terms.retained + between.get(unit.end, 0)
@@ -79,7 +81,7 @@ def simulate(costs: CostTable, actions: dict[str, str] | list[str]) -> Simulatio
         time_cost += terms.time_cost_s
         reexec.extend(terms.reexecutions)
         deferred += terms.deferred
-    peak = max(peak, prefix + costs.head_bytes + held) + costs.stem_bytes
+    peak = max(peak, prefix + costs.head_bytes + (costs.held_args_bytes if holds else 0)) + costs.stem_bytes
     step = keep_step_s(costs) + time_cost
     return Simulation(
         int(peak), recompute, int(prefix), tuple(reexec), tuple(unit_peaks), overhead, time_cost, step, deferred

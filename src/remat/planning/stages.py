@@ -42,6 +42,7 @@ def stage_costs(costs: CostTable, start: int, end: int) -> CostTable:
     return replace(
         costs, blocks=list(rows), stem_bytes=stem, head_bytes=head, head_retained_bytes=retained,
         chain_lengths=[], between_bytes=[], backward_bytes=[],  # a stage is planned as one chain
+        call_grad_bytes=costs.call_grad_bytes[start:end], held_args_rows=costs.held_args_rows[start:end],
     )  # fmt: skip
 
 

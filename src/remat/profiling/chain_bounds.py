@@ -29,26 +29,29 @@ class BlockArguments:
     per storage. Those that need a gradient (an encoder's output in cross-attention, a position bias computed by
     the first block) have it summed across their chain's backward: :attr:`grad_bytes` per chain. A plan that
     recomputes a block holds them for the recomputation; a step that keeps everything
-    may free them before the chain's backward. :meth:`freed_bytes` sums those freed so far."""
+    may free them before the chain's backward. :meth:`freed` lists those freed so far, each with the chain and
+    the row of the call that first passed it."""
 
     def __init__(self) -> None:
-        self._storages: list[tuple[weakref.ref, int]] = []
+        self._storages: list[tuple[weakref.ref, int, int, int]] = []  # storage, bytes, chain, row of first call
         self.grad_bytes: dict[int, int] = {}  # per chain: bytes of the arguments that need a gradient
 
-    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any], main: torch.Tensor, chain: int = 0) -> None:
-        """Record the arguments of a block call of chain ``chain`` whose main input is ``main``."""
+    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any], main: torch.Tensor, chain: int = 0,
+            row: int = 0) -> None:  # fmt: skip
+        """Record the arguments of the ``row``-th block call of chain ``chain``, whose main input is ``main``."""
         for t in tree_flatten((args, kwargs))[0]:
             if not isinstance(t, torch.Tensor) or t is main or isinstance(t, nn.Parameter):
                 continue
             storage = t.untyped_storage()
-            if any(ref() is storage for ref, _ in self._storages):
+            if any(entry[0]() is storage for entry in self._storages):
                 continue
-            self._storages.append((weakref.ref(storage), storage.nbytes()))
+            self._storages.append((weakref.ref(storage), storage.nbytes(), chain, row))
             if t.requires_grad:
                 self.grad_bytes[chain] = self.grad_bytes.get(chain, 0) + storage.nbytes()
 
-    def freed_bytes(self) -> int:
-        return sum(nbytes for ref, nbytes in self._storages if ref() is None)
+    def freed(self) -> list[tuple[int, int, int]]:
+        """``(bytes, chain, row of the first call passing it)`` of every argument freed so far."""
+        return [(nbytes, chain, row) for ref, nbytes, chain, row in self._storages if ref() is None]
 
 
 class ChainBounds:
@@ -61,7 +64,8 @@ class ChainBounds:
         self.arguments = BlockArguments()
         self.chains = chains
         self.order: list[int] = []  # chains in the order their first block was called
-        self._freed_at_grad: dict[int, int] = {}
+        self._freed_at_grad: dict[int, list[tuple[int, int, int]]] = {}  # per chain: BlockArguments.freed()
+        self._calls: dict[int, int] = {}  # per chain: the block calls so far (rows)
         # main inputs of each chain's first and last block, watched from a chain's end to its gradient
         self._inputs: dict[tuple[int, str], tuple[weakref.ref, int]] = {}
         self._watched: dict[int, list[tuple[weakref.ref, int]]] = {}
@@ -76,7 +80,8 @@ class ChainBounds:
             self.tracker.mark(f"start{chain}")
             if not self.tracker.has_mark("stem"):
                 self.tracker.mark("stem")
-        self.arguments.add(args, kwargs, main, chain)
+        self.arguments.add(args, kwargs, main, chain, self._calls.get(chain, 0))
+        self._calls[chain] = self._calls.get(chain, 0) + 1
         storage = main.untyped_storage()
         entry = (weakref.ref(storage), storage.nbytes())
         self._inputs.setdefault((chain, "first"), entry)
@@ -101,7 +106,7 @@ class ChainBounds:
         if chain in self._freed_at_grad:
             return
         self.tracker.mark(f"grad{chain}")
-        self._freed_at_grad[chain] = self.arguments.freed_bytes()
+        self._freed_at_grad[chain] = self.arguments.freed()
         # The chains' first and last block inputs die in the head (the model's forward returns) when nothing
         # saved them (a block whose first op copies its input, as a bfloat16 RMSNorm upcasting to float32 does);
         # a plan that checkpoints the block keeps them. The stem and the blocks' terms count them either way, so
@@ -113,10 +118,28 @@ class ChainBounds:
         """Whether the gradient of a chain's output has arrived (the step's backward reached the chains)."""
         return bool(self._freed_at_grad)
 
+    def _held(self) -> list[tuple[int, int, int]]:
+        """:meth:`BlockArguments.freed` when the last chain's output gradient arrived (the head is over)."""
+        return self._freed_at_grad.get(self.order[-1], []) if self.order else []
+
     @property
     def held_args_bytes(self) -> int:
         """Block arguments freed by the time the last chain's output gradient arrived (the head is over)."""
-        return self._freed_at_grad.get(self.order[-1], 0) if self.order else 0
+        return sum(nbytes for nbytes, _, _ in self._held())
+
+    def held_args_rows(self) -> list[int]:
+        """:attr:`held_args_bytes` row by row, rows in the order the step ran the chains: the arguments of the
+        chains run before the row's, and those of its own chain first passed to it or an earlier row
+        (:meth:`remat.core.costs.CostTable.held_args_per_row`). Empty when there are none."""
+        held = self._held()
+        if not held:
+            return []
+        position = {chain: k for k, chain in enumerate(self.order)}
+        return [
+            sum(nbytes for nbytes, chain, first in held
+                if position.get(chain, k) < k or (chain == row_chain and first <= row))
+            for k, row_chain in enumerate(self.order) for row in range(self._calls.get(row_chain, 0))
+        ]  # fmt: skip
 
     def interleaved(self) -> bool:
         """Whether a chain started before the one called before it had ended (chains that do not run one after
@@ -157,6 +180,7 @@ class ChainBounds:
             "head_bytes": head,
             "head_retained_bytes": head_retained,
             "held_args_bytes": self.held_args_bytes,
+            "held_args_rows": self.held_args_rows(),
         }
         if self.chains > 1:
             figures["backward_bytes"] = [
@@ -192,6 +216,8 @@ class ChainBounds:
         figures = self.figures()
         made = self.kept_beside_blocks(keep_bytes, lengths)
         figures["stem_bytes"] += made
+        if len(figures["held_args_rows"]) != sum(lengths):  # a call the rows do not count: every row holds all
+            figures["held_args_rows"] = []
         if len(lengths) > 1:
             figures["chain_lengths"] = [lengths[k] for k in self.order]
         return figures
