@@ -88,7 +88,7 @@ def test_dropout_model_tries_only_budgets_that_keep_its_draws() -> None:
     assert fit.budget == NO_BUDGET
     assert [t.peak_bytes is None for t in fit.trials] == [False, True, True]
     assert "draws random numbers" in fit.trials[1].refused
-    with pytest.raises(remat.BudgetError, match="were not tried"):
+    with pytest.raises(remat.BudgetError, match="were not run \\(not tried: the model draws"):
         fit_compile_budget(_mlp(dropout=0.1), X, 0.5, backend=BACKEND, budgets=(0.1,), rounds=1)
 
 

@@ -126,7 +126,7 @@ def test_whole_model_trials_measured_once_serve_another_byte_budget(monkeypatch:
     def measured_again(*args: object, **kwargs: object) -> None:
         raise AssertionError("the whole-model grid was measured again")
 
-    monkeypatch.setattr(compiled_choice, "fit_compile_budget", measured_again)
+    monkeypatch.setattr(compiled_choice, "measured_grid", measured_again)
     model = _model()  # a copy with the same weights
     second = fit_compiled(model, X, 0.6, backend=BACKEND, whole=first.budgets, partition_budgets=(0.1,), rounds=1)
     assert second.budgets is first.budgets

@@ -75,6 +75,17 @@ def trained_on(model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], seed
     return value.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+def trains_as_a_plain_step(model: nn.Module, reference: nn.Module, loss: Callable[[nn.Module], torch.Tensor],
+                           capacity: int) -> None:  # fmt: skip
+    """Two training steps of ``model`` on a device of ``capacity`` bytes: none refused an allocation, and the losses
+    and gradients are bitwise those of plain steps of ``reference`` (a copy) from the same RNG seeds."""
+    for seed in (1, 2):
+        value, grads = trained_on(model, loss, seed, capacity)
+        expected_value, expected = trained_on(reference, loss, seed)
+        assert torch.equal(value, expected_value)
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+
+
 def test_a_profile_that_runs_out_of_memory_keeping_every_block_is_taken_with_them_checkpointed() -> None:
     make, batch, loss = mlp_case()
     model = make()
@@ -101,11 +112,7 @@ def test_fit_with_a_batch_on_a_device_the_plain_step_does_not_fit_returns_a_plan
     assert session.plan.action_counts() != f"{blocks} keep"
     assert session.costs.info["profiled_under"] == CHECKPOINT
     assert "did not fit the device" in session.describe()
-    for seed in (1, 2):
-        value, grads = trained_on(model, loss, seed, capacity)  # no allocation refused
-        expected_value, expected = trained_on(reference, loss, seed)
-        assert torch.equal(value, expected_value)
-        assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+    trains_as_a_plain_step(model, reference, loss, capacity)
     session.remove()
 
 
@@ -200,3 +207,38 @@ def test_fit_on_a_device_not_even_every_block_checkpointed_fits_is_refused_namin
     assert "even the step with every block checkpointed ran out of the device's memory" in message
     assert "a batch of 256 or fewer" in message
     assert all(p.grad is None for p in model.parameters())  # nothing left of the failed steps
+
+
+# Under the emulated device's dispatch mode dynamo runs the compiled wrappers eagerly: what these two tests check is
+# the fit's course where a compiled step runs out of memory, not the memory of compiled code (tests/test_gpu.py).
+COMPILE = {"backend": "aot_eager", "rounds": 1, "budgets": (0.5,), "partition_budgets": (0.5,)}
+
+
+def test_fit_compiled_on_a_device_the_plain_step_does_not_fit_measures_the_routes_that_run_there() -> None:
+    make, batch, loss = mlp_case()
+    model, reference = make(), make()
+    capacity = capacity_between_full_and_keep(model, loss)
+    with DeviceOf(capacity) as device:
+        session = remat.fit(model, fixed_memory(model).resident + capacity, batch=batch, compile=COMPILE)
+    assert device.refused >= 3  # the eager plain step, the profile keeping every block, the unbudgeted compile
+    text = session.describe()
+    assert "torch.compile, no budget (no activation_memory_budget): not run (ran out of the device's memory)" in text
+    assert "steps as ratios to blocks's" in text  # the reference did not run: the ratios say against what
+    assert session.route in ("eager", "blocks") and session.plan is not None
+    assert session.plan.action_counts() != f"{len(session.plan.actions)} keep"
+    trains_as_a_plain_step(model, reference, loss, capacity)
+    session.remove()
+
+
+def test_the_whole_model_budget_grid_on_a_device_its_steps_do_not_fit_says_so() -> None:
+    make, batch, loss = mlp_case()
+    model = make()
+    capacity = capacity_between_full_and_keep(model, loss)
+    options = {k: v for k, v in COMPILE.items() if k != "partition_budgets"}
+    with DeviceOf(capacity), pytest.raises(ValueError, match="is a fraction of the compiled step's peak without a"):
+        remat.fitting.fit_compile_budget(model, batch, 0.5, **options)
+    with DeviceOf(capacity), pytest.raises(remat.BudgetError) as refused:
+        remat.fitting.fit_compile_budget(model, batch, capacity, **options)
+    assert "no activation_memory_budget of the whole compiled model ran (1: ran out of the device's memory; 0.5: " \
+        "ran out of the device's memory)" in str(refused.value)  # fmt: skip
+    assert all(p.grad is None for p in model.parameters())

@@ -22,6 +22,10 @@ Invariants, enforced here:
    compilation cannot save them (0, or a backend other than inductor) is not tried, and the fit says why.
 2. The model is left as it was: parameter gradients, the RNG state and the module itself (the trials compile
    wrappers, ``torch.compile(model, ...)``; the model is not compiled in place).
+3. A budget whose step runs out of the device's memory is a measurement: its trial is refused with
+   :data:`OUT_OF_MEMORY` and the others are measured. Where the step without a budget is one of them, a fraction
+   has nothing to be a fraction of, but 1 (every budget that ran fits the device, so it stays below the
+   unbudgeted step's peak): the fit chooses among those that ran, and another fraction is refused for bytes.
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ from ..core import (
     normalize_budget,
     parse_budget,
 )
-from ..meters import measure, model_device
+from ..meters import measure, model_device, within_memory
 from ..profiling import step_aside
 from .trial import Fit, Trial, fastest, over
 
 DEFAULT_BUDGETS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
 NO_BUDGET = 1.0
+OUT_OF_MEMORY = "ran out of the device's memory"  # invariant 3: a trial refused so
 
 
 NAME = "torch.compile"
@@ -81,7 +86,7 @@ class CompileBudgetFit(Fit):
 
     def refit(self, max_bytes: int | float | str) -> CompileBudgetFit:
         """The fit for another byte budget, chosen from the same measurements (nothing compiles or runs)."""
-        return _choose(self.trials, max_bytes, self.backends, self.dynamic)
+        return choose_budget(self.trials, max_bytes, self.backends, self.dynamic)
 
     def compile(self, model: nn.Module, budget: float | None = None) -> nn.Module:
         """``torch.compile(model)`` under the chosen budget, or under ``budget``, one the trials ran (the backend
@@ -127,10 +132,30 @@ def fit_compile_budget(
     byte budget from the same measurements. Raises :class:`remat.BudgetError` (``floor``: the least peak
     measured) when no budget fits."""
     spec = StepSpec.of(step, loss_fn=loss_fn, autocast=autocast, holds_output=holds_output)
-    loss_fn, holds_output = spec.loss_fn, spec.holds_output
-    candidates = _check_budgets(budgets)
     if normalize_budget(max_bytes) is None:  # checked before anything compiles
         raise ValueError("max_bytes is None: give bytes, a string like '2GiB' or a fraction in (0, 1]")
+    trials, backends = measured_grid(model, batch, spec, budgets, backend, mode, options, dynamic, rounds, clock,
+                                     set_to_none)  # fmt: skip
+    return choose_budget(trials, max_bytes, backends, dynamic)
+
+
+def measured_grid(
+    model: nn.Module,
+    batch: Batch,
+    spec: StepSpec,
+    budgets: Sequence[float],
+    backend: str | Callable[..., Any],
+    mode: str | None,
+    options: dict[str, Any] | None,
+    dynamic: bool | None,
+    rounds: int,
+    clock: Callable[[], float],
+    set_to_none: bool,
+) -> tuple[tuple[Trial, ...], dict[float, Callable[..., Any]]]:
+    """:func:`fit_compile_budget`'s measurements, before any choice: a trial per budget, no budget first (each
+    refused where it did not run, invariants 1 and 3), and the backend that compiled each that ran."""
+    loss_fn, holds_output = spec.loss_fn, spec.holds_output
+    candidates = _check_budgets(budgets)
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: at least one timed step per budget is needed")
     device = model_device(model)
@@ -153,14 +178,24 @@ def fit_compile_budget(
             def step(compiled: nn.Module = compiled) -> float:
                 return timed_step(compiled, batch, loss_fn, autocast_setting, clock, holds_output, set_to_none)
 
-            torch.manual_seed(0)  # every step draws what the others draw (seeded outside RandomDraws' watch)
-            with RandomDraws(device) as drawn:
-                step()  # compiles
-            draws = draws or drawn.seen
-            torch.manual_seed(0)
-            with measure(device, allocations=True) as meter:
-                step()
-            peaks[budget], steps[budget] = meter.activation_bytes, step
+            def first_steps(step: Callable[[], float] = step) -> tuple[int, bool]:
+                torch.manual_seed(0)  # every step draws what the others draw (seeded outside RandomDraws' watch)
+                with RandomDraws(device) as drawn:
+                    step()  # compiles
+                torch.manual_seed(0)
+                with measure(device, allocations=True) as meter:
+                    step()
+                return meter.activation_bytes, drawn.seen
+
+            measured, out_of_memory = within_memory(first_steps, device)
+            if measured is None:  # invariant 3
+                skipped[budget] = OUT_OF_MEMORY
+                continue
+            draws = draws or measured[1]
+            if draws and budget != NO_BUDGET and not saves_draws_under(backend, options, budget):
+                skipped[budget] = _WHY_NOT_EXACT.format(backend=backend)  # the first to run drew (invariant 1)
+                continue
+            peaks[budget], steps[budget] = measured[0], step
 
         def seeded(budget: float) -> float:
             torch.manual_seed(0)
@@ -168,36 +203,42 @@ def fit_compile_budget(
 
         seconds = interleaved_rounds(list(steps), seeded, rounds)
     trials = [
-        Trial(NAME, budget=b, refused=f"not tried: {skipped[b]}")
+        Trial(NAME, budget=b, refused=skipped[b] if skipped[b] == OUT_OF_MEMORY else f"not tried: {skipped[b]}")
         if b in skipped
         else Trial(NAME, "no activation_memory_budget" if b == NO_BUDGET else "", budget=b, peak_bytes=peaks[b],
                    step_s=statistics.median(seconds[b]))  # fmt: skip
         for b in (NO_BUDGET, *candidates)
     ]
-    return _choose(tuple(trials), max_bytes, backends, dynamic)
+    return tuple(trials), {b: backends[b] for b in peaks}
 
 
-def _choose(
+def choose_budget(
     trials: tuple[Trial, ...],
     max_bytes: int | float | str,
     backends: Mapping[float, Callable[..., Any]],
     dynamic: bool | None,
 ) -> CompileBudgetFit:
     """The fastest trial whose peak fits ``max_bytes`` (a fraction: of the unbudgeted trial's peak)."""
-    reference = trials[0].peak_bytes
-    assert trials[0].budget == NO_BUDGET and reference is not None
-    limit = parse_budget(max_bytes, reference)
-    assert limit is not None
+    assert trials[0].budget == NO_BUDGET
+    limit = budget_bytes(max_bytes, trials)
     trials = tuple(t if t.peak_bytes is None else replace(t, refused=over(t.peak_bytes, limit)) for t in trials)
     chosen = fastest(trials, by=lambda t: t.step_s or 0.0)
+    if chosen is None and all(t.peak_bytes is None for t in trials):
+        raise BudgetError(
+            "no activation_memory_budget of the whole compiled model ran ("
+            + "; ".join(f"{t.budget:g}: {t.refused}" for t in trials)
+            + "). Lower peaks need a graph per block (compile_blocks and remat's plan, which fit_compiled measures "
+            "too), a smaller batch, or remat's eager plans (remat.fit without compile=)"
+        )
     if chosen is None:
         least = least_peak_trial(trials)
         skipped = [t for t in trials if t.peak_bytes is None]
+        reference = trials[0].peak_bytes
         raise BudgetError(
             f"no activation_memory_budget of the whole compiled model fits {format_bytes(limit)}: the least peak "
             f"measured is {format_bytes(least.peak_bytes or 0)} (budget {least.budget:g}; without one "
-            f"{format_bytes(reference)})"
-            + (f"; budgets {[t.budget for t in skipped]} were not tried ({skipped[0].refused})" if skipped else "")
+            f"{format_bytes(reference) if reference is not None else OUT_OF_MEMORY})"
+            + (f"; budgets {[t.budget for t in skipped]} were not run ({skipped[0].refused})" if skipped else "")
             + ". One graph takes one budget; lower peaks need a graph per block: "
             "remat.integrations.compile.compile_blocks(model, partition_budgets=[...]) and "
             "remat.plan(remat.profile(model, batch), 'optimal', budget); fit_compiled(model, batch, budget) measures "
@@ -205,6 +246,25 @@ def _choose(
             floor=least.peak_bytes,
         )
     return CompileBudgetFit(limit, chosen, trials, dict(backends), dynamic)
+
+
+def budget_bytes(max_bytes: int | float | str, trials: Sequence[Trial]) -> int:
+    """``max_bytes`` in bytes, a fraction read against the first trial's peak (the step without a budget). Where
+    that step did not run, 1 reads as the largest peak of those that ran (invariant 3), and another fraction is
+    refused."""
+    ran = [t.peak_bytes for t in trials if t.peak_bytes is not None]
+    reference = trials[0].peak_bytes
+    fraction = normalize_budget(max_bytes)
+    if reference is None and isinstance(fraction, float):
+        if fraction == NO_BUDGET and ran:
+            return max(ran)
+        raise ValueError(
+            f"max_bytes={max_bytes!r} is a fraction of the compiled step's peak without a budget, and that step "
+            f"{OUT_OF_MEMORY}: give bytes, an int or a string like '2GiB'"
+        )
+    limit = parse_budget(max_bytes, reference)
+    assert limit is not None
+    return limit
 
 
 def fitting_trials(trials: Sequence[Trial], limit: int) -> list[Trial]:

@@ -31,6 +31,11 @@ Invariants, enforced here:
    is the model and ``handle`` the plan's. ``"eager"``: the eager plan applied to the plain blocks. Parameter
    gradients and the RNG state are as they were; after an error the model is as it came.
 3. The model comes plain (no plan applied, no block compiled; else ValueError): both routes start from it.
+4. A route whose step runs out of the device's memory is measured, not fatal: a whole-model budget so is refused
+   (invariant 3 of :mod:`remat.fitting.compile_budget`; the unbudgeted step too, which then leaves the head to head,
+   the contenders' ratios read against the first that fits); the blocks are compiled under every block
+   checkpointed where the step keeping them does not fit, and a blocks plan that runs out of memory is planned
+   again for less, as one measured over.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from torch import nn
 from ..chains import resolve_blocks, timed_step
 from ..checkpointing import remove_partitions, restore_partitions
 from ..core import (
+    CHECKPOINT,
     KEEP,
     Action,
     AutocastArg,
@@ -56,19 +62,21 @@ from ..core import (
     autocast_spec,
     format_bytes,
     normalize_budget,
-    parse_budget,
 )
-from ..meters import model_device
+from ..meters import model_device, within_memory
 from ..planning import Plan, make_plan
 from ..profiling import profile, step_aside
 from ..runtime import RematHandle, apply, owner_of
 from .compile_budget import (
     DEFAULT_BUDGETS,
     NO_BUDGET,
+    OUT_OF_MEMORY,
     CompileBudgetFit,
-    fit_compile_budget,
+    budget_bytes,
+    choose_budget,
     fitting_trials,
     least_peak_trial,
+    measured_grid,
 )
 from .compiled_blocks import compile_blocks, uncompile_blocks
 from .trial import Fit, Trial, fastest, head_to_head, over, peak_of, with_ratios
@@ -87,7 +95,7 @@ class CompiledFit(Fit):
     them for another byte budget); ``plan`` and ``handle`` are the blocks route's, None for the whole model."""
 
     module: nn.Module = field(repr=False)
-    budgets: CompileBudgetFit = field(repr=False)
+    budgets: CompileBudgetFit | None = field(repr=False)  # None where no whole-model budget ran
     plan: Plan | None = None
     handle: RematHandle | None = field(default=None, repr=False)
 
@@ -159,14 +167,18 @@ def fit_compiled(
     chain = resolve_blocks(model, blocks)
     _refuse_prepared(model, chain)
     compile_options: dict[str, Any] = {"backend": backend, "mode": mode, "options": options, "dynamic": dynamic}
-    measured = whole if whole is not None else fit_compile_budget(
-        model, batch, NO_BUDGET, step=replace(spec, blocks=None),
-        budgets=DEFAULT_BUDGETS if budgets is None else budgets, rounds=rounds, clock=clock,
-        set_to_none=set_to_none, **compile_options,
-    )  # fmt: skip
-    reference_peak = measured.trials[0].peak_bytes
-    limit = parse_budget(max_bytes, reference_peak)
-    assert limit is not None and reference_peak is not None
+    if whole is not None:
+        grid, backends = whole.trials, dict(whole.backends)
+    else:
+        grid, backends = measured_grid(
+            model, batch, replace(spec, blocks=None), DEFAULT_BUDGETS if budgets is None else budgets, backend, mode,
+            options, dynamic, rounds, clock, set_to_none,
+        )  # fmt: skip
+    measured = whole
+    if measured is None and any(t.peak_bytes is not None for t in grid):  # the grid kept for refit, with its choice
+        measured = choose_budget(grid, NO_BUDGET, backends, dynamic)
+    reference_peak = grid[0].peak_bytes
+    limit = budget_bytes(max_bytes, grid)
     autocast_setting = autocast_spec(autocast, model_device(model).type)
 
     def timed(module: nn.Module) -> float:
@@ -177,7 +189,7 @@ def fit_compiled(
     device = model_device(model)
     try:
         with step_aside(model):
-            whole = _whole_routes(measured, limit)
+            whole_trials = _whole_routes(grid, limit)
             eager_trial = None
             if eager is not None:  # measured on the plain blocks, before any is compiled
                 routes.eager()
@@ -185,17 +197,21 @@ def fit_compiled(
                 eager_trial = Trial(EAGER, f"plan {eager.action_counts()}", plan=eager, peak_bytes=peak,
                                     predicted_bytes=eager.predicted_peak_bytes, refused=over(peak, limit))  # fmt: skip
                 routes.undo()
-            routes.prepare_blocks(partitions, compile_options)
-            costs = profile(model, batch, step=replace(spec, blocks=chain), clock=clock)
-            blocks_trial = routes.plan_blocks(costs, limit)
-            reference = Trial(_REFERENCE, "no activation_memory_budget", peak_bytes=reference_peak)
-            trials = [reference, *whole, blocks_trial]
+            if routes.prepare_blocks(partitions, compile_options):
+                costs = profile(model, batch, step=replace(spec, blocks=chain), clock=clock)
+                blocks_trial = routes.plan_blocks(costs, limit)
+            else:
+                blocks_trial = Trial(BLOCKS, "remat optimal", refused=f"with every block checkpointed {OUT_OF_MEMORY}")
+            reference = Trial(_REFERENCE, "no activation_memory_budget", peak_bytes=reference_peak,
+                              refused="" if reference_peak is not None else OUT_OF_MEMORY)  # fmt: skip
+            trials = [reference, *whole_trials, blocks_trial]
             if eager_trial is not None:
                 trials.append(eager_trial)
             if all(t.refused for t in trials[1:]):
                 raise _neither_fits(limit, reference_peak, trials[1:])
-            wrappers = {
-                t.label: measured.compile(model, NO_BUDGET if t.budget is None else t.budget)
+            wrappers = {  # the reference first where it ran (invariant 4): the ratios' denominator
+                t.label: torch.compile(model, backend=backends[NO_BUDGET if t.budget is None else t.budget],
+                                       dynamic=dynamic)
                 for t in trials if t.name in (_REFERENCE, WHOLE_MODEL) and not t.refused
             }  # fmt: skip
             ratios = routes.head_to_head(
@@ -235,16 +251,28 @@ class _Routes:
         self.eager_plan = eager
         self.eager_handle: RematHandle | None = None
 
-    def prepare_blocks(self, partitions: Sequence[float], compile_options: dict[str, Any]) -> None:
+    def prepare_blocks(self, partitions: Sequence[float], compile_options: dict[str, Any]) -> bool:
+        """Compile the blocks and run a step that compiles their calls: keeping every block, or where that runs
+        out of memory, checkpointing every one (invariant 4). False where neither step fits the device."""
         self.plan = Plan({fqn: KEEP for fqn, _ in self.chain})
         self.handle = apply(self.model, self.plan, blocks=self.chain)
         compile_blocks(self.model, self.chain, partition_budgets=partitions, **compile_options)
-        self.step(self.model)  # compiles the blocks' own calls
+        device = model_device(self.model)
+        if not within_memory(lambda: self.step(self.model), device)[1]:  # compiles the blocks' own calls
+            return True
+        self.plan = Plan({fqn: CHECKPOINT for fqn, _ in self.chain})
+        self.handle.set_plan(self.plan)
+        return not within_memory(lambda: self.step(self.model), device)[1]
 
     def plan_blocks(self, costs: Any, limit: int) -> Trial:
         """remat's optimal plan for ``limit``, applied and measured (Invariant 1: replanned while over)."""
         assert self.handle is not None
         budget, plan, peak, missed = limit, None, None, 0
+        device = model_device(self.model)
+
+        def measured() -> int:  # a variant the profile did not run compiles in the untimed step
+            return peak_of(lambda: self.step(self.model), device, allocations=True)
+
         for _ in range(1 + REPLANS):
             try:
                 plan = make_plan(costs, "optimal", budget)
@@ -254,13 +282,17 @@ class _Routes:
                 return Trial(BLOCKS, "remat optimal", predicted_bytes=err.floor, refused=refused)
             self.handle.set_plan(plan)
             self.plan = plan
-            # a variant the profile did not run compiles in the untimed step
-            peak = peak_of(lambda: self.step(self.model), model_device(self.model), allocations=True)
-            if peak <= limit:
+            peak = within_memory(measured, device)[0]
+            if peak is not None and peak <= limit:
                 break
-            missed = max(missed, peak - (plan.predicted_peak_bytes or peak))
+            predicted = plan.predicted_peak_bytes or limit
+            # out of memory: the budget a sixteenth lower than this try's
+            missed = max(missed, peak - predicted if peak is not None else limit - budget + budget // 16)
             budget = limit - missed
-        assert plan is not None and peak is not None
+        assert plan is not None
+        if peak is None:
+            return Trial(BLOCKS, f"plan {plan.action_counts()}", plan=plan, predicted_bytes=plan.predicted_peak_bytes,
+                         refused=f"{OUT_OF_MEMORY} {1 + REPLANS} times")  # fmt: skip
         refused = "" if peak <= limit else f"measured over {format_bytes(limit)} {1 + REPLANS} times"
         trial = Trial(BLOCKS, f"plan {plan.action_counts()}", plan=plan, peak_bytes=peak,
                       predicted_bytes=plan.predicted_peak_bytes, refused=refused)  # fmt: skip
@@ -338,16 +370,18 @@ class _Routes:
         uncompile_blocks(self.chain)
 
 
-def _whole_routes(measured: CompileBudgetFit, limit: int) -> list[Trial]:
+def _whole_routes(grid: Sequence[Trial], limit: int) -> list[Trial]:
     """A trial per whole-model budget whose measured peak fits ``limit``, the grid's fastest first, or one refused
-    trial naming the least peak."""
-    fitting = fitting_trials(measured.trials, limit)
+    trial naming the least peak (or why none ran)."""
+    fitting = fitting_trials(grid, limit)
     if fitting:
         return [
             Trial(WHOLE_MODEL, f"activation_memory_budget {t.budget:g}", budget=t.budget, peak_bytes=t.peak_bytes)
             for t in sorted(fitting, key=lambda t: t.step_s or 0.0)
         ]
-    least = least_peak_trial(measured.trials)
+    if all(t.peak_bytes is None for t in grid):
+        return [Trial(WHOLE_MODEL, "every activation_memory_budget", refused=f"none ran ({grid[-1].refused})")]
+    least = least_peak_trial(grid)
     return [
         Trial(
             WHOLE_MODEL, f"least peak at activation_memory_budget {least.budget:g}", budget=least.budget,
@@ -356,13 +390,14 @@ def _whole_routes(measured: CompileBudgetFit, limit: int) -> list[Trial]:
     ]  # fmt: skip
 
 
-def _neither_fits(limit: int, reference: int, trials: Sequence[Trial]) -> BudgetError:
+def _neither_fits(limit: int, reference: int | None, trials: Sequence[Trial]) -> BudgetError:
     floors = [b for t in trials for b in (t.peak_bytes or t.predicted_bytes,) if b is not None]
     reasons = "; ".join(f"{t.name}: {t.refused}" for t in trials)
+    against = (f"{limit / reference:.2f} of torch.compile's peak {format_bytes(reference)}" if reference is not None
+               else f"torch.compile's step without a budget {OUT_OF_MEMORY}")  # fmt: skip
     return BudgetError(
-        f"no compiled route fits {format_bytes(limit)} ({limit / reference:.2f} of torch.compile's peak "
-        f"{format_bytes(reference)}): {reasons}. Give more bytes, partition budgets nearer 0 "
-        "(partition_budgets=), or train eagerly with remat.plan(costs, 'optimal', budget)",
+        f"no compiled route fits {format_bytes(limit)} ({against}): {reasons}. Give more bytes, partition budgets "
+        "nearer 0 (partition_budgets=), or train eagerly with remat.plan(costs, 'optimal', budget)",
         floor=min(floors) if floors else None,
     )
 

@@ -88,8 +88,11 @@ class Fit:
         chosen = self.chosen
         head = self.heading.format(max_bytes=format_bytes(self.max_bytes)) + f": {chosen.label}"
         head += f" ({chosen.detail})" if chosen.detail else ""
-        if reference is not None and chosen.step_ratio is not None and chosen is not reference:
+        timed = [t for t in self.trials if t.ratios]  # head_to_head's order: the first is the ratios' denominator
+        if reference is not None and reference.ratios and chosen.step_ratio is not None and chosen is not reference:
             head += f", {chosen.step_ratio:.3f}x {reference.label}'s step"
+        elif reference is not None and timed and not reference.ratios:
+            head += f"; steps as ratios to {timed[0].label}'s ({reference.label}: {reference.refused or 'not timed'})"
         lines = [head]
         for t in self.trials:
             what = t.label + (f" ({t.detail})" if t.detail else "")
