@@ -58,13 +58,17 @@ def cost_tables(draw: st.DrawFn, max_blocks: int = 8) -> CostTable:
                       unavailable=dict.fromkeys(refused, "changes a saved output in place"))
         )  # fmt: skip
     stem = draw(st.integers(0, 5))
+    held = draw(st.integers(0, 6))
+    # row by row where the profile recorded them: each row holds a part, growing to all of them at the last row
+    rows = sorted(draw(st.lists(st.integers(0, held), min_size=len(blocks), max_size=len(blocks))))
     return CostTable(
         blocks,
         stem_bytes=stem,
         head_bytes=draw(st.integers(0, 30)),
         # negative where the model's forward frees stem bytes before the chain's backward (at most the stem)
         head_retained_bytes=draw(st.integers(-stem, 10)),
-        held_args_bytes=draw(st.integers(0, 6)),
+        held_args_bytes=held,
+        held_args_rows=[*rows[:-1], held] if rows and draw(st.booleans()) else [],
         outside_s=draw(st.none() | st.integers(0, 40).map(lambda t: t * TICK)),
         outputs_kept=draw(st.booleans()),
         # what a block a segment re-runs ahead of a later one's backward adds per keep byte (0: not measured)
