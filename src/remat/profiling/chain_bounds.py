@@ -161,10 +161,11 @@ class ChainBounds:
             return 0
         return max(0, tracker.bytes_at(f"grad{chain}") - tracker.bytes_at(f"end{chain}") - head_retained)
 
-    def figures(self) -> dict[str, Any]:
-        """``stem_bytes``, ``head_bytes``, ``head_retained_bytes`` and ``held_args_bytes`` of the step (0 where
-        the step did not reach a mark), and with several chains ``between_bytes`` and ``backward_bytes`` in call
-        order; read after the tracker is closed."""
+    def figures(self, rows: int) -> dict[str, Any]:
+        """``stem_bytes``, ``head_bytes``, ``head_retained_bytes``, ``held_args_bytes`` and ``held_args_rows`` of
+        the step (0 where the step did not reach a mark; no rows where the calls were not the table's ``rows``
+        rows), and with several chains ``between_bytes`` and ``backward_bytes`` in call order; read after the
+        tracker is closed."""
         tracker = self.tracker
         stem = tracker.bytes_at("stem") if tracker.has_mark("stem") else 0
         head = head_retained = 0
@@ -180,7 +181,7 @@ class ChainBounds:
             "head_bytes": head,
             "head_retained_bytes": head_retained,
             "held_args_bytes": self.held_args_bytes,
-            "held_args_rows": self.held_args_rows(),
+            "held_args_rows": held if len(held := self.held_args_rows()) == rows else [],
         }
         if self.chains > 1:
             figures["backward_bytes"] = [
@@ -213,11 +214,9 @@ class ChainBounds:
         keeping everything frees it in the head (the head's figures are lower by it), so it stays in the held
         arguments too, which the simulator adds back to the head for such plans. With several chains, their
         ``chain_lengths`` in call order."""
-        figures = self.figures()
+        figures = self.figures(sum(lengths))
         made = self.kept_beside_blocks(keep_bytes, lengths)
         figures["stem_bytes"] += made
-        if len(figures["held_args_rows"]) != sum(lengths):  # a call the rows do not count: every row holds all
-            figures["held_args_rows"] = []
         if len(lengths) > 1:
             figures["chain_lengths"] = [lengths[k] for k in self.order]
         return figures

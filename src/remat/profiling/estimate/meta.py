@@ -342,12 +342,9 @@ def meta_cost_table(
             if key not in measured:
                 measured[key] = _meta_block_cost(fqn, module, args, kwargs, actions, device, io[i])
             rows.append(renamed(measured[key], fqn))
-    figures = bounds.figures()
-    if len(figures["held_args_rows"]) != len(rows):  # a call the rows do not count: every row holds all
-        figures["held_args_rows"] = []
     return CostTable(
         blocks=rows,
-        **figures,
+        **bounds.figures(len(rows)),
         device="meta",
         source="meta",
         autocast=AutocastSpec("meta", torch.float32, enabled=False).to_dict(),
