@@ -500,6 +500,44 @@ def test_arguments_a_block_makes_for_the_next_are_counted_where_a_recomputing_pl
             assert plan.predicted_peak_bytes <= 1.005 * peak, (peak, plan.predicted_peak_bytes)
 
 
+def plans_of_three_blocks() -> list[list[str]]:
+    """Every plan of a chain of three blocks: keep or checkpoint per block, or a segment or memory-poor group."""
+    singles = [list(p) for p in itertools.product(["keep", "checkpoint"], repeat=3)]
+    groups = []
+    for kind in ("segment", "memory_poor"):
+        groups.append([f"{kind}:0"] * 3)
+        for single in ("keep", "checkpoint"):
+            groups += [[f"{kind}:0"] * 2 + [single], [single] + [f"{kind}:0"] * 2]
+    return singles + groups
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_every_plan_of_a_stack_is_predicted_at_or_just_above_its_measured_peak(name: str) -> None:
+    # BERT's layers hold 256 bytes more in a recomputed backward than in a kept one (bwd_extra under checkpoint);
+    # a group recomputes its blocks as checkpoints do, and was predicted that much below while it did not count it.
+    arch = by_name(name)
+    model, batch = arch.build(), arch.batch()
+    costs = remat.profile(model, batch, repeats=1)
+    plans = plans_of_three_blocks()
+    assert len(costs) == LAYERS == 3 and len(plans) == 18
+    for actions in plans:
+        plan = remat.Plan.from_actions(costs, actions)
+        handle = remat.apply(model, plan)
+        tracker = LiveTensorTracker()
+        try:
+            with tracker:
+                torch.manual_seed(SEED)
+                out = model(**batch)
+                out.loss.backward()
+        finally:
+            handle.remove()
+        del out
+        tracker.close()
+        model.zero_grad(set_to_none=True)
+        peak = tracker.peak(exclude_survivors=True)
+        assert peak <= plan.predicted_peak_bytes <= 1.01 * peak, (actions, peak, plan.predicted_peak_bytes)
+
+
 def test_segments_on_two_towers_stay_inside_each_tower_and_are_exact() -> None:
     arch = by_name("clip")
     model = arch.build()

@@ -2,7 +2,8 @@
 and a vectorised form over every unit of a chain (the planners'), side by side, tested against each other.
 
 Per block ``m`` a unit reads: ``saved[a][m]`` (bytes saved under action ``a``; ``keep[m]`` and ``checkpointed[m]``
-under ``keep`` and ``checkpoint``), ``output[m]``, ``fwd_temp[m]``, ``temp[m] = max(fwd_temp[m], bwd_temp[m])``,
+under ``keep`` and ``checkpoint``), ``output[m]``, ``fwd_temp[m]``,
+``temp[m] = max(fwd_temp[m], bwd_temp[m] + bwd_extra[checkpoint][m])`` (a group recomputes as checkpoints do),
 ``bwd_extra[a][m]``, ``recompute[a][m]`` (``rerun[m]`` under ``checkpoint``), ``inner[m]`` (the block's forward
 under ``torch.no_grad``, ``nograd_fwd_s``; ``rerun[m]`` where not measured), ``overhead[a][m]`` (what the
 action adds to the step beyond its recomputation, see :mod:`remat.core.costs`; ``frame[m]`` under ``checkpoint``) and
@@ -118,8 +119,9 @@ def on_time_grid(seconds: float) -> float:
 
 
 def temp_bytes(block: BlockCost) -> int:
-    """``temp``: the larger of the block's forward and backward temporaries."""
-    return max(block.fwd_temp_bytes, block.bwd_temp_bytes)
+    """``temp``: the larger of the block's forward temporaries and its backward's when it is recomputed (a group
+    recomputes its blocks as checkpoints do, what a checkpoint's backward holds beyond keep's included)."""
+    return max(block.fwd_temp_bytes, block.bwd_temp_bytes + block.bwd_extra_bytes.get(CHECKPOINT, 0))
 
 
 def reruns(action: str) -> int:
