@@ -23,10 +23,8 @@ from typing import Any
 import torch
 
 import remat
-from remat.bench import architectures
-from remat.meters import LiveTensorTracker
+from remat.bench import architectures, plan_peak
 
-SEED = 0
 SINGLES = ("keep", "checkpoint")
 GROUPS = ("segment", "memory_poor")
 
@@ -50,23 +48,6 @@ def chain_plans(length: int, chain: int) -> Iterator[list[str]]:
     yield from from_block(0, 0)
 
 
-def measured_peak(model: torch.nn.Module, batch: dict[str, Any], loss: Any, plan: remat.Plan,
-                  chains: list) -> int:  # fmt: skip
-    handle = remat.apply(model, plan, blocks=chains)
-    tracker = LiveTensorTracker()
-    try:
-        with tracker:
-            torch.manual_seed(SEED)
-            out = model(**batch)
-            loss(out).backward()
-    finally:
-        handle.remove()
-    del out
-    tracker.close()
-    model.zero_grad(set_to_none=True)
-    return tracker.peak(exclude_survivors=True)
-
-
 def run(name: str, emit: Any) -> dict[str, Any]:
     arch = next(a for a in architectures() if a.name == name)
     model, batch = arch.build(), arch.batch()
@@ -79,7 +60,7 @@ def run(name: str, emit: Any) -> dict[str, Any]:
     for parts in itertools.product(*(list(chain_plans(n, k)) for k, n in enumerate(lengths))):
         actions = [a for part in parts for a in part]
         plan = remat.Plan.from_actions(costs, actions)
-        peak = measured_peak(model, batch, loss, plan, chains)
+        peak = plan_peak(arch, model, batch, plan, chains)
         row = {"model": name, "actions": actions, "predicted": plan.predicted_peak_bytes, "measured": peak}
         emit(row)
         rows.append(row)

@@ -32,7 +32,15 @@ from remat.profiling import BlockProfiler
 from remat.runtime.applied import COPY_MESSAGE
 
 transformers = pytest.importorskip("transformers")
-from remat.bench.arch_check import SEED, ArchResult, check, compare, plain_step, record_step  # noqa: E402
+from remat.bench.arch_check import (  # noqa: E402
+    SEED,
+    ArchResult,
+    check,
+    compare,
+    plain_step,
+    plan_peak,
+    record_step,
+)
 from remat.bench.arch_zoo import (  # noqa: E402
     LAYERS,
     UserNet,  # noqa: E402
@@ -482,19 +490,7 @@ def test_arguments_a_block_makes_for_the_next_are_counted_where_a_recomputing_pl
     assert held[LAYERS + 1 :] == [costs.held_args_bytes] * (LAYERS - 1), held
     for actions in itertools.product(["keep", "checkpoint"], repeat=len(costs)):
         plan = remat.Plan.from_actions(costs, list(actions))
-        handle = remat.apply(model, plan, blocks=chains)
-        tracker = LiveTensorTracker()
-        try:
-            with tracker:
-                torch.manual_seed(SEED)
-                out = model(**batch)
-                out.loss.backward()
-        finally:
-            handle.remove()
-        del out
-        tracker.close()
-        model.zero_grad(set_to_none=True)
-        peak = tracker.peak(exclude_survivors=True)
+        peak = plan_peak(arch, model, batch, plan, chains)
         assert peak <= plan.predicted_peak_bytes <= 1.025 * peak, (actions, peak, plan.predicted_peak_bytes)
         if "keep" not in actions:  # every block holds its arguments, each freed after its stack's second block
             assert plan.predicted_peak_bytes <= 1.005 * peak, (peak, plan.predicted_peak_bytes)
@@ -522,19 +518,7 @@ def test_every_plan_of_a_stack_is_predicted_at_or_just_above_its_measured_peak(n
     assert len(costs) == LAYERS == 3 and len(plans) == 18
     for actions in plans:
         plan = remat.Plan.from_actions(costs, actions)
-        handle = remat.apply(model, plan)
-        tracker = LiveTensorTracker()
-        try:
-            with tracker:
-                torch.manual_seed(SEED)
-                out = model(**batch)
-                out.loss.backward()
-        finally:
-            handle.remove()
-        del out
-        tracker.close()
-        model.zero_grad(set_to_none=True)
-        peak = tracker.peak(exclude_survivors=True)
+        peak = plan_peak(arch, model, batch, plan)
         assert peak <= plan.predicted_peak_bytes <= 1.01 * peak, (actions, peak, plan.predicted_peak_bytes)
 
 

@@ -44,6 +44,7 @@ _NAMES = {
     "median_interval": "stats",
     "parse": "childproc",
     "parse_model_id": "models",
+    "plan_peak": "arch_check",
     "runner": None,
     "shakespeare_files": "data_sources",
     "uniform_plan": "static_plans",

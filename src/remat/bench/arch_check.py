@@ -127,6 +127,24 @@ def _run_step(arch: Architecture, model: nn.Module, batch: dict[str, Any]) -> St
     return record_step(model, _step(arch, model, batch))
 
 
+def plan_peak(arch: Architecture, model: nn.Module, batch: dict[str, Any], plan: remat.Plan,
+              chains: list[list[tuple[str, nn.Module]]] | None = None) -> int:  # fmt: skip
+    """The measured peak activation bytes of one training step under ``plan`` (applied on ``chains``, default the
+    model's blocks), the output counted as the simulator counts it: the tracker is closed once it is dropped.
+    The plan is removed and the gradients set to None afterwards."""
+    handle = remat.apply(model, plan, blocks=chains)
+    tracker = LiveTensorTracker()
+    try:
+        with tracker:
+            output = _step(arch, model, batch)
+    finally:
+        handle.remove()
+    del output
+    tracker.close()
+    model.zero_grad(set_to_none=True)
+    return tracker.peak(exclude_survivors=True)
+
+
 def plain_step(arch: Architecture, model: nn.Module, batch: dict[str, Any]) -> StepRecord:
     """The reference step: no remat, and no key/value cache (a training step under remat runs without one, as
     under Hugging Face's own checkpointing; the cache changes the last bits of some models' gradients)."""
