@@ -326,3 +326,60 @@ def test_a_model_in_eval_mode_is_profiled_with_a_warning_naming_train() -> None:
     optimizer.step()
     assert not session.profiling and session.costs is not None and session.plan.strategy == "optimal"
     session.remove()
+
+
+def convnext() -> torch.nn.Module:
+    """ConvNeXt with stochastic depth: its stages are plain modules, no ``GradientCheckpointingLayer``."""
+    config = transformers.ConvNextConfig(depths=[2, 2, 2, 2], hidden_sizes=[16, 32, 64, 128], num_labels=10,
+                                         drop_path_rate=0.1)  # fmt: skip
+    return transformers.ConvNextForImageClassification(config).train()
+
+
+def resnet() -> torch.nn.Module:
+    """ResNet: BatchNorm buffers in every stage, which a recomputed stage must not update twice."""
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                                       layer_type="basic", num_labels=10)  # fmt: skip
+    return transformers.ResNetForImageClassification(config).train()
+
+
+def image_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    return {"pixel_values": torch.randn(8, 3, 64, 64, generator=g), "labels": torch.randint(0, 10, (8,), generator=g)}
+
+
+def trained_images(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int = 2) -> list[dict]:
+    """Each step's gradients and buffers after it, from the step's seed (stochastic depth draws from it)."""
+    records = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        model(**image_batch(step)).loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        records.append({**grads, **{n: b.clone() for n, b in model.named_buffers()}})
+    return records
+
+
+@pytest.mark.parametrize("make", [convnext, resnet])
+def test_a_model_without_checkpointing_layers_is_planned_on_the_chains_remat_finds(make: Callable) -> None:
+    """ConvNeXt's and ResNet's stages are not ``GradientCheckpointingLayer``s: the Hugging Face door (and so
+    ``remat.fit``) plans the stages ``remat.find_chains`` finds, and training is bitwise a plain model's."""
+    torch.manual_seed(0)
+    model, reference = make(), make()
+    reference.load_state_dict(model.state_dict())
+    optimizer, plain_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    stages = [fqn for fqn, _ in remat.find_chains(model)[0]]
+    if make is convnext:  # the whole step within memory: 0.8 of the plain step's, which keeping every stage exceeds
+        plain = remat.fit(make(), "1GiB", batch=image_batch(0)).fitted.plain.whole
+        session = remat.fit(model, int(0.8 * plain), batch=image_batch(0), optimizer=optimizer)
+        assert session.fitted.measured.whole <= int(0.8 * plain)
+    else:
+        session = hf.enable(model, "full")
+    assert list(session.plan.actions) == stages and "checkpoint" in session.plan.actions.values()
+    got, expected = trained_images(model, optimizer), trained_images(reference, plain_optimizer)
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"step {step} {name}"
+    assert session.stats.total_calls > 0  # stages were recomputed
+    session.remove()

@@ -45,10 +45,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..chains import chain_name, model_chains
 from ..checkpointing import PolicyLike, checkpoint_fn
 from ..core import AutocastSpec, CostTable, StepSpec
 from ..planning import Plan
 from .compiled_session import CompiledSession, compiled_route
+from .front_door import is_hugging_face
 from .session import RematSession, is_deepspeed
 
 log = logging.getLogger("remat.integrations.hf")
@@ -68,18 +70,27 @@ def _layer_class() -> type:
 def layers(model: nn.Module) -> Any:
     """The model's ``GradientCheckpointingLayer`` modules in module order, as ``(fqn, module)`` (outermost only):
     one chain, or a list of chains (one per layer list) for an encoder-decoder or a model with several towers,
-    planned together under one budget (pass ``blocks=`` one of them to plan that one).
+    planned together under one budget (pass ``blocks=`` one of them to plan that one). A model without such
+    layers (ConvNeXt's and ResNet's stages are plain modules) gets the chains :func:`remat.find_chains` finds.
     """
     layer_class = _layer_class()
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(module, layer_class) and not any(name.startswith(f + ".") for f, _ in found):
             found.append((name, module))
-    if not found:
+    if not found and not is_hugging_face(model):
         raise ValueError(
-            f"{type(model).__name__} has no GradientCheckpointingLayer, so remat cannot find its layers; pass "
-            "blocks=[...] (module names) to enable(), or use remat.apply(model, plan, blocks=...) directly"
+            f"{type(model).__name__} has no GradientCheckpointingLayer and no Hugging Face module, so this door "
+            "finds no layers: use remat.fit(model, ...) or remat.apply(model, plan, blocks=...), or pass blocks=[...]"
         )
+    if not found:
+        chains = model_chains(model)
+        log.info(
+            "%s has no GradientCheckpointingLayer; planning the chains remat finds: %s",
+            type(model).__name__,
+            ", ".join(f"{chain_name(chain)} ({len(chain)})" for chain in chains),
+        )
+        return chains[0] if len(chains) == 1 else chains
     by_container: dict[str, list[tuple[str, nn.Module]]] = {}
     for fqn, module in found:
         by_container.setdefault(fqn.rsplit(".", 1)[0] if "." in fqn else "", []).append((fqn, module))
@@ -185,7 +196,8 @@ def enable(
     the plan applies from the second step on (the end of the first step is the first ``optimizer.step()``, so the
     ``Trainer`` needs nothing more). ``batch=`` profiles a sample batch now instead, ``costs=`` plans from a
     cost table, ``plan=`` applies a plan as it is. The chain is the model's ``GradientCheckpointingLayer``
-    modules (:func:`layers`) unless ``blocks=`` names others. ``main_input=``/``main_output=`` (in ``options``) name
+    modules (:func:`layers`; where it has none, the chains :func:`remat.find_chains` finds) unless ``blocks=``
+    names others. ``main_input=``/``main_output=`` (in ``options``) name
     the hidden state a layer takes and returns where remat's guess is wrong. See the module docs for ``use_cache``.
 
     Mixed precision: the profiled first step runs inside the training loop's ``torch.autocast`` (the
