@@ -9,6 +9,7 @@ profiler (real device) and the meta estimator (``meta`` device) share both, so t
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -67,11 +68,28 @@ def run_tracked(
             raise
         refused[action] = _refusal(module, action, error)
         nbytes, main.grad = None, None
+        forget_frames(error)
     # Close while the parameter gradients are alive: like in a real step they outlive the region, so they are
     # survivors, not activations, and stay out of the backward transient.
     tracker.close()
     clear_grads(module)
     return nbytes
+
+
+def forget_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames ``error``'s traceback holds, and those of the exceptions it chains:
+    the frames of the step that raised hold its tensors (the block's arguments), and a frame that holds the
+    exception back makes a reference cycle, which would keep them alive until the garbage collector runs (so
+    that the tracker of the step around them counted them as surviving it, out of every figure)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]
 
 
 def _refusal(module: nn.Module, action: str, error: RuntimeError) -> str:
