@@ -87,6 +87,32 @@ def test_mixed_class_lists_are_not_chains() -> None:
     assert [[name for name, _ in chain] for chain in remat.find_chains(Model())] == [["pair.0", "pair.1"]]
 
 
+
+def test_a_list_of_lists_is_no_chain_but_the_lists_inside_are() -> None:
+    class Stages(nn.Module):  # Funnel keeps its layers so: a list of stages, each a list of layers
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = nn.ModuleList([nn.ModuleList([MLPBlock(8, dropout=0.1) for _ in range(3)]) for _ in range(2)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for stage in self.stages:
+                for layer in stage:
+                    x = layer(x)
+                x = x * 0.5  # between the stages, as Funnel pools
+            return x
+
+    torch.manual_seed(0)
+    model = Stages()
+    reference = copy.deepcopy(model)
+    chains = remat.find_chains(model)
+    expected = [[f"stages.{s}.{i}" for i in range(3)] for s in range(2)]
+    assert [[name for name, _ in chain] for chain in chains] == expected
+    x = torch.randn(3, 8)
+    costs = remat.profile(model, x, loss_fn=lambda y: y.square().mean())
+    handle = remat.apply(model, remat.plan(costs, "full"))
+    assert_same_step(_step(model, x), _step(reference, x))
+    assert handle.stats.total_calls == 6
+
 def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """toy_models.step for a model whose output is not its loss: the loss is the output's mean square."""
     torch.manual_seed(1)

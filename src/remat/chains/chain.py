@@ -2,7 +2,8 @@
 
 A chain is the ordered list of ``(fqn, module)`` of one stack of repeated layers: a Hugging Face layer list
 (``transformer.h``, ``encoder.layer``, ``model.layers``...), any ``nn.ModuleList`` or ``nn.ModuleDict`` (in its
-order, as torchtitan keeps its layers) whose children share one class and hold parameters, and in an
+order, as torchtitan keeps its layers) whose children share one class, hold parameters and are not lists
+themselves (a list of lists of layers, as Funnel keeps them, gives the inner lists), and in an
 ``nn.Sequential`` each run of two or more consecutive children of one class (``nn.Sequential(stem, *blocks,
 head)`` gives its blocks). Only outermost stacks count: a list inside a block of another stack (the experts of a
 mixture-of-experts layer, the layers of a ResNet stage) is part of that block, not a chain of its own.
@@ -34,12 +35,18 @@ def _candidate_lists(model: nn.Module) -> list[tuple[str, Chain]]:
     return found
 
 
+# Modules that only hold others and have no forward: a list of them (Funnel's blocks, each a list of layers) is
+# no chain, since the model calls the layers inside, which are the chains.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
 def _runs_of_one_class(children: list[tuple[str, nn.Module]], whole: bool) -> list[list[tuple[str, nn.Module]]]:
     """The maximal runs of two or more consecutive children of one class that hold parameters (a Sequential of
-    activations has nothing worth checkpointing). ``whole``: only a run of every child counts. A Sequential runs
-    its children one into the next, so its repeated blocks between a stem and a head are a chain; a ModuleList
-    or ModuleDict of mixed classes says nothing of how the model calls them (the convolutions of a speech
-    model's feature extractor after its first, differing one are not the layers to plan)."""
+    activations has nothing worth checkpointing) and can be called (not lists of lists). ``whole``: only a run of
+    every child counts. A Sequential runs its children one into the next, so its repeated blocks between a stem
+    and a head are a chain; a ModuleList or ModuleDict of mixed classes says nothing of how the model calls them
+    (the convolutions of a speech model's feature extractor after its first, differing one are not the layers to
+    plan)."""
     runs: list[list[tuple[str, nn.Module]]] = []
     for child in children:
         if runs and type(runs[-1][-1][1]) is type(child[1]):
@@ -48,7 +55,10 @@ def _runs_of_one_class(children: list[tuple[str, nn.Module]], whole: bool) -> li
             runs.append([child])
     if whole and len(runs) > 1:
         return []
-    return [run for run in runs if len(run) >= 2 and any(_holds_parameters(c) for _, c in run)]
+    return [
+        run for run in runs
+        if len(run) >= 2 and not isinstance(run[0][1], CONTAINERS) and any(_holds_parameters(c) for _, c in run)
+    ]  # fmt: skip
 
 
 def _holds_parameters(module: nn.Module) -> bool:
