@@ -24,12 +24,8 @@ from ..core import AutocastArg, BlocksArg, CostTable, StepSpec
 from ..meters import is_compiled
 from ..planning import Plan
 from .compiled_session import CompiledSession, compiled_route
+from .hf import enable, is_hugging_face
 from .session import RematSession
-
-
-def is_hugging_face(model: nn.Module) -> bool:
-    """Whether ``model`` is (or holds) a Hugging Face ``transformers`` model."""
-    return any(type(m).__module__.startswith("transformers.") for m in model.modules())
 
 
 def fit(
@@ -87,8 +83,6 @@ def fit(
         )  # fmt: skip
     arguments = dict(costs=costs, batch=batch, plan=plan, memory=memory, optimizer=optimizer, **options)
     if is_hugging_face(model):
-        from .hf import enable
-
         return enable(model, strategy, activations, step=spec, **arguments)
     return RematSession(model, strategy, activations, step=spec, **arguments)
 

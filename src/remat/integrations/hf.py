@@ -50,7 +50,6 @@ from ..checkpointing import PolicyLike, checkpoint_fn
 from ..core import AutocastSpec, CostTable, StepSpec
 from ..planning import Plan
 from .compiled_session import CompiledSession, compiled_route
-from .front_door import is_hugging_face
 from .session import RematSession, is_deepspeed
 
 log = logging.getLogger("remat.integrations.hf")
@@ -65,6 +64,11 @@ def _layer_class() -> type:
             "(4.52 or newer): pip install -U transformers"
         ) from err
     return GradientCheckpointingLayer
+
+
+def is_hugging_face(model: nn.Module) -> bool:
+    """Whether ``model`` is (or holds) a Hugging Face ``transformers`` model."""
+    return any(type(m).__module__.startswith("transformers.") for m in model.modules())
 
 
 def layers(model: nn.Module) -> Any:
