@@ -383,3 +383,56 @@ def test_a_model_without_checkpointing_layers_is_planned_on_the_chains_remat_fin
             assert torch.equal(a[name], b[name]), f"step {step} {name}"
     assert session.stats.total_calls > 0  # stages were recomputed
     session.remove()
+
+
+def wav2vec2() -> torch.nn.Module:
+    """wav2vec 2.0 with LayerDrop at 0.5: a training forward skips each encoder layer with that probability."""
+    config = transformers.Wav2Vec2Config(vocab_size=32, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                         intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                                         conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                         num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
+                                         layerdrop=0.5)  # fmt: skip
+    return transformers.Wav2Vec2ForCTC(config).train()
+
+
+def test_a_model_that_drops_layers_is_profiled_whole_and_planned_without_groups() -> None:
+    """LayerDrop skips layers at random in training: the profile runs every layer (LayerDrop off for its step,
+    put back after), plans keep to single blocks (a group cannot span a skipped layer), a grouping plan is
+    refused with the reason, and training under the plan is bitwise a plain copy's, steps that skip layers
+    included, each within the predicted peak."""
+    torch.manual_seed(0)
+    model, reference = wav2vec2(), wav2vec2()
+    reference.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_values": torch.randn(2, 1600, generator=g), "labels": torch.randint(1, 32, (2, 8), generator=g)}
+               for _ in range(4)]  # fmt: skip
+    layers = [m for _, m in remat.find_chains(model)[-1]]
+    session = remat.fit(model, activations=0.6, batch=batches[0])
+    assert model.config.layerdrop == 0.5 and session.costs.info["layer_drop"] is True
+    assert all(not a.startswith(("segment", "memory_poor")) for a in session.plan.actions.values())
+    assert "checkpoint" in session.plan.actions.values()
+    with pytest.raises(ValueError, match="skips layers in training"):
+        remat.plan(session.costs, "sqrt")
+    calls = []  # the encoder layers' forward calls (not their recomputations in backward)
+    forward = lambda module, args: calls.append(module) if torch._C._current_graph_task_id() == -1 else None  # noqa: E731
+    counting = [layer.register_forward_pre_hook(forward) for layer in layers]
+    for step, sample in enumerate(batches):
+        torch.manual_seed(step)  # LayerDrop and dropout draw from it
+        with remat.measure() as measured:
+            out = model(**sample)
+            out.loss.backward()
+            del out
+        torch.manual_seed(step)
+        reference(**sample).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+        assert measured.activation_bytes <= session.plan.predicted_peak_bytes
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    for hook in counting:
+        hook.remove()
+    assert len(calls) < len(batches) * len(layers)  # layers were skipped
+    session.remove()
+    plan = remat.Plan({fqn: "segment:0" for fqn, _ in remat.find_chains(model)[-1]})
+    with pytest.raises(ValueError, match="LayerDrop"):
+        remat.apply(model, plan, blocks=remat.find_chains(model)[-1])

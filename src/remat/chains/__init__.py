@@ -31,9 +31,11 @@ from .blocks import (
 from .chain import chain_name, find_blocks, find_chains, model_chains
 from .hf_guards import (
     cache_configs,
+    drops_layers,
     megatron_recomputes,
     profiled_step,
     recomputed_by,
+    refuse_groups_under_layer_drop,
     refuse_hf_checkpointing,
     refuse_recomputed_blocks,
     training_forward_guards,
@@ -72,7 +74,9 @@ __all__ = [
     "main_input_slot",
     "main_tensor",
     "names_calls",
+    "drops_layers",
     "profiled_step",
+    "refuse_groups_under_layer_drop",
     "ratios_text",
     "ratios_to_first",
     "megatron_recomputes",

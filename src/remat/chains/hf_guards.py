@@ -14,6 +14,13 @@ attributes (``config.use_cache``, ``module.gradient_checkpointing``) and the out
   ``TrainingArguments(gradient_checkpointing=True)``): with it on, a profile would measure checkpointed layers
   and a plan would recompute them twice. ``remat.profile`` switches it off for the profiled step with a warning;
   ``remat.apply`` refuses (:func:`refuse_hf_checkpointing`).
+* LayerDrop (``config.layerdrop``, ``encoder_layerdrop``, ``decoder_layerdrop``, copied to the stacks'
+  ``layerdrop``: wav2vec 2.0, HuBERT, Whisper, BART...): a training forward skips each layer with that
+  probability. :func:`profiled_step` sets them to 0 for the profiled step, so that every layer runs and is
+  measured (a step that skips layers holds less than the prediction), and the profile records it
+  (``CostTable.info["layer_drop"]``); a segment or memory-poor group cannot span a skipped layer, so plans of such
+  a table use single-block actions only, and ``remat.apply`` refuses a group on a model that drops layers
+  (:func:`refuse_groups_under_layer_drop`).
 * collected outputs (:func:`outputs_not_collected`): see :mod:`remat.chains.model_state`.
 
 Other libraries' checkpointing is checked here too (:func:`refuse_recomputed_blocks`, called by ``remat.profile``
@@ -35,6 +42,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ..core import Action
 
 log = logging.getLogger("remat")
 
@@ -110,10 +119,46 @@ def training_forward_guards(model: nn.Module, wrap: Any = None) -> list[Any]:
     ]
 
 
+def layer_drop_settings(model: nn.Module) -> list[tuple[Any, str]]:
+    """Every ``(holder, attribute)`` in ``model`` that sets a LayerDrop probability above 0: the configs'
+    ``layerdrop``, ``encoder_layerdrop`` and ``decoder_layerdrop``, and the modules' ``layerdrop`` copied from
+    them."""
+    found: dict[tuple[int, str], tuple[Any, str]] = {}
+    for module in model.modules():
+        for holder in (module, getattr(module, "config", None)):
+            if holder is None:
+                continue
+            names = [n for n in vars(holder) if n.endswith("layerdrop")] if hasattr(holder, "__dict__") else []
+            for name in names:
+                value = getattr(holder, name)
+                if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                    found.setdefault((id(holder), name), (holder, name))
+    return list(found.values())
+
+
+def drops_layers(model: nn.Module) -> bool:
+    """Whether ``model``'s training forward may skip layers (LayerDrop above 0)."""
+    return bool(layer_drop_settings(model))
+
+
+def refuse_groups_under_layer_drop(model: nn.Module, actions: Iterator[str] | list[str]) -> None:
+    """Raise where ``actions`` hold a segment or memory-poor group and ``model`` drops layers in training: a
+    skipped layer breaks the group's chain of outputs in the middle of a step."""
+    grouped = sorted({a for a in actions if Action.choice(a).is_group})
+    if grouped and drops_layers(model):
+        settings = ", ".join(f"{type(holder).__name__}.{name}={getattr(holder, name)}"
+                             for holder, name in layer_drop_settings(model)[:3])  # fmt: skip
+        raise ValueError(
+            f"the plan groups blocks ({', '.join(grouped)}), and {type(model).__name__} skips layers in training "
+            f"(LayerDrop: {settings}): a group cannot span a skipped layer. Plan single-block actions (a profile of "
+            "this model does so by itself), or set the LayerDrop probabilities to 0"
+        )
+
+
 @contextmanager
 def profiled_step(model: nn.Module) -> Iterator[None]:
-    """Around ``remat.profile``'s step: ``use_cache`` off, Hugging Face's checkpointing off (with a warning);
-    both as they were afterwards."""
+    """Around ``remat.profile``'s step: ``use_cache`` off, Hugging Face's checkpointing off (with a warning),
+    LayerDrop off (every layer runs and is measured); all as they were afterwards."""
     flagged = hf_checkpointing_modules(model)
     if flagged:
         warnings.warn(
@@ -126,9 +171,14 @@ def profiled_step(model: nn.Module) -> Iterator[None]:
     hooks = training_forward_guards(model)
     for module in flagged:
         module.gradient_checkpointing = False
+    dropping = [(holder, name, getattr(holder, name)) for holder, name in layer_drop_settings(model)]
+    for holder, name, _ in dropping:
+        setattr(holder, name, 0.0)
     try:
         yield
     finally:
+        for holder, name, value in dropping:
+            setattr(holder, name, value)
         for module in flagged:
             module.gradient_checkpointing = True
         for hook in hooks:

@@ -324,6 +324,12 @@ class CostTable:
             common &= set(block.actions)
         return [a for a in self.blocks[0].actions if a in common]
 
+    def groups_allowed(self) -> bool:
+        """Whether a plan may group blocks (segments, memory-poor groups): every row has checkpoint costs (a group
+        recomputes its blocks from its input), and the model does not skip layers in training
+        (``info["layer_drop"]``, :mod:`remat.chains.hf_guards`), which would break a group's chain of outputs."""
+        return CHECKPOINT in self.common_actions() and not self.info.get("layer_drop")
+
     def plannable_actions(self) -> list[str]:
         """Single-block actions a plan may choose among: those every row either has costs for or cannot run
         (``BlockCost.unavailable``), and at least one row has costs for; a plan uses each only on the rows
@@ -386,6 +392,6 @@ def profile_summary(costs: CostTable) -> str:
 
 def plan_choices(costs: CostTable) -> list[str]:
     """What a plan on ``costs`` may choose among when not told: every plannable single-block action
-    (:meth:`CostTable.plannable_actions`, each on the blocks that run it), then both group kinds when every block
-    has checkpoint costs (a group recomputes its blocks from its input)."""
-    return [*costs.plannable_actions(), *(GROUP_KINDS if CHECKPOINT in costs.common_actions() else ())]
+    (:meth:`CostTable.plannable_actions`, each on the blocks that run it), then both group kinds where groups are
+    allowed (:meth:`CostTable.groups_allowed`)."""
+    return [*costs.plannable_actions(), *(GROUP_KINDS if costs.groups_allowed() else ())]

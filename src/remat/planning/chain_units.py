@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core import CHECKPOINT, GROUP_KINDS, KEEP, Action, CostTable
+from ..core import GROUP_KINDS, KEEP, Action, CostTable
 from .unit_terms import ChainNumbers, GroupTable, SingleTable, group_table, single_table
 
 ROWS_AT_ONCE = 64  # group starts whose terms starting_at computes in one table
@@ -173,7 +173,7 @@ def allowed_actions(costs: CostTable, actions: list[str] | None) -> tuple[list[s
             f"the cost table has no 'keep' costs for every block (common actions: {common}); "
             "profile the model again, 'keep' is always measured"
         )
-    groups_possible = CHECKPOINT in common
+    groups_possible = costs.groups_allowed()
     if actions is None:
         return available, list(GROUP_KINDS) if groups_possible else []
     singles: list[str] = []
@@ -181,6 +181,11 @@ def allowed_actions(costs: CostTable, actions: list[str] | None) -> tuple[list[s
     for action in actions:
         kind = action.rstrip(":")
         if kind in GROUP_KINDS:
+            if costs.info.get("layer_drop"):
+                raise ValueError(
+                    f"action {action!r} groups blocks, and the profiled model skips layers in training (LayerDrop, "
+                    "costs.info['layer_drop']): a group cannot span a skipped layer; plan single-block actions"
+                )
             if not groups_possible:
                 raise ValueError(
                     f"action {action!r} needs 'checkpoint' costs for every block, which the cost table lacks"

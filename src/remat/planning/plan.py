@@ -61,6 +61,12 @@ class Plan:
     ) -> Plan:
         if not isinstance(actions, dict):
             actions = dict(zip(costs.fqns, actions, strict=True))
+        if costs.info.get("layer_drop") and any(Action.choice(a).is_group for a in actions.values()):
+            raise ValueError(
+                f"the {strategy!r} plan groups blocks, and the profiled model skips layers in training (LayerDrop, "
+                "costs.info['layer_drop']): a group cannot span a skipped layer. Plan single-block actions ('full', "
+                "'optimal'), or set the model's LayerDrop probabilities to 0 and profile it again"
+            )
         if costs.chain_lengths:
             options.setdefault("chains", list(costs.chain_lengths))
         shapes = costs.info.get("input_shapes") or {}

@@ -67,6 +67,7 @@ from ..chains import (
     block_ios,
     chain_name,
     default_loss,
+    drops_layers,
     extra_run,
     profiled_step,
     refuse_recomputed_blocks,
@@ -344,8 +345,10 @@ class BlockProfiler:
         missing = self.calls.missing()
         if missing:
             raise RuntimeError(
-                f"blocks {missing} did not run during the profiled step (with grad enabled); "
-                "profile a full forward and backward of the model"
+                f"blocks {missing} did not run during the profiled step (with grad enabled); profile a full "
+                "forward and backward of the model. A model that skips layers at random in training is profiled with "
+                "its Hugging Face LayerDrop settings at 0 (config.layerdrop, encoder_layerdrop...); switch off any "
+                "other random skipping (stochastic depth that skips a whole block) for the profile"
             )
         keys = self.calls.keys()
         rows = [self.rows[key] for key in keys]
@@ -517,6 +520,8 @@ def profile(
         moved = max(row.saved(KEEP) - row.saved(OFFLOAD) for row in costs.blocks if OFFLOAD in row.saved_bytes)
         costs.copy_bytes_per_s = copy_bandwidth(model_device(model), moved)
         costs = overlap_priced(costs)  # offload costs what its copies leave exposed (planning.offload_overlap)
+    if drops_layers(model):  # measured with every layer run (chains.hf_guards): plans keep to single blocks
+        costs.info["layer_drop"] = True
     costs.info["profile_s"] = time.perf_counter() - started
     return costs
 

@@ -34,6 +34,7 @@ from ..chains import (
     block_ios,
     extra_run,
     names_calls,
+    refuse_groups_under_layer_drop,
     refuse_hf_checkpointing,
     refuse_recomputed_blocks,
     resolve_blocks,
@@ -217,6 +218,8 @@ class RematHandle:
     def set_plan(self, plan: Plan) -> None:
         """Switch to ``plan`` from the next forward on; no hooks are added or removed (Note [5])."""
         plan, positions, units = planned_calls(plan, self.fqns)  # Note [8]
+        if any(unit.kind != SINGLE for unit in units):
+            refuse_groups_under_layer_drop(self.model, list(plan.actions.values()))
         for unit in units:
             if unit.kind == SINGLE and Action.parse(unit.action).kind == SELECTIVE:
                 policies.get(Action.parse(unit.action).policy)

@@ -73,7 +73,7 @@ class QuantizedMaskFitter:
         # The planner may also recompute compressed (the same format and policy), never checkpoint+compress: the
         # gradient scorer holds every block's output, the input checkpoint+compress would free.
         recompute = Action(RECOMPUTE_COMPRESS, Action.parse(action).arg).text
-        self.allowed = [KEEP, CHECKPOINT, action, SEGMENT, MEMORY_POOR]
+        self.allowed = [KEEP, CHECKPOINT, action, *((SEGMENT, MEMORY_POOR) if costs.groups_allowed() else ())]
         self.allowed += [recompute] if recompute in costs.common_actions() else []
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], FittedMask] = OrderedDict()
