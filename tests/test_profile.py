@@ -440,3 +440,36 @@ def test_a_policy_a_block_refuses_leaves_the_profiled_steps_tensors_to_be_counte
     assert costs.stem_bytes == tracker.bytes_at("stem") == 64 * 64 * 4
     # The 4-byte scalar loss is all that separates the two, as on the chain above.
     assert 0 <= remat.plan(costs, "none").predicted_peak_bytes - tracker.peak(exclude_survivors=True) <= 64
+
+
+class LayerDropStack(nn.Module):
+    """Layers skipped at random in training, as Hugging Face's LayerDrop does (``self.layerdrop``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.layerdrop = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            x = layer(x).relu()
+        return x.square().mean()
+
+
+def test_a_stack_that_drops_layers_is_measured_whole_on_a_device_and_on_meta() -> None:
+    """With half the layers skipped at random, a step would leave some unprofiled: the profile and the meta
+    estimate run every layer, restore the setting, mark the table, and its plans hold no group."""
+    from remat.profiling.estimate import meta_cost_table
+
+    torch.manual_seed(0)
+    model = LayerDropStack().train()
+    x = torch.randn(4, 16)
+    for costs in (remat.profile(model, x), meta_cost_table(lambda: LayerDropStack().train(), x)):
+        assert len(costs) == 6 and costs.info["layer_drop"] is True and not costs.groups_allowed()
+        assert model.layerdrop == 0.5
+        plan = remat.plan(costs, "optimal", remat.planning.minimum_peak_bytes(costs))
+        assert not any(remat.core.Action.choice(a).is_group for a in plan.actions.values())
+        with pytest.raises(ValueError, match="skips layers in training"):
+            remat.plan(costs, "memory_poor")

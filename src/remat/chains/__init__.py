@@ -32,6 +32,7 @@ from .chain import chain_name, find_blocks, find_chains, model_chains
 from .hf_guards import (
     cache_configs,
     drops_layers,
+    every_layer_runs,
     megatron_recomputes,
     profiled_step,
     recomputed_by,
@@ -75,6 +76,7 @@ __all__ = [
     "main_tensor",
     "names_calls",
     "drops_layers",
+    "every_layer_runs",
     "profiled_step",
     "refuse_groups_under_layer_drop",
     "ratios_text",

@@ -156,6 +156,19 @@ def refuse_groups_under_layer_drop(model: nn.Module, actions: Iterator[str] | li
 
 
 @contextmanager
+def every_layer_runs(model: nn.Module) -> Iterator[None]:
+    """Within, ``model``'s LayerDrop probabilities are 0 (:func:`layer_drop_settings`); as they were afterwards."""
+    dropping = [(holder, name, getattr(holder, name)) for holder, name in layer_drop_settings(model)]
+    for holder, name, _ in dropping:
+        setattr(holder, name, 0.0)
+    try:
+        yield
+    finally:
+        for holder, name, value in dropping:
+            setattr(holder, name, value)
+
+
+@contextmanager
 def profiled_step(model: nn.Module) -> Iterator[None]:
     """Around ``remat.profile``'s step: ``use_cache`` off, Hugging Face's checkpointing off (with a warning),
     LayerDrop off (every layer runs and is measured); all as they were afterwards."""
@@ -171,14 +184,10 @@ def profiled_step(model: nn.Module) -> Iterator[None]:
     hooks = training_forward_guards(model)
     for module in flagged:
         module.gradient_checkpointing = False
-    dropping = [(holder, name, getattr(holder, name)) for holder, name in layer_drop_settings(model)]
-    for holder, name, _ in dropping:
-        setattr(holder, name, 0.0)
     try:
-        yield
+        with every_layer_runs(model):
+            yield
     finally:
-        for holder, name, value in dropping:
-            setattr(holder, name, value)
         for module in flagged:
             module.gradient_checkpointing = True
         for hook in hooks:

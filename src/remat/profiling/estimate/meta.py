@@ -23,6 +23,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from ...chains import (
     BlockIO,
     block_ios,
+    drops_layers,
+    every_layer_runs,
     refuse_recomputed_blocks,
     replace_slot,
     resolve_blocks,
@@ -316,7 +318,7 @@ def meta_cost_table(
     meta_batch = _to_meta(batch)
     with FusedAttention() if fused_attention else contextlib.nullcontext():
         try:
-            with GradsRestored(model):
+            with GradsRestored(model), every_layer_runs(model):
                 with tracker:
                     run_step(model, meta_batch, loss_fn, holds_output=spec.holds_output)
                 tracker.close()  # while parameter gradients are alive: survivors, as in remat.profile
@@ -355,5 +357,6 @@ def meta_cost_table(
             "bandwidth_bytes_per_s": device.bandwidth,
             "torch": str(torch.__version__),
             "attention": "fused" if fused_attention else "as the meta device runs it",
+            **({"layer_drop": True} if drops_layers(model) else {}),
         },
     )
