@@ -51,6 +51,9 @@ class StepSpec:
       dict, an ``AutocastSpec``, ``False`` for none); ``None``: the one active where the step runs.
     * ``holds_output``: whether the loop holds the model's output through the backward (``out = model(x);
       loss_fn(out).backward()``, the default) or keeps only the loss (Hugging Face's Trainer, Lightning).
+    * ``accumulates``: whether the loop runs several forwards and backwards before each optimizer step (gradient
+      accumulation): after the first, each one starts with the gradients there and adds its own into them, which
+      a whole step's measurement must see (:func:`remat.fitting.whole_step_peak`).
     """
 
     loss_fn: LossFn | None = None
@@ -59,6 +62,7 @@ class StepSpec:
     main_output: OutputName | Mapping[str, OutputName] = None
     autocast: AutocastArg = None
     holds_output: bool = True
+    accumulates: bool = False
 
     def merged(self, **given: Any) -> StepSpec:
         """This step with the keyword arguments a caller was given on top: a value of ``None`` means not given

@@ -187,7 +187,7 @@ def _fit_memory(
             with through.step():
                 run_step(through.module, batch, spec.loss_fn, autocast=setting, holds_output=spec.holds_output)
 
-    plain = whole_step_peak(model, run, fixed)
+    plain = whole_step_peak(model, run, fixed, spec.accumulates)
     seconds["plain step"] = time.perf_counter() - start
     if plain.within(limit):  # every block kept; a profile given is kept with the plan, none is taken
         beyond = plain.whole if costs is None else _beyond_activations(plain, fixed, costs)
@@ -215,7 +215,7 @@ def _fit_memory(
             continue
         handle = applied(model, plan, spec)
         try:
-            measured = whole_step_peak(model, run, fixed)
+            measured = whole_step_peak(model, run, fixed, spec.accumulates)
         finally:
             handle.remove()
         if measured.within(limit):
@@ -232,7 +232,7 @@ def _fit_memory(
     least = make_plan(costs, "optimal", floor)
     handle = applied(model, least, spec)
     try:
-        measured = whole_step_peak(model, run, fixed)
+        measured = whole_step_peak(model, run, fixed, spec.accumulates)
     finally:
         handle.remove()
     non_activation = max(non_activation, measured.forward_backward - simulate(costs, least.actions).peak_bytes)

@@ -23,7 +23,9 @@ Invariants, enforced here:
    the device when the fit starts is counted too, as ``other tensors on the device``.
 3. A whole step's peak is the larger of its two phases, each measured: forward and backward (what is resident
    with the gradients cleared, plus the state the optimizer will make, plus the measured peak of what the phase
-   creates, gradients included) and the optimizer step (the fixed memory plus the step's temporaries).
+   creates, gradients included) and the optimizer step (the fixed memory plus the step's temporaries). Under
+   gradient accumulation (``StepSpec.accumulates``) the forward and backward measured is a second one, run after a
+   first without clearing the gradients: they are resident through it, and what adding into them takes counts.
 4. A step that runs out of the device's memory (``torch.OutOfMemoryError``) is a measurement, not a failure: its
    :class:`StepPeak` says ``out_of_memory``, with the peak it reached before (a floor of what it needs), and what
    it held is given back before the next step runs.
@@ -249,16 +251,22 @@ class StepPeak:
         return not self.out_of_memory and self.whole <= limit
 
 
-def whole_step_peak(model: nn.Module, run: Callable[[], Any], fixed: FixedMemory) -> StepPeak:
+def whole_step_peak(model: nn.Module, run: Callable[[], Any], fixed: FixedMemory,
+                    accumulates: bool = False) -> StepPeak:  # fmt: skip
     """Rule 3: the peak of a training step whose forward and backward ``run()`` does (gradients start cleared
-    and are put back afterwards; ``run`` restores the RNG if it cares). Rule 4 where it runs out of memory."""
+    and are put back afterwards; ``run`` restores the RNG if it cares); ``accumulates``: the forward and backward
+    measured is a second one, the gradients of a first there. Rule 4 where it runs out of memory."""
     device = model_device(model)
     with GradsRestored(model):
+        if accumulates:
+            _, out_of_memory = within_memory(run, device)
+            if out_of_memory:
+                return StepPeak(fixed.total, fixed.total + fixed.optimizer_step_bytes, True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             resident = torch.cuda.memory_allocated(device)
         else:
-            resident = fixed.resident - fixed.state_to_make
+            resident = fixed.resident - fixed.state_to_make + (fixed.gradients if accumulates else 0)
         with measure(device) as meter:
             _, out_of_memory = within_memory(run, device)
     forward_backward = resident + fixed.state_to_make + meter.peak_bytes

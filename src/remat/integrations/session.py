@@ -40,7 +40,16 @@ import torch
 from torch import nn
 
 from ..chains import megatron_recomputes, profiled_blocks, resolve_blocks
-from ..core import CHECKPOINT, AutocastArg, AutocastSpec, CostTable, StepSpec, normalize_budget, precision_mismatch
+from ..core import (
+    CHECKPOINT,
+    AutocastArg,
+    AutocastSpec,
+    CostTable,
+    StepSpec,
+    format_bytes,
+    normalize_budget,
+    precision_mismatch,
+)
 from ..dynamic import PGAC
 from ..fitting import (
     MemoryFit,
@@ -127,6 +136,14 @@ def check_strategy(strategy: str, budget: int | float | str | None) -> None:
     normalize_budget(budget)
 
 
+ACCUMULATION_UNMEASURED = (
+    "remat.fit: a second forward came before an optimizer step (gradient accumulation): after the first, each "
+    "micro-batch's step runs with the gradients there and adds its own into them, a transient of up to a few "
+    "parameters' gradients that a fit without a batch does not measure. Pass batch=<a micro-batch> and "
+    "step=remat.StepSpec(accumulates=True) to measure it"
+)
+
+
 class RematSession:
     """A remat plan (or PGAC) on ``model``, made now or from the first training step. See the module docs.
 
@@ -201,6 +218,7 @@ class RematSession:
             self.budget = budget
             self.memory = memory
             self.optimizer = optimizer
+            self.accumulates = spec.accumulates
             self.fitted: MemoryFit | None = None  # how the plan was fitted to memory= (None without memory=)
             self.options = dict(options)
             shapes = self.options.pop("shapes", False)
@@ -350,7 +368,7 @@ class RematSession:
             self._finish_profiling()
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
-        if self._global_done and self._global_hooks:
+        if self._global_done and self._global_hooks and not self._awaiting_optimizer():
             # Removed here, outside the optimizer's loop over its hooks, which must not change while it runs.
             self._remove_global_hooks()
         training = torch.is_grad_enabled() and self.model.training
@@ -368,7 +386,7 @@ class RematSession:
         if training and self.step_autocast is None:
             self._check_precision()
         if not self._waiting:
-            if self._global_done and self.step_autocast is not None:
+            if self._global_done and self.step_autocast is not None and not self._awaiting_optimizer():
                 self._remove_hooks()
             return
         if not training:
@@ -388,6 +406,8 @@ class RematSession:
                 self._engine_steps.allocate_bucket()  # DeepSpeed's buffer, not the step's activations
             self._profiler.__enter__()
         else:  # a second training forward before any optimizer step: the profiled step has ended
+            if self.memory is not None and not self.accumulates:
+                warnings.warn(ACCUMULATION_UNMEASURED, stacklevel=3)
             self._finish_profiling()
 
     def _check_precision(self) -> None:
@@ -399,8 +419,18 @@ class RematSession:
         if problem:
             warnings.warn(problem, stacklevel=3)
 
+    def _awaiting_optimizer(self) -> bool:
+        """Whether a plan for ``memory=`` was made before any optimizer was given or seen (a first step of several
+        backwards, as gradient accumulation runs): the global hook stays until one steps the model."""
+        return self.memory is not None and self.optimizer is None and self.pgac is None
+
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._removed or self._global_done or not self._owns(optimizer):
+        if self._removed or not self._owns(optimizer):
+            return
+        if self._global_done:
+            if self._awaiting_optimizer():
+                self.optimizer = optimizer
+                self._count_optimizer_state()
             return
         if self.optimizer is None:
             self.optimizer = optimizer  # its state counts in memory=
@@ -434,6 +464,28 @@ class RematSession:
         self._global_done = True
         log.info("remat: profiled the first step; from now on\n%s", plan.table(costs))
 
+    def _count_optimizer_state(self) -> None:
+        """The plan made for ``memory=`` before the optimizer was seen, made again with its state (and its step's
+        temporaries) counted, from the next step on; the state its first step makes is not there before it."""
+        if self.fitted is None or self.costs is None or self.memory is None:
+            return
+        before = self.fitted.fixed
+        now = fixed_memory(self.model, self.optimizer)
+        added = max(0, now.total + now.optimizer_step_bytes - before.total - before.optimizer_step_bytes)
+        non_activation = self.fitted.non_activation + added
+        plan = self._plan_for_memory(self.costs, self.memory, non_activation)
+        if self.shape_plans is not None:
+            assert self.fitted.activation_budget is not None
+            self.shape_plans.use_budget(self.fitted.activation_budget)
+        else:
+            self.handle.set_plan(plan)
+        log.info(
+            "remat: %s steps the model: its state (%s) now counts in memory=; from the next step on\n%s",
+            type(self.optimizer).__name__,
+            format_bytes(added),
+            plan.table(self.costs),
+        )
+
     def _plan_for(self, costs: CostTable) -> Plan:
         if self.memory is None:
             return make_plan(costs, self.strategy, self.budget, **self.options)
@@ -464,8 +516,8 @@ class RematSession:
     def _warn_without_optimizer(self) -> None:
         if self.optimizer is None:
             warnings.warn(
-                "remat.fit: no optimizer given or seen yet, so its state is not counted in memory= (AdamW's is "
-                "twice the parameters): pass optimizer=",
+                "remat.fit: no optimizer given or seen yet, so its state is not counted in memory= until one steps "
+                "the model (the plan is then made again with it; AdamW's is twice the parameters): pass optimizer=",
                 stacklevel=4,
             )
 

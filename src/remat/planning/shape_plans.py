@@ -110,6 +110,13 @@ class ShapePlans:
         self.warned_beyond = False
         self.remeasured += 1
 
+    def use_budget(self, budget_bytes: int) -> None:
+        """Plan within ``budget_bytes`` from now on (what the memory leaves once an optimizer's state counts): the
+        plans and refusals made so far are dropped."""
+        self.budget = self.budget_bytes = int(budget_bytes)
+        self.plans.clear()
+        self.refused.clear()
+
     def plan_for(self, batch: int, seq: int) -> Plan:
         """The plan for a batch of ``(batch, seq)``: its bucket's, planned the first time the bucket is seen."""
         shape = (batch, seq)
