@@ -95,6 +95,28 @@ def test_without_a_batch_the_first_step_is_profiled_and_the_second_fits(plain: i
 
 
 
+
+def test_an_optimizer_not_given_to_a_fit_with_a_batch_counts_from_its_first_step(plain: int) -> None:
+    """Fitted with a batch and no optimizer, at 0.8 of the plain step with its state: keeping every block fits
+    without the state, not with it. The optimizer that first steps the model counts from then on (the plan made
+    again in its step's pre-hook), so every later step is within the memory, where it ran 1.25x over."""
+    memory = int(plain * 0.8)
+    model, reference = make_model(), make_model()
+    with pytest.warns(UserWarning, match="no optimizer given or seen yet"):
+        session = remat.fit(model, memory, batch=BATCH, loss_fn=lambda out: out.square().mean())
+    assert session.plan.action_counts() == "6 keep"
+    optimizer, reference_optimizer = (torch.optim.AdamW(m.parameters()) for m in (model, reference))
+    peaks = []
+    for _ in range(3):
+        peak, grads = training_step(model, optimizer, BATCH)
+        _, expected = training_step(reference, reference_optimizer, BATCH)
+        peaks.append(peak)
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+    assert session.optimizer is optimizer and "optimizer state (AdamW)" in session.describe()
+    assert session.plan.action_counts() != "6 keep"
+    assert max(peaks) <= memory * 1.02, (peaks, memory, session.describe())
+    session.remove()
+
 MICRO = [BATCH[i::4] for i in range(4)]
 
 

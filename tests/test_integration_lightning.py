@@ -208,6 +208,25 @@ def test_the_callback_keeps_lightnings_whole_step_within_memory() -> None:
         assert torch.equal(p, q), name
 
 
+
+@pytest.mark.skipif(LIGHTNING is None, reason="lightning is not installed (pip install lightning)")
+def test_the_callback_with_a_batch_counts_the_trainers_optimizer() -> None:
+    """``memory=`` and ``batch=``: the fit runs at setup, before the trainer makes its optimizer; at the start of
+    training the optimizer's state counts and the fit is measured again, so every step with the state resident is
+    within the memory (it ran 1.25x over), and training is bitwise plain training's."""
+    plain_meter = StepMeter()
+    reference = fit_wide([plain_meter])
+    memory = int(max(plain_meter.peaks[1:]) * 0.8)
+    meter = StepMeter()
+    callback = RematCallback(memory=memory, batch=WIDE_DATA[0], loss_fn=lambda out: out.square().mean())
+    trained = fit_wide([callback, meter])
+    session = callback.session
+    assert session is not None and "optimizer state (AdamW)" in session.describe()
+    assert session.plan.action_counts() != "6 keep"
+    assert max(meter.peaks) <= memory * 1.02, (meter.peaks, memory)
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
 COMPILE = {"backend": "aot_eager_decomp_partition", "budgets": (0.5,), "partition_budgets": (0.1,), "rounds": 2}
 PLAIN_DATA = [torch.randn(256, 64, generator=torch.Generator().manual_seed(i)) for i in range(STEPS + 1)]
 

@@ -172,7 +172,7 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
         if not isinstance(session, RematSession):
             return
         if session.optimizer is None and optimizers:
-            session.optimizer = optimizers[0]  # its state counts in memory=
+            session.count_optimizer(optimizers[0], measure=True)  # its state counts in memory=, the plan fitted again
         if session.pgac is not None and not session.attached:
             if not optimizers:
                 raise RuntimeError(

@@ -219,6 +219,7 @@ class RematSession:
             self.memory = memory
             self.optimizer = optimizer
             self.accumulates = spec.accumulates
+            self._refit: Callable[[Any], Plan] | None = None  # the fit with a batch, to run again with an optimizer
             self.fitted: MemoryFit | None = None  # how the plan was fitted to memory= (None without memory=)
             self.options = dict(options)
             shapes = self.options.pop("shapes", False)
@@ -248,6 +249,7 @@ class RematSession:
             self._profiled: Any = profiled_blocks(model, blocks)
             self._warned_eval = False
             profiled_step, hooked_step = replace(spec, blocks=self._profiled), replace(spec, blocks=chain)
+            self.handle_step = hooked_step
 
             if strategy == "pgac":
                 unknown = set(options) - PGAC_OPTIONS
@@ -274,12 +276,20 @@ class RematSession:
                 if plan is None and memory is not None and self.costs is None and batch is not None:
                     _refuse_compiled(chain)
                     self._warn_without_optimizer()
-                    self.fitted = fit_memory(model, batch, memory, optimizer=optimizer, step=profiled_step,
-                                             through=self._engine_steps, **self.options)  # fmt: skip
-                    self.costs = self.fitted.costs
-                    plan = self._shared_plan(self.fitted.plan)
-                    if shapes:
-                        self.shape_plans = self._plans_per_shape(batch, profiled_step, shapes, on_overflow)
+
+                    def fitted_with(optimizer: torch.optim.Optimizer | None) -> Plan:
+                        self.fitted = fit_memory(model, batch, memory, optimizer=optimizer, step=profiled_step,
+                                                 through=self._engine_steps, **self.options)  # fmt: skip
+                        self.costs = self.fitted.costs
+                        if shapes:
+                            self.shape_plans = self._plans_per_shape(batch, profiled_step, shapes, on_overflow)
+                        return self._shared_plan(self.fitted.plan)
+
+                    plan = fitted_with(optimizer)
+                    if optimizer is None:
+                        self._refit = fitted_with
+                        if self.costs is None:  # the plain step fitted: costs to plan with once the state counts
+                            self.costs = profile(model, batch, step=profiled_step)
                 if plan is None:
                     if self.costs is None and batch is not None:
                         _refuse_compiled(chain)
@@ -292,7 +302,8 @@ class RematSession:
                 self.handle = apply(model, initial, step=hooked_step)
                 self.handle.plan_per_shape(self.shape_plans)
             model._remat_session = self  # type: ignore[assignment]
-            self._global_done = not (auto_step and (self._waiting or self.pgac is not None))
+            watching = self._waiting or self.pgac is not None or self._awaiting_optimizer()
+            self._global_done = not (auto_step and watching)
             self._hooks.append(model.register_forward_pre_hook(self._on_forward))  # removed once it has no more to do
             if not self._global_done:
                 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -427,10 +438,11 @@ class RematSession:
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._removed or not self._owns(optimizer):
             return
+        if self._awaiting_optimizer() and not self._waiting:  # a plan for memory= was made without it
+            self.count_optimizer(optimizer)
+            self._global_done = True
+            return
         if self._global_done:
-            if self._awaiting_optimizer():
-                self.optimizer = optimizer
-                self._count_optimizer_state()
             return
         if self.optimizer is None:
             self.optimizer = optimizer  # its state counts in memory=
@@ -464,15 +476,27 @@ class RematSession:
         self._global_done = True
         log.info("remat: profiled the first step; from now on\n%s", plan.table(costs))
 
-    def _count_optimizer_state(self) -> None:
-        """The plan made for ``memory=`` before the optimizer was seen, made again with its state (and its step's
-        temporaries) counted, from the next step on; the state its first step makes is not there before it."""
+    def count_optimizer(self, optimizer: torch.optim.Optimizer, measure: bool = False) -> None:
+        """``optimizer`` steps the model from now on: where the plan was fitted to ``memory=`` before it was known
+        (none given; the Lightning callback fits at setup, before the trainer makes it), the plan is made again
+        with its state and its step's temporaries counted, from the next step on. ``measure`` (outside a training
+        step): a fit with a batch measures its whole steps again; else the state is added to what it measured."""
+        self.optimizer = optimizer
+        refit, self._refit = self._refit, None
+        if measure and refit is not None:  # fitted with a batch: its whole steps are measured again, the state made
+            step = self.handle_step
+            self.handle.remove()  # the fit measures plans of its own on the model
+            self.handle = apply(self.model, refit(optimizer), step=step)
+            self.handle.plan_per_shape(self.shape_plans)
+            log.info("remat: %s counted in memory=; from now on\n%s", type(optimizer).__name__, self.describe())
+            return
         if self.fitted is None or self.costs is None or self.memory is None:
             return
         before = self.fitted.fixed
         now = fixed_memory(self.model, self.optimizer)
         added = max(0, now.total + now.optimizer_step_bytes - before.total - before.optimizer_step_bytes)
-        non_activation = self.fitted.non_activation + added
+        limit = device_memory(self.memory, model_device(self.model))
+        non_activation = limit - activations_within(self.fitted, self.costs) + added
         plan = self._plan_for_memory(self.costs, self.memory, non_activation)
         if self.shape_plans is not None:
             assert self.fitted.activation_budget is not None
