@@ -256,6 +256,8 @@ def test_remat_fit_on_a_zero1_engine_refuses_what_nothing_fits_naming_deepspeeds
         remat.fit(engine, int(zero1_plain[0] * 0.8))
     with pytest.raises(ValueError, match="at stage 0 DeepSpeed takes only engine.backward"):
         remat.fit(wide_engine(stage=0), int(zero1_plain[0] * 0.8), batch=WIDE_BATCH)
+    with pytest.raises(ValueError, match="not measured through a DeepSpeed engine"):
+        remat.fit(engine, int(zero1_plain[0] * 0.8), batch=WIDE_BATCH, step=remat.StepSpec(accumulates=True))
 
 
 def gpt2_engine(torch_adam: bool) -> tuple[Any, Any]:

@@ -202,6 +202,13 @@ class RematSession:
         if self._engine_steps is not None:
             if memory is not None and batch is None and plan is None and costs is None:
                 raise ValueError(DEEPSPEED_NEEDS_BATCH)
+            if memory is not None and spec.accumulates:
+                raise ValueError(
+                    "step=StepSpec(accumulates=True) is not measured through a DeepSpeed engine: ZeRO accumulates the "
+                    "gradients of its gradient_accumulation_steps in buffers of its own, which a measured micro-step "
+                    "would change. Fit with accumulates=False and give memory= less the bytes of one set of gradients, "
+                    "which its measured step does not hold through the micro-steps after the first"
+                )
             if memory is not None and not self._engine_steps.zero:
                 raise ValueError(DEEPSPEED_STAGE_0)
             optimizer = optimizer if optimizer is not None else model.optimizer
