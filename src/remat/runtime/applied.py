@@ -73,7 +73,10 @@ def owner_of(model: nn.Module) -> Any:
 def refuse_overlap(model: nn.Module) -> None:
     """Raise when ``model``, a module inside it, or a model containing it already has a plan applied."""
     if model in _LIVE:
-        raise RuntimeError("remat is already applied to this model; call handle.set_plan(plan) to change it")
+        raise RuntimeError(
+            "remat is already applied to this model: call handle.set_plan(plan) to change its plan, or .remove() "
+            "on what remat.apply or remat.fit returned before applying or fitting again"
+        )
     inside = {id(m) for m in model.modules()}
     for other in list(_LIVE.keys()):
         if id(other) in inside:
