@@ -227,6 +227,34 @@ def test_the_callback_with_a_batch_counts_the_trainers_optimizer() -> None:
     for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q), name
 
+
+@pytest.mark.skipif(LIGHTNING is None, reason="lightning is not installed (pip install lightning)")
+def test_the_callback_measures_the_trainers_gradient_accumulation() -> None:
+    """``accumulate_grad_batches=2``: the callback tells the fit that the loop accumulates, so it measures a
+    micro-step with the gradients there; every micro-step from the second optimizer step on is within the memory
+    and training is bitwise plain training's."""
+
+    def fit_accumulating(callbacks: list[Any]) -> nn.Module:
+        torch.manual_seed(0)
+        module = WideNet()
+        trainer = L.Trainer(max_steps=STEPS + 1, accumulate_grad_batches=2, accelerator="cpu", devices=1,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+        trainer.fit(module)
+        return module
+
+    plain_meter = StepMeter()
+    reference = fit_accumulating([plain_meter])
+    memory = int(max(plain_meter.peaks[2:]) * 0.8)
+    meter = StepMeter()
+    callback = RematCallback(memory=memory, batch=WIDE_DATA[0], loss_fn=lambda out: out.square().mean())
+    trained = fit_accumulating([callback, meter])
+    session = callback.session
+    assert session is not None and session.accumulates and session.plan.action_counts() != "6 keep"
+    assert max(meter.peaks[2:]) <= memory * 1.02, (meter.peaks, memory)
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
 COMPILE = {"backend": "aot_eager_decomp_partition", "budgets": (0.5,), "partition_budgets": (0.1,), "rounds": 2}
 PLAIN_DATA = [torch.randn(256, 64, generator=torch.Generator().manual_seed(i)) for i in range(STEPS + 1)]
 

@@ -121,6 +121,7 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
         elif options.get("memory") is None:  # memory= (the whole step) is checked by the session
             check_strategy(strategy, budget)
         spec = StepSpec.of(step, loss_fn=loss_fn, blocks=blocks)
+        self.accumulates = spec.accumulates
         self.strategy, self.budget = strategy, budget
         self.blocks = list(spec.blocks) if spec.blocks is not None else None
         self.costs, self.batch, self.loss_fn, self.plan, self.sync = costs, batch, spec.loss_fn, plan, sync
@@ -160,6 +161,8 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
             sync=self.sync,
             auto_step=False,
             autocast=precision_autocast(trainer) if self.batch is not None else None,
+            # the trainer's gradient accumulation: micro-steps after the first run with the gradients there
+            step=StepSpec(accumulates=self.accumulates or int(getattr(trainer, "accumulate_grad_batches", 1)) > 1),
             **self.options,
         )
 
