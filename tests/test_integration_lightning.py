@@ -178,18 +178,36 @@ if LIGHTNING is not None:
             return torch.utils.data.DataLoader(WIDE_DATA, batch_size=None, shuffle=False)
 
 
-def fit_module(make: Any, callbacks: list[Any]) -> nn.Module:
-    """``make()``'s LightningModule trained for ``STEPS + 1`` steps on the CPU with ``callbacks``."""
+def fit_module(make: Any, callbacks: list[Any], **trainer_options: Any) -> nn.Module:
+    """``make()``'s LightningModule trained for ``STEPS + 1`` steps on the CPU with ``callbacks`` (and the
+    ``Trainer``'s ``trainer_options``)."""
     torch.manual_seed(0)
     module = make()
     trainer = L.Trainer(max_steps=STEPS + 1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        **trainer_options)  # fmt: skip
     trainer.fit(module)
     return module
 
 
-def fit_wide(callbacks: list[Any]) -> nn.Module:
-    return fit_module(WideNet, callbacks)
+def fit_wide(callbacks: list[Any], **trainer_options: Any) -> nn.Module:
+    return fit_module(WideNet, callbacks, **trainer_options)
+
+
+def fitted_with_a_batch(first: int, **trainer_options: Any) -> tuple[Any, list[int], int]:
+    """``WideNet`` trained under ``RematCallback(memory=..., batch=...)`` at 0.8 of the plain run's whole peak from
+    its ``first``-th batch on: the session, the peaks from that batch on and the memory. Training is checked bitwise
+    against the plain run's."""
+    plain_meter = StepMeter()
+    reference = fit_wide([plain_meter], **trainer_options)
+    memory = int(max(plain_meter.peaks[first:]) * 0.8)
+    meter = StepMeter()
+    callback = RematCallback(memory=memory, batch=WIDE_DATA[0], loss_fn=lambda out: out.square().mean())
+    trained = fit_wide([callback, meter], **trainer_options)
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert callback.session is not None
+    return callback.session, meter.peaks[first:], memory
 
 
 @pytest.mark.skipif(LIGHTNING is None, reason="lightning is not installed (pip install lightning)")
@@ -208,24 +226,14 @@ def test_the_callback_keeps_lightnings_whole_step_within_memory() -> None:
         assert torch.equal(p, q), name
 
 
-
 @pytest.mark.skipif(LIGHTNING is None, reason="lightning is not installed (pip install lightning)")
 def test_the_callback_with_a_batch_counts_the_trainers_optimizer() -> None:
     """``memory=`` and ``batch=``: the fit runs at setup, before the trainer makes its optimizer; at the start of
     training the optimizer's state counts and the fit is measured again, so every step with the state resident is
     within the memory (it ran 1.25x over), and training is bitwise plain training's."""
-    plain_meter = StepMeter()
-    reference = fit_wide([plain_meter])
-    memory = int(max(plain_meter.peaks[1:]) * 0.8)
-    meter = StepMeter()
-    callback = RematCallback(memory=memory, batch=WIDE_DATA[0], loss_fn=lambda out: out.square().mean())
-    trained = fit_wide([callback, meter])
-    session = callback.session
-    assert session is not None and "optimizer state (AdamW)" in session.describe()
-    assert session.plan.action_counts() != "6 keep"
-    assert max(meter.peaks) <= memory * 1.02, (meter.peaks, memory)
-    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    session, peaks, memory = fitted_with_a_batch(first=0)
+    assert "optimizer state (AdamW)" in session.describe() and session.plan.action_counts() != "6 keep"
+    assert max(peaks) <= memory * 1.02, (peaks, memory)
 
 
 @pytest.mark.skipif(LIGHTNING is None, reason="lightning is not installed (pip install lightning)")
@@ -233,27 +241,9 @@ def test_the_callback_measures_the_trainers_gradient_accumulation() -> None:
     """``accumulate_grad_batches=2``: the callback tells the fit that the loop accumulates, so it measures a
     micro-step with the gradients there; every micro-step from the second optimizer step on is within the memory
     and training is bitwise plain training's."""
-
-    def fit_accumulating(callbacks: list[Any]) -> nn.Module:
-        torch.manual_seed(0)
-        module = WideNet()
-        trainer = L.Trainer(max_steps=STEPS + 1, accumulate_grad_batches=2, accelerator="cpu", devices=1,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, callbacks=callbacks)  # fmt: skip
-        trainer.fit(module)
-        return module
-
-    plain_meter = StepMeter()
-    reference = fit_accumulating([plain_meter])
-    memory = int(max(plain_meter.peaks[2:]) * 0.8)
-    meter = StepMeter()
-    callback = RematCallback(memory=memory, batch=WIDE_DATA[0], loss_fn=lambda out: out.square().mean())
-    trained = fit_accumulating([callback, meter])
-    session = callback.session
-    assert session is not None and session.accumulates and session.plan.action_counts() != "6 keep"
-    assert max(meter.peaks[2:]) <= memory * 1.02, (meter.peaks, memory)
-    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    session, peaks, memory = fitted_with_a_batch(first=2, accumulate_grad_batches=2)
+    assert session.accumulates and session.plan.action_counts() != "6 keep"
+    assert max(peaks) <= memory * 1.02, (peaks, memory)
 
 COMPILE = {"backend": "aot_eager_decomp_partition", "budgets": (0.5,), "partition_budgets": (0.1,), "rounds": 2}
 PLAIN_DATA = [torch.randn(256, 64, generator=torch.Generator().manual_seed(i)) for i in range(STEPS + 1)]
