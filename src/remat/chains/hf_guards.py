@@ -141,16 +141,17 @@ def drops_layers(model: nn.Module) -> bool:
     return bool(layer_drop_settings(model))
 
 
-def refuse_groups_under_layer_drop(model: nn.Module, actions: Iterator[str] | list[str]) -> None:
-    """Raise where ``actions`` hold a segment or memory-poor group and ``model`` drops layers in training: a
-    skipped layer breaks the group's chain of outputs in the middle of a step."""
+def refuse_groups_under_layer_drop(model: nn.Module, actions: Iterator[str] | list[str],
+                                   settings: list[tuple[Any, str]]) -> None:  # fmt: skip
+    """Raise where ``actions`` hold a segment or memory-poor group and ``model`` drops layers in training (its
+    :func:`layer_drop_settings`, ``settings``): a skipped layer breaks the group's chain of outputs in the middle
+    of a step."""
     grouped = sorted({a for a in actions if Action.choice(a).is_group})
-    if grouped and drops_layers(model):
-        settings = ", ".join(f"{type(holder).__name__}.{name}={getattr(holder, name)}"
-                             for holder, name in layer_drop_settings(model)[:3])  # fmt: skip
+    if grouped and settings:
+        named = ", ".join(f"{type(holder).__name__}.{name}={getattr(holder, name)}" for holder, name in settings[:3])
         raise ValueError(
             f"the plan groups blocks ({', '.join(grouped)}), and {type(model).__name__} skips layers in training "
-            f"(LayerDrop: {settings}): a group cannot span a skipped layer. Plan single-block actions (a profile of "
+            f"(LayerDrop: {named}): a group cannot span a skipped layer. Plan single-block actions (a profile of "
             "this model does so by itself), or set the LayerDrop probabilities to 0"
         )
 

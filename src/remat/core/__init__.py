@@ -46,7 +46,15 @@ from .actions import (
     validate_action,
     warn_legacy,
 )
-from .costs import BlockCost, CostTable, plan_choices, profile_summary, reads_own_peaks, temp_terms
+from .costs import (
+    LAYER_DROP_GROUPS,
+    BlockCost,
+    CostTable,
+    plan_choices,
+    profile_summary,
+    reads_own_peaks,
+    temp_terms,
+)
 from .precision import (
     AutocastArg,
     AutocastSpec,
@@ -88,6 +96,7 @@ __all__ = [
     "AutocastSpec",
     "Batch",
     "BlockCost",
+    "LAYER_DROP_GROUPS",
     "BlocksArg",
     "BudgetError",
     "CostTable",

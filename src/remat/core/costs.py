@@ -327,7 +327,7 @@ class CostTable:
     def groups_allowed(self) -> bool:
         """Whether a plan may group blocks (segments, memory-poor groups): every row has checkpoint costs (a group
         recomputes its blocks from its input), and the model does not skip layers in training
-        (``info["layer_drop"]``, :mod:`remat.chains.hf_guards`), which would break a group's chain of outputs."""
+        (``info["layer_drop"]``, :mod:`remat.chains.hf_guards`; :data:`LAYER_DROP_GROUPS` says why)."""
         return CHECKPOINT in self.common_actions() and not self.info.get("layer_drop")
 
     def plannable_actions(self) -> list[str]:
@@ -388,6 +388,13 @@ def profile_summary(costs: CostTable) -> str:
     if "action_times_from" in info:
         details.append(f"action times from {info['action_times_from']}")
     return f"{text} ({'; '.join(details)})" if details else text
+
+
+# Why a table marked ``info["layer_drop"]`` takes no group, in the words of every refusal of one.
+LAYER_DROP_GROUPS = (
+    "the profiled model skips layers in training (LayerDrop, costs.info['layer_drop']): a group cannot span a "
+    "skipped layer"
+)
 
 
 def plan_choices(costs: CostTable) -> list[str]:

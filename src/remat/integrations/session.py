@@ -225,7 +225,6 @@ class RematSession:
             self.budget = budget
             self.memory = memory
             self.optimizer = optimizer
-            self.accumulates = spec.accumulates
             self._refit: Callable[[Any], Plan] | None = None  # the fit with a batch, to run again with an optimizer
             self.fitted: MemoryFit | None = None  # how the plan was fitted to memory= (None without memory=)
             self.options = dict(options)
@@ -256,7 +255,7 @@ class RematSession:
             self._profiled: Any = profiled_blocks(model, blocks)
             self._warned_eval = False
             profiled_step, hooked_step = replace(spec, blocks=self._profiled), replace(spec, blocks=chain)
-            self.handle_step = hooked_step
+            self._hooked_step = hooked_step  # what the handle runs; a refit applies its plan with it again
 
             if strategy == "pgac":
                 unknown = set(options) - PGAC_OPTIONS
@@ -437,6 +436,11 @@ class RematSession:
         if problem:
             warnings.warn(problem, stacklevel=3)
 
+    @property
+    def accumulates(self) -> bool:
+        """Whether the training loop accumulates gradients (``StepSpec.accumulates``)."""
+        return self._hooked_step.accumulates
+
     def _awaiting_optimizer(self) -> bool:
         """Whether a plan for ``memory=`` was made before any optimizer was given or seen (a first step of several
         backwards, as gradient accumulation runs): the global hook stays until one steps the model."""
@@ -491,7 +495,7 @@ class RematSession:
         self.optimizer = optimizer
         refit, self._refit = self._refit, None
         if measure and refit is not None:  # fitted with a batch: its whole steps are measured again, the state made
-            step = self.handle_step
+            step = self._hooked_step
             self.handle.remove()  # the fit measures plans of its own on the model
             self.handle = apply(self.model, refit(optimizer), step=step)
             self.handle.plan_per_shape(self.shape_plans)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core import GROUP_KINDS, KEEP, Action, CostTable
+from ..core import GROUP_KINDS, KEEP, LAYER_DROP_GROUPS, Action, CostTable
 from .unit_terms import ChainNumbers, GroupTable, SingleTable, group_table, single_table
 
 ROWS_AT_ONCE = 64  # group starts whose terms starting_at computes in one table
@@ -182,10 +182,7 @@ def allowed_actions(costs: CostTable, actions: list[str] | None) -> tuple[list[s
         kind = action.rstrip(":")
         if kind in GROUP_KINDS:
             if costs.info.get("layer_drop"):
-                raise ValueError(
-                    f"action {action!r} groups blocks, and the profiled model skips layers in training (LayerDrop, "
-                    "costs.info['layer_drop']): a group cannot span a skipped layer; plan single-block actions"
-                )
+                raise ValueError(f"action {action!r} groups blocks, and {LAYER_DROP_GROUPS}; plan single-block actions")
             if not groups_possible:
                 raise ValueError(
                     f"action {action!r} needs 'checkpoint' costs for every block, which the cost table lacks"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core import (
+    LAYER_DROP_GROUPS,
     Action,
     CostTable,
     Unit,
@@ -63,8 +64,7 @@ class Plan:
             actions = dict(zip(costs.fqns, actions, strict=True))
         if costs.info.get("layer_drop") and any(Action.choice(a).is_group for a in actions.values()):
             raise ValueError(
-                f"the {strategy!r} plan groups blocks, and the profiled model skips layers in training (LayerDrop, "
-                "costs.info['layer_drop']): a group cannot span a skipped layer. Plan single-block actions ('full', "
+                f"the {strategy!r} plan groups blocks, and {LAYER_DROP_GROUPS}. Plan single-block actions ('full', "
                 "'optimal'), or set the model's LayerDrop probabilities to 0 and profile it again"
             )
         if costs.chain_lengths:

@@ -33,6 +33,7 @@ from ..chains import (
     CallPositions,
     block_ios,
     extra_run,
+    layer_drop_settings,
     names_calls,
     refuse_groups_under_layer_drop,
     refuse_hf_checkpointing,
@@ -200,6 +201,7 @@ class RematHandle:
         self._offload = OffloadQueue()  # Note [10]
         self._shape_plans: ShapePlans | None = None  # Note [11]
         self._shape_read = False
+        self._layer_drop = layer_drop_settings(model)  # read once, not on every set_plan (PGAC sets one a step)
         self.set_plan(plan)
         self._own_hook_ids: list[frozenset[int]] = []
         for i, (_, module) in enumerate(blocks):  # Note [4]
@@ -218,8 +220,8 @@ class RematHandle:
     def set_plan(self, plan: Plan) -> None:
         """Switch to ``plan`` from the next forward on; no hooks are added or removed (Note [5])."""
         plan, positions, units = planned_calls(plan, self.fqns)  # Note [8]
-        if any(unit.kind != SINGLE for unit in units):
-            refuse_groups_under_layer_drop(self.model, list(plan.actions.values()))
+        if self._layer_drop and any(unit.kind != SINGLE for unit in units):
+            refuse_groups_under_layer_drop(self.model, list(plan.actions.values()), self._layer_drop)
         for unit in units:
             if unit.kind == SINGLE and Action.parse(unit.action).kind == SELECTIVE:
                 policies.get(Action.parse(unit.action).policy)
