@@ -211,6 +211,11 @@ def test_trainer_and_lightning_settings_name_their_autocast() -> None:
     assert trainer_autocast(SimpleNamespace(bf16=True, fp16=False)) == AutocastSpec("cpu", torch.bfloat16)
     assert trainer_autocast(SimpleNamespace(bf16=False, fp16=True), "cuda") == AutocastSpec("cuda", torch.float16)
     assert not trainer_autocast(SimpleNamespace(bf16=False, fp16=False)).enabled
+    from remat.integrations.hf import trainer_step
+
+    step = trainer_step(SimpleNamespace(bf16=True, fp16=False, gradient_accumulation_steps=4))
+    assert step.autocast == AutocastSpec("cpu", torch.bfloat16) and step.accumulates and not step.holds_output
+    assert not trainer_step(SimpleNamespace(bf16=False, fp16=False, gradient_accumulation_steps=1)).accumulates
     cpu = SimpleNamespace(root_device=torch.device("cpu"))
     assert precision_autocast(SimpleNamespace(precision="bf16-mixed", strategy=cpu)) == AutocastSpec(
         "cpu", torch.bfloat16

@@ -232,49 +232,90 @@ def test_trainer_profiles_first_step_then_runs_the_plan(tmp_path: Any) -> None:
     session.remove()
 
 
+class TrainerStepMeter(transformers.TrainerCallback):
+    """Each optimizer step's whole peak in a ``Trainer`` (its micro-batches included): what is resident when it
+    starts plus the live-tensor tracker's peak over it."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                      **kwargs: Any) -> None:  # fmt: skip
+        from remat.meters import LiveTensorTracker
+
+        self.resident = resident_bytes(model, optimizer)
+        self.tracker = LiveTensorTracker("cpu").__enter__()
+
+    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        self.tracker.exit_anywhere()
+        self.tracker.close()
+        self.peaks.append(self.resident + self.tracker.peak(exclude_survivors=False))
+
+
+def trainer_run(tmp_path: Any, fit: Callable[[torch.nn.Module, Any], Any] | None, seq_copies: int = 8,
+                **arguments: Any) -> tuple[torch.nn.Module, list[int], Any]:  # fmt: skip
+    """A 4-layer GPT-2 trained 4 steps by a ``Trainer`` (batches of 2, sequences of ``seq_copies * SEQ``), after
+    ``fit(model, training_arguments)`` where given: the model, each step's whole peak and what ``fit`` returned."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(4, n_embd=64, vocab=VOCAB, n_positions=128, use_cache=False)
+    data = [{k: v[0] for k, v in batch(i).items()} for i in range(16)]
+    data = [{k: torch.cat([v] * seq_copies) for k, v in item.items()} for item in data]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, use_cpu=True, report_to=[],
+        save_strategy="no", disable_tqdm=True, **arguments,
+    )  # fmt: skip
+    session = fit(model, args) if fit is not None else None
+    meter = TrainerStepMeter()
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[meter]).train()
+    return model, meter.peaks, session
+
+
+def same_weights(trained: torch.nn.Module, reference: torch.nn.Module) -> None:
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="the HF Trainer needs accelerate")
 def test_remat_fit_keeps_the_trainers_whole_step_within_memory(tmp_path: Any) -> None:
     """``remat.fit(model, memory)`` before ``Trainer.train()``: the first step is profiled, and from the second
     on every step's whole peak (parameters, gradients, AdamW's state, activations) is within ``memory``; the
     weights are those of training without checkpointing."""
-    from remat.meters import LiveTensorTracker
-
-    class StepMeter(transformers.TrainerCallback):
-        def __init__(self) -> None:
-            self.peaks: list[int] = []
-
-        def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                          **kwargs: Any) -> None:  # fmt: skip
-            self.resident = resident_bytes(model, optimizer)
-            self.tracker = LiveTensorTracker("cpu").__enter__()
-
-        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-            self.tracker.exit_anywhere()
-            self.tracker.close()
-            self.peaks.append(self.resident + self.tracker.peak(exclude_survivors=False))
-
-    def run(memory: int | None) -> tuple[torch.nn.Module, list[int], Any]:
-        torch.manual_seed(0)
-        model = tiny_gpt2(4, n_embd=64, vocab=VOCAB, n_positions=128, use_cache=False)
-        session = remat.fit(model, memory) if memory is not None else None
-        data = [{k: v[0] for k, v in batch(i).items()} for i in range(8)]
-        data = [{k: torch.cat([v] * 8) for k, v in item.items()} for item in data]  # sequences of 8 * SEQ
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, use_cpu=True, report_to=[],
-            save_strategy="no", disable_tqdm=True,
-        )  # fmt: skip
-        meter = StepMeter()
-        transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[meter]).train()
-        return model, meter.peaks, session
-
-    reference, plain_peaks, _ = run(None)
+    reference, plain_peaks, _ = trainer_run(tmp_path, None)
     memory = int(max(plain_peaks[1:]) * 0.85)
-    trained, peaks, session = run(memory)
+    trained, peaks, session = trainer_run(tmp_path, lambda model, args: remat.fit(model, memory))
     assert not session.profiling and session.plan.action_counts() != "4 keep", session.describe()
     assert "AdamW" in session.fitted.fixed.optimizer
     assert max(peaks[1:]) <= memory * 1.02, (peaks, memory)
-    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    same_weights(trained, reference)
+    session.remove()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="the HF Trainer needs accelerate")
+def test_the_trainers_gradient_accumulation_is_measured_through_its_step(tmp_path: Any) -> None:
+    """``gradient_accumulation_steps=2`` and a sample micro-batch: with ``step=hf.trainer_step(args)`` the fit
+    measures a micro-step that adds into the gradients there, and every step, the first included, is within
+    ``memory``; fitted as a step of one backward the first step ran over it (1.09x), and remat says so at the
+    second micro-batch. Training is bitwise plain training's either way."""
+    sample = {k: torch.cat([v] * 8, dim=1) for k, v in batch(100).items()}
+    reference, plain_peaks, _ = trainer_run(tmp_path, None, gradient_accumulation_steps=2)
+    memory = int(max(plain_peaks[1:]) * 0.75)
+    with pytest.warns(UserWarning) as warned:
+        trained, peaks, session = trainer_run(
+            tmp_path, lambda model, args: remat.fit(model, memory, batch=sample, step=hf.trainer_step(args)),
+            gradient_accumulation_steps=2,
+        )  # fmt: skip
+    assert not any("gradient accumulation" in str(w.message) for w in warned)
+    assert session.accumulates and session.plan.action_counts() != "4 keep", session.describe()
+    assert max(peaks) <= memory * 1.02, (peaks, memory, session.describe())
+    same_weights(trained, reference)
+    session.remove()
+
+    with pytest.warns(UserWarning, match=r"gradient accumulation.*hf.trainer_step\(args\)"):
+        trained, peaks, session = trainer_run(
+            tmp_path, lambda model, args: remat.fit(model, memory, batch=sample), gradient_accumulation_steps=2
+        )
+    assert not session.accumulates and peaks[0] > memory * 1.02, (peaks, memory)
+    same_weights(trained, reference)
     session.remove()
 
 

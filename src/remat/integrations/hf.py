@@ -244,6 +244,18 @@ def trainer_autocast(args: Any, device_type: str = "cpu") -> AutocastSpec:
     return AutocastSpec(device_type, torch.float32, enabled=False)
 
 
+def trainer_step(args: Any, device_type: str = "cpu") -> StepSpec:
+    """The training step a ``Trainer`` with these ``TrainingArguments`` runs, for ``remat.fit(..., step=)``: its
+    autocast (:func:`trainer_autocast`), the loss alone held through the backward, and gradient accumulation
+    where ``gradient_accumulation_steps`` is above 1, so that a fit with a batch measures a micro-step that starts
+    with the gradients there and adds into them (``device_type``: where the model trains)."""
+    return StepSpec(
+        autocast=trainer_autocast(args, device_type),
+        holds_output=False,
+        accumulates=int(getattr(args, "gradient_accumulation_steps", 1) or 1) > 1,
+    )
+
+
 def disable(model: nn.Module) -> None:
     """Remove the remat plan :func:`enable` put on ``model`` (no-op when there is none)."""
     session = getattr(model, "_remat_session", None)

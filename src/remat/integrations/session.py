@@ -142,6 +142,13 @@ ACCUMULATION_UNMEASURED = (
     "parameters' gradients that a fit without a batch does not measure. Pass batch=<a micro-batch> and "
     "step=remat.StepSpec(accumulates=True) to measure it"
 )
+ACCUMULATION_UNMEASURED_BATCH = (
+    "remat.fit: a second training forward came before the first optimizer step (gradient accumulation), and the "
+    "fit measured steps of one forward and backward: from the second micro-batch on each runs with the gradients "
+    "there and adds its own into them, a transient the fit did not measure, which can take the step over "
+    "memory=. Fit with step=remat.StepSpec(accumulates=True) (under Hugging Face's Trainer: "
+    "step=remat.integrations.hf.trainer_step(args))"
+)
 
 
 class RematSession:
@@ -254,6 +261,7 @@ class RematSession:
             # What profiles see: several chains stay several (planned together), else the chain; hooks go on the chain.
             self._profiled: Any = profiled_blocks(model, blocks)
             self._warned_eval = False
+            self._forwards_before_optimizer = 0  # training forwards seen while a fit awaits its optimizer
             profiled_step, hooked_step = replace(spec, blocks=self._profiled), replace(spec, blocks=chain)
             self._hooked_step = hooked_step  # what the handle runs; a refit applies its plan with it again
 
@@ -402,6 +410,10 @@ class RematSession:
             training = True
         if training and self.step_autocast is None:
             self._check_precision()
+        if training and self._refit is not None and not self.accumulates:
+            self._forwards_before_optimizer += 1
+            if self._forwards_before_optimizer == 2:
+                warnings.warn(ACCUMULATION_UNMEASURED_BATCH, stacklevel=3)
         if not self._waiting:
             if self._global_done and self.step_autocast is not None and not self._awaiting_optimizer():
                 self._remove_hooks()
