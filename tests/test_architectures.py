@@ -29,7 +29,7 @@ from remat.chains.model_state import BufferSnapshot
 from remat.meters import LiveTensorTracker
 from remat.planning import minimum_peak_bytes
 from remat.profiling import BlockProfiler
-from remat.runtime.applied import COPY_MESSAGE
+from remat.runtime.applied import COPY_WARNING, PICKLE_MESSAGE, HandleHook, inert_hook
 
 transformers = pytest.importorskip("transformers")
 from remat.bench.arch_check import (  # noqa: E402
@@ -326,30 +326,53 @@ def test_a_second_plan_on_a_part_of_the_model_is_refused() -> None:
     handle.remove()
 
 
-def test_copying_a_model_with_a_plan_fails_with_one_message_and_works_after_remove() -> None:
+def _remat_hooks(model: nn.Module) -> list[object]:
+    """remat's hooks on ``model`` and its modules: live ones and the inert ones of a copy."""
+    hooks = [h for m in model.modules() for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values()]
+    return [h for h in hooks if isinstance(h, HandleHook) or h is inert_hook]
+
+
+def test_a_copy_of_a_model_with_a_plan_is_the_plain_model_and_pickling_says_what_to_do() -> None:
     model, batch = _llama()
-    handle = remat.apply(model, remat.Plan({f"model.layers.{i}": "checkpoint" for i in range(LAYERS)}))
-    for what in (
-        lambda: copy.deepcopy(model),
-        lambda: torch.save(model, io.BytesIO()),
-        lambda: copy.deepcopy(model.model.layers[0]),
-    ):
-        with pytest.raises(TypeError) as info:
-            what()
-        assert COPY_MESSAGE in str(info.value)
-    torch.save(model.state_dict(), io.BytesIO())  # state dicts are fine
-    handle.remove()
-    twin = copy.deepcopy(model)
     arch = by_name("llama")
-    assert compare(plain_step(arch, model, batch), plain_step(arch, twin, batch), "copy") == []
-
-
-def test_an_integration_session_refuses_copies_too() -> None:
-    model, _ = _llama()
-    session = hf.enable(model, "full")
+    reference = copy.deepcopy(model)
+    plan = remat.Plan({f"model.layers.{i}": "checkpoint" for i in range(LAYERS)})
+    handle = remat.apply(model, plan)
+    with pytest.warns(UserWarning) as warned:
+        twin = copy.deepcopy(model)
+    assert [str(w.message) for w in warned] == [COPY_WARNING]  # once for the whole copy
+    assert twin._remat_handle is None and remat.runtime.owner_of(twin) is None
+    assert _remat_hooks(twin) and all(hook is inert_hook for hook in _remat_hooks(twin))
+    assert compare(plain_step(arch, reference, batch), plain_step(arch, twin, batch), "copy") == []
+    assert handle.stats.total_calls == 0  # the original's hooks did not run for the copy
+    assert compare(plain_step(arch, reference, batch), plain_step(arch, model, batch), "original") == []
+    assert handle.stats.total_calls == LAYERS  # the plan stays with the original
+    with pytest.warns(UserWarning, match="the copy is the plain model"):
+        copy.deepcopy(model.model.layers[0])
     with pytest.raises(TypeError) as info:
-        copy.deepcopy(model)
-    assert COPY_MESSAGE in str(info.value)
+        torch.save(model, io.BytesIO())
+    assert str(info.value) == PICKLE_MESSAGE
+    torch.save(model.state_dict(), io.BytesIO())  # state dicts are fine
+    own = remat.apply(twin, plan)  # a plan of its own: the inert hooks are taken off first
+    assert _remat_hooks(twin) and inert_hook not in _remat_hooks(twin)
+    twin.zero_grad(set_to_none=True)
+    assert compare(plain_step(arch, reference, batch), plain_step(arch, twin, batch), "planned copy") == []
+    assert own.stats.total_calls == LAYERS and handle.stats.total_calls == LAYERS
+    own.remove()
+    handle.remove()
+    assert _remat_hooks(twin) == [] and _remat_hooks(model) == []
+
+
+def test_a_copy_of_a_model_an_integration_holds_is_the_plain_model() -> None:
+    model, batch = _llama()
+    arch = by_name("llama")
+    reference = copy.deepcopy(model)
+    session = hf.enable(model, "full")
+    with pytest.warns(UserWarning, match="the copy is the plain model"):
+        twin = copy.deepcopy(model)
+    assert twin._remat_session is None and twin._remat_handle is None
+    assert compare(plain_step(arch, reference, batch), plain_step(arch, twin, batch), "copy") == []
+    assert session.profiling and session.stats.total_calls == 0  # the session saw none of the copy's steps
     session.remove()
     copy.deepcopy(model)
 

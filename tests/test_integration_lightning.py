@@ -136,6 +136,24 @@ def test_trainer_fit_with_remat_callback_matches_plain_training(strategy: str, o
         assert session.plan.strategy == "optimal" and session.plan.fits
 
 
+@pytest.mark.skipif(LIGHTNING is None, reason="lightning is not installed (pip install lightning)")
+@pytest.mark.parametrize("remat_first", [True, False], ids=["remat-first", "averaging-first"])
+def test_the_callback_beside_lightnings_weight_averaging_trains_and_averages_as_plain(remat_first: bool) -> None:
+    """Lightning's WeightAveraging (EMA) deep-copies the module at setup, after or before the callback's plan: the
+    copy is the plain model, and the weights trained and averaged are those of training without remat."""
+    callbacks = pytest.importorskip("lightning.pytorch.callbacks")
+    if not hasattr(callbacks, "WeightAveraging"):
+        pytest.skip("this Lightning has no WeightAveraging (2.6 and later)")
+    plain_average = callbacks.WeightAveraging()
+    reference = fit([plain_average])
+    average, callback = callbacks.WeightAveraging(), RematCallback("optimal", budget=0.6)
+    trained = fit([callback, average] if remat_first else [average, callback])
+    for got, expected in ((trained, reference), (average._average_model, plain_average._average_model)):
+        for (name, p), q in zip(got.named_parameters(), expected.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert callback.session is not None and callback.session.stats.total_calls >= 3
+
+
 class StepMeter(L.Callback if LIGHTNING is not None else object):  # type: ignore[misc]
     """Each training step's whole peak: what is resident when it starts (parameters, gradients, optimizer state)
     plus the live-tensor tracker's peak over the step, optimizer step included."""

@@ -49,6 +49,7 @@ from ..chains import chain_name, model_chains
 from ..checkpointing import PolicyLike, checkpoint_fn
 from ..core import AutocastSpec, CostTable, StepSpec
 from ..planning import Plan
+from ..runtime import HandleHook
 from .compiled_session import CompiledSession, compiled_route
 from .session import RematSession, is_deepspeed
 
@@ -115,7 +116,7 @@ class HFSession(RematSession):
         if config is not None and getattr(config, "use_cache", None):
             config.use_cache = False
         self._warned: set[str] = set()
-        self._guard = hf_model.register_forward_pre_hook(self._training_guard, with_kwargs=True)
+        self._guard = hf_model.register_forward_pre_hook(HandleHook(self._training_guard), with_kwargs=True)
         try:
             super().__init__(model, strategy, budget, **kwargs)
         except BaseException:

@@ -63,7 +63,7 @@ from ..fitting import (
 from ..meters import is_compiled, model_device
 from ..planning import STRATEGIES, Buckets, Plan, ShapePlans, check_plan_options, make_plan
 from ..profiling import BlockProfiler, profile, profile_shapes
-from ..runtime import RecomputeStats, RematHandle, apply
+from ..runtime import HandleHook, OwnsHooks, RecomputeStats, RematHandle, apply
 from .deepspeed import EngineSteps
 
 log = logging.getLogger("remat.integrations")
@@ -151,7 +151,7 @@ ACCUMULATION_UNMEASURED_BATCH = (
 )
 
 
-class RematSession:
+class RematSession(OwnsHooks):
     """A remat plan (or PGAC) on ``model``, made now or from the first training step. See the module docs.
 
     ``strategy``: a :data:`remat.STRATEGIES` name or ``"pgac"``; ``budget``: bytes, "2GiB" or a fraction;
@@ -318,7 +318,8 @@ class RematSession:
             model._remat_session = self  # type: ignore[assignment]
             watching = self._waiting or self.pgac is not None or self._awaiting_optimizer()
             self._global_done = not (auto_step and watching)
-            self._hooks.append(model.register_forward_pre_hook(self._on_forward))  # removed once it has no more to do
+            # removed once it has no more to do
+            self._hooks.append(model.register_forward_pre_hook(HandleHook(self._on_forward)))
             if not self._global_done:
                 from torch.optim.optimizer import register_optimizer_step_pre_hook
 

@@ -45,7 +45,7 @@ from ..core import CHECKPOINT, KEEP, SELECTIVE, Action, CostTable, StepSpec
 from ..meters import is_compiled
 from ..planning import Plan, make_plan
 from ..profiling import meta_cost_table
-from ..runtime import RematHandle, apply
+from ..runtime import HandleHook, RematHandle, apply
 
 __all__ = ["RematAC", "remat_ac"]
 
@@ -224,7 +224,7 @@ def _refuse_compiled_blocks_once(model: nn.Module) -> None:
             )
         hook.remove()
 
-    hook = model.register_forward_pre_hook(check)
+    hook = model.register_forward_pre_hook(HandleHook(check))
 
 
 def _whole_block(action: str) -> bool:

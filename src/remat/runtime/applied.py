@@ -4,9 +4,13 @@
   model, or on a model holding one that has, would hook some blocks twice (each recomputing, or one
   recomputing the other's hooks). :func:`refuse_overlap` refuses it, naming the model that has the plan.
 * Copies: the hooks remat installs belong to one live handle (they recompute *its* blocks with *its* saved
-  inputs). A ``copy.deepcopy`` would share them with the original, and ``pickle``/``torch.save`` cannot store
-  them. Every hook is wrapped in :class:`CopyRefusingHook`, so that copying or pickling a hooked module fails
-  with one message saying to call ``remove()`` first. ``model.state_dict()`` works at any time.
+  inputs), so a copy must not run them. Every hook remat installs on a user's module is a :class:`HandleHook`
+  (an integration's too): in a ``copy.deepcopy`` it becomes :func:`inert_hook`, and the objects that own hooks
+  (:class:`OwnsHooks`: the handle, a session, PGAC), reached through the model's attributes, copy as ``None``.
+  The copy is the plain model, with one warning (:data:`COPY_WARNING`); this is what an EMA or SWA copy
+  (``torch.optim.swa_utils.AveragedModel``, Lightning's ``WeightAveraging``) needs. :func:`strip_inert_hooks`
+  takes the inert hooks off when a plan is applied to the copy. Pickling (``torch.save(model)``) is refused with
+  :data:`PICKLE_MESSAGE`; ``model.state_dict()`` works at any time.
 * Calls past remat's own hooks: a block re-run in recomputation may skip ``Module.__call__`` where the only hooks
   it would run are the handle's own (idle while recomputing): :func:`forward_past_own_hooks`.
 * Every applied plan switched off in this thread, e.g. while a block is measured alone: :func:`suspend_all` is
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -27,15 +32,25 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-COPY_MESSAGE = (
-    "cannot copy or pickle a module while a remat plan is applied to it: its hooks belong to the live handle. "
-    "Call handle.remove() (session.remove() for an integration) first, copy or save the model, then apply the "
-    "plan again; model.state_dict() can be saved at any time."
+PICKLE_MESSAGE = (
+    "cannot pickle a module while a remat plan is applied to it (torch.save(model)): its hooks belong to the live "
+    "handle. Save model.state_dict() (torch's advice for saving models), or call handle.remove() (session.remove() "
+    "for an integration) first"
 )
+COPY_WARNING = (
+    "copy.deepcopy of a model with a remat plan: the copy is the plain model (the plan stays with the original); "
+    "if the copy trains, give it a plan of its own: remat.fit(copy, ...) or remat.apply(copy, plan)"
+)
+_COPY_WARNED = object()  # a key in a deepcopy's memo: that copy has warned
 
 
-class CopyRefusingHook:
-    """A module hook that refuses ``copy.deepcopy`` and pickling with :data:`COPY_MESSAGE`."""
+def inert_hook(*args: Any, **kwargs: Any) -> None:
+    """What a :class:`HandleHook` is in a deep copy of its module: a hook that does nothing."""
+
+
+class HandleHook:
+    """A module hook that belongs to a live handle: nothing in a deep copy (:func:`inert_hook`), and pickling it
+    is refused with :data:`PICKLE_MESSAGE`."""
 
     __slots__ = ("hook", "__weakref__")
 
@@ -46,10 +61,32 @@ class CopyRefusingHook:
         return self.hook(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise TypeError(COPY_MESSAGE)
+        if id(_COPY_WARNED) not in memo:
+            memo[id(_COPY_WARNED)] = _COPY_WARNED
+            warnings.warn(COPY_WARNING, stacklevel=2)
+        return inert_hook
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(COPY_MESSAGE)
+        raise TypeError(PICKLE_MESSAGE)
+
+
+class OwnsHooks:
+    """Base of the objects a model refers to while they own hooks on it (``model._remat_handle``, a session):
+    in a deep copy of the model they are ``None``, as their hooks are inert there."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+
+def strip_inert_hooks(model: nn.Module) -> None:
+    """Take the inert hooks of a copy (:class:`HandleHook`) off ``model`` and its modules."""
+    for module in model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for hook_id in [k for k, hook in hooks.items() if hook is inert_hook]:
+                del hooks[hook_id]
+                module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+                module._forward_hooks_with_kwargs.pop(hook_id, None)
+                module._forward_hooks_always_called.pop(hook_id, None)
 
 
 _LIVE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()

@@ -172,7 +172,7 @@ from .recompute_stats import RecomputeStats
 OutputObserver = Callable[[int, torch.Tensor, bool], None]
 
 
-class RematHandle:
+class RematHandle(applied.OwnsHooks):
     """The live application of a plan to a model. Create it with :func:`apply`."""
 
     def __init__(
@@ -205,15 +205,15 @@ class RematHandle:
         self.set_plan(plan)
         self._own_hook_ids: list[frozenset[int]] = []
         for i, (_, module) in enumerate(blocks):  # Note [4]
-            pre_hook = applied.CopyRefusingHook(self._make_pre_hook(i))
-            post_hook = applied.CopyRefusingHook(self._make_post_hook(i))
+            pre_hook = applied.HandleHook(self._make_pre_hook(i))
+            post_hook = applied.HandleHook(self._make_post_hook(i))
             pre = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
             post = module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
             self._hooks += [pre, post]
             self._own_hook_ids.append(frozenset((pre.id, post.id)))
         for entry in (eager(lambda *_: self._forward_starts()), compiled_caller_check(self)):  # Notes [8], [4]
-            self._hooks.append(model.register_forward_pre_hook(applied.CopyRefusingHook(entry)))
-        model_exit = applied.CopyRefusingHook(eager(self._after_model_forward))
+            self._hooks.append(model.register_forward_pre_hook(applied.HandleHook(entry)))
+        model_exit = applied.HandleHook(eager(self._after_model_forward))
         self._hooks.append(model.register_forward_hook(model_exit, always_call=True))  # Note [6]
 
     # ----- plan -----
@@ -561,12 +561,13 @@ def apply(
     (:mod:`remat.chains.blocks`); ``step`` (a :class:`remat.StepSpec`) gives them and ``blocks`` instead."""
     spec = StepSpec.of(step, blocks=blocks, main_input=main_input, main_output=main_output)
     applied.refuse_overlap(model)
+    applied.strip_inert_hooks(model)
     refuse_hf_checkpointing(model)
     chain = resolve_blocks(model, spec.blocks)
     refuse_recomputed_blocks(chain)
     io = block_ios(chain, spec.main_input, spec.main_output)
     handle = RematHandle(model, chain, plan, time_recompute=time_recompute, io=io)
-    handle._hooks += training_forward_guards(model, wrap=applied.CopyRefusingHook)
+    handle._hooks += training_forward_guards(model, wrap=applied.HandleHook)
     applied.register(model, handle)
     model._remat_handle = handle  # type: ignore[assignment]
     return handle

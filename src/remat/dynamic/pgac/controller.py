@@ -39,7 +39,7 @@ from ...chains import profiled_blocks, resolve_blocks
 from ...core import CHECKPOINT, KEEP, BudgetError, CostTable, ShapeCosts, StepSpec, format_bytes, normalize_budget
 from ...meters import MemoryReport, measure, model_device
 from ...planning import Buckets, Plan, ShapeBudgetError, ShapePlans, resolve_budget
-from ...runtime import RematHandle, apply
+from ...runtime import HandleHook, RematHandle, apply
 from .mask import FittedMask, MaskFitter, quantile, score_mask
 from .record import StepRecord, own_seconds, step_reward
 from .schedules import NEEDS_LENGTH, Schedule, make_schedule
@@ -136,7 +136,7 @@ class PGAC:
         self._report: MemoryReport | None = None
         self._optimizer_hooks: list[Any] = []
         self._optimizer: Any = None
-        self._forward_hook = model.register_forward_pre_hook(self._on_forward)
+        self._forward_hook = model.register_forward_pre_hook(HandleHook(self._on_forward))
         self._removed = False
         if costs is not None:
             try:
