@@ -357,6 +357,76 @@ def test_an_image_model_keeps_one_budget_over_changing_batch_sizes_with_exact_gr
     handle.remove()
 
 
+@pytest.mark.parametrize("name", ["vit", "convnext"])
+def test_smaller_images_run_within_the_budget_and_a_larger_one_is_refused_before_its_forward(name: str) -> None:
+    """Profiled at 32 x 32 images: 16 and 24 run under the plans of the profiled size (within the budget, gradients
+    bitwise those of a plain step); 48 is refused before any block runs, with the reason: for ViT, more patches in
+    the second dimension; for ConvNeXt, a larger feature map past it, which the (batch, channels) key hid."""
+
+    def images(rows: int, size: int, seed: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(seed)
+        batch: dict[str, Any] = {"pixel_values": torch.randn(rows, 3, size, size, generator=g),
+                                 "labels": torch.randint(0, 5, (rows,), generator=g)}  # fmt: skip
+        if name == "vit":
+            batch["interpolate_pos_encoding"] = True  # Hugging Face's ViT takes other image sizes with it
+        return batch
+
+    model, plain = _vision(name), _vision(name)
+    shapes = remat.profile_shapes(model, images(8, 32, 0), holds_output=False)
+    second = shapes.reference_shape[1]
+    budget = remat.plan(shapes.at(5, second), "none").predicted_peak_bytes
+    handle = remat.apply(model, remat.plan(shapes.reference, "none"))
+    plans = remat.ShapePlans(shapes, budget)
+    handle.plan_per_shape(plans)
+    for step, (rows, size) in enumerate([(5, 32), (5, 16), (4, 24), (5, 48), (2, 24)]):
+        batch = images(rows, size, step)
+        calls = handle.stats.total_calls
+        if size > 32:
+            with pytest.raises(ValueError, match="beyond the|vary with the batch size alone"):
+                model(**batch)
+            assert handle.stats.total_calls == calls and all(p.grad is None for p in model.parameters())
+            continue
+        torch.manual_seed(step)
+        with remat.measure() as measured:
+            model(**batch).loss.backward()
+        assert measured.activation_bytes <= budget * 1.02, (rows, size, measured.activation_bytes, budget)
+        torch.manual_seed(step)
+        plain(**batch).loss.backward()
+        for (parameter, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (rows, size, parameter)
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+    assert {key[1] for key in plans.seen.values()} == {second}  # smaller images planned at the profiled size
+    handle.remove()
+
+
+def test_pgac_fits_its_mask_per_batch_size_on_an_image_model() -> None:
+    """PGAC's plans per shape on ViT, whose second dimension (65 patches) is the model's: each batch size is
+    planned at that second dimension (rounding it up as a sequence length gave a shape its costs refuse), every
+    step within the budget and gradients bitwise those of a plain step."""
+    model, plain = _vision("vit"), _vision("vit")
+    shapes = remat.profile_shapes(model, _images(8), holds_output=False)
+    second = shapes.reference_shape[1]
+    budget = remat.plan(shapes.at(5, second), "none").predicted_peak_bytes
+    pgac = remat.PGAC(model, budget, costs=shapes.reference)
+    pgac.plan_per_shape(shapes)
+    for step, rows in enumerate((4, 2, 5, 3)):
+        batch = _images(rows, seed=step)
+        torch.manual_seed(step)
+        with remat.measure() as measured:
+            model(**batch).loss.backward()
+        assert measured.activation_bytes <= budget * 1.02, (rows, measured.activation_bytes, budget)
+        torch.manual_seed(step)
+        plain(**batch).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (rows, name)
+        pgac.step()
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+    assert {key[1] for key in pgac.shape_plans.seen.values()} == {second}
+    pgac.remove()
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
 def test_a_batch_beyond_the_measured_shapes_is_measured_before_its_forward(name: str, make_gpt2) -> None:
     from benchmarks.shapes import build

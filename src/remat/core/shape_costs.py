@@ -120,6 +120,13 @@ class ShapeCosts:
         return self.shapes[0][1] if self.form == FORM_BATCH else None
 
     @property
+    def past_second(self) -> tuple[int, ...]:
+        """The first block's input dimensions past the second at the profiled shape: a hidden size, or the height
+        and width of an image model's feature map (which the batch form does not vary)."""
+        first = (self.reference.info.get("input_shapes") or {}).get(self.reference.fqns[0])
+        return tuple(int(d) for d in first[2:]) if first else ()
+
+    @property
     def largest(self) -> Shape:
         """The largest batch size and the longest sequence measured (beyond them, costs are extrapolated)."""
         return max(b for b, _ in self.shapes), max(s for _, s in self.shapes)

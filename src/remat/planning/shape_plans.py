@@ -117,14 +117,34 @@ class ShapePlans:
         self.plans.clear()
         self.refused.clear()
 
-    def plan_for(self, batch: int, seq: int) -> Plan:
-        """The plan for a batch of ``(batch, seq)``: its bucket's, planned the first time the bucket is seen."""
-        shape = (batch, seq)
+    def shape_and_bucket(self, batch: int, seq: int, past_second: tuple[int, ...] = ()
+                         ) -> tuple[tuple[int, int], tuple[int, int]]:  # fmt: skip
+        """The shape a batch of ``(batch, seq)`` is known by and the bucket it is planned at. Under the batch form
+        (an image model) a second dimension below the profiled one is planned at the profiled one, which holds it;
+        one above it, or a first-block input larger than the profiled one past its second dimension
+        (``past_second``: a larger image's feature map), raises ValueError: the costs do not price it."""
+        profiled = self.costs.past_second
+        if past_second and (len(past_second) != len(profiled) or any(
+                d > p for d, p in zip(past_second, profiled, strict=True))):  # fmt: skip
+            raise ValueError(
+                f"a batch whose first block's input is {list(past_second)} past its second dimension, beyond the "
+                f"{list(profiled)} its costs were profiled at (an image model's feature-map height and width): no "
+                "plan here was made for activations that large. Profile a batch of the largest image size the run "
+                "will see (remat.fit(..., batch=...), remat.profile_shapes), or resize the images to at most the "
+                "profiled size"
+            )
         fixed = self.costs.fixed_second
-        if fixed is not None and seq != fixed:
+        if fixed is None:
+            return (batch, seq), self.buckets.of(batch, seq)
+        if seq > fixed:
             self.costs.at(batch, seq)  # raises, saying why
-        bucket = self.buckets.of(batch, seq)
-        key = self.seen.setdefault(shape, bucket if fixed is None else (bucket[0], seq))
+        return (batch, fixed), (self.buckets.of(batch, fixed)[0], fixed)
+
+    def plan_for(self, batch: int, seq: int, past_second: tuple[int, ...] = ()) -> Plan:
+        """The plan for a batch of ``(batch, seq)`` (its first block's input ``past_second`` past them): its
+        bucket's, planned the first time the bucket is seen."""
+        shape, bucket = self.shape_and_bucket(batch, seq, past_second)
+        key = self.seen.setdefault(shape, bucket)
         if shape in self.refused:
             raise self.refused[shape]
         plan = self.plans.get(key)

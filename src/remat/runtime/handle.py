@@ -296,7 +296,7 @@ class RematHandle(applied.OwnsHooks):
         plans = self._shape_plans
         assert plans is not None
         try:
-            plan = plans.plan_for(*shape_of(main.shape))
+            plan = plans.plan_for(*shape_of(main.shape), tuple(main.shape[2:]))
             if plan is not self.plan:
                 self.set_plan(plan)
         finally:

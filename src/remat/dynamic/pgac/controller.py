@@ -463,9 +463,9 @@ class PerShape(ShapePlans):
             lines.append(f"  {list(key)} for {[list(s) for s in shapes]}: last {actions}")
         return "\n".join(lines)
 
-    def plan_for(self, batch: int, seq: int) -> Plan:
-        shape = (batch, seq)
-        key = self.seen.setdefault(shape, self.buckets.of(batch, seq))
+    def plan_for(self, batch: int, seq: int, past_second: tuple[int, ...] = ()) -> Plan:
+        shape, bucket = self.shape_and_bucket(batch, seq, past_second)
+        key = self.seen.setdefault(shape, bucket)
         if shape in self.refused:
             raise self.refused[shape]
         if key in self.plans:  # a bucket over the budget, run under on_overflow's plan
