@@ -269,6 +269,50 @@ def test_a_model_in_eval_mode_is_profiled_with_a_warning_not_left_profiling() ->
     session.remove()
 
 
+class DropoutBlock(Block):
+    def __init__(self, width: int = 128) -> None:
+        super().__init__(width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.drop(torch.relu(self.up(x))))
+
+
+def test_a_model_in_eval_mode_is_fitted_as_it_trains_in_train_mode_and_put_back() -> None:
+    """``from_pretrained`` returns models in eval mode, and training runs them in train mode, where dropout saves
+    its masks and outputs. A fit with a batch measures the training step in train mode (with a warning), puts
+    every module's mode back, and the steps that follow in train mode are within memory, with the gradients of
+    the plain model."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 128), *[DropoutBlock() for _ in range(6)], nn.Linear(128, 4))
+
+    reference = make()
+    reference_optimizer = torch.optim.AdamW(reference.parameters())
+    torch.manual_seed(1)
+    training_step(reference, reference_optimizer, BATCH)
+    memory = int(training_step(reference, reference_optimizer, BATCH)[0] * 0.7)
+    model = make().eval()
+    model[2].train()  # a module's own mode, put back as it was
+    modes = [m.training for m in model.modules()]
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.warns(UserWarning, match=r"eval mode.*measured in train mode"):
+        session = remat.fit(model, memory, batch=BATCH, optimizer=optimizer)
+    assert [m.training for m in model.modules()] == modes
+    reference = make()
+    reference_optimizer = torch.optim.AdamW(reference.parameters())
+    model.train()
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        peak, grads = training_step(model, optimizer, BATCH)
+        torch.manual_seed(10 + step)
+        _, expected = training_step(reference, reference_optimizer, BATCH)
+        assert peak <= memory * 1.02, (step, peak / memory)
+        assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+    session.remove()
+
+
 def test_hugging_face_models_go_through_the_hf_door_flag_off_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("transformers")
     from remat.integrations.hf import HFSession

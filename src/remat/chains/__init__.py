@@ -46,6 +46,7 @@ from .model_state import detached_from_step, extra_run
 from .training_step import (
     batch_structure,
     default_loss,
+    in_train_mode,
     interleaved_rounds,
     ratios_text,
     ratios_to_first,
@@ -98,6 +99,7 @@ __all__ = [
     "timed_step",
     "training_forward_guards",
     "waiting_grad_bytes",
+    "in_train_mode",
     "warn_if_evaluating",
     "without_caches",
 ]

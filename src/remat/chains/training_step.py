@@ -11,18 +11,20 @@ logits) is then freed before the backward. :func:`timed_step` times one such ste
 :func:`interleaved_rounds` times several contenders' steps against each other (:func:`ratios_to_first`: as
 ratios; :func:`ratios_text` reads them). A step whose loss does not require grad is refused with the reason
 (:func:`untrainable_step_error`); :func:`warn_if_evaluating` warns that a model in eval mode is not measured as
-training runs it. :func:`stepped_before` says whether this process already ran a step of the model on a batch of
+training runs it, and :func:`in_train_mode` measures a training step of such a model in train mode (the front
+door's measurements). :func:`stepped_before` says whether this process already ran a step of the model on a batch of
 that structure (:func:`batch_structure`), so that a measurement can skip the warm-up a first step needs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -156,6 +158,31 @@ def untrainable_step_error(model: nn.Module) -> RuntimeError:
     else:
         why = "the loss does not depend on a parameter that requires grad: check loss_fn (or the batch's labels)"
     return RuntimeError(f"the step's loss does not require grad, so there is no backward to measure or plan: {why}")
+
+
+@contextlib.contextmanager
+def in_train_mode(model: nn.Module, what: str) -> Iterator[None]:
+    """Within: ``model`` in train mode where it is in eval mode (``from_pretrained`` returns models so), with one
+    warning saying so, and every module's own mode put back afterwards. What is measured within is the training
+    step as training runs it (dropout on: its masks are saved, normalisation on batch statistics); a model
+    trained in eval mode saves no more (its dropout saves no masks), so the plan holds for it too. A model in train
+    mode is left as it is, its modules held in eval mode (frozen normalisation) included."""
+    if model.training:
+        yield
+        return
+    warnings.warn(
+        f"{what}: {type(model).__name__} is in eval mode (model.eval(); from_pretrained returns models so): the "
+        "training step is measured in train mode, as training runs it (dropout on), and the model is put back in "
+        "eval mode; call model.train() before training",
+        stacklevel=4,
+    )
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
 
 
 def warn_if_evaluating(model: nn.Module, what: str) -> None:

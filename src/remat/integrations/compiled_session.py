@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..chains import resolve_blocks, run_step
+from ..chains import in_train_mode, resolve_blocks, run_step
 from ..core import CostTable, StepSpec, autocast_spec
 from ..fitting import CompiledMemoryFit, fit_memory_compiled, uncompile_blocks
 from ..meters import model_device
@@ -61,25 +61,26 @@ class CompiledSession:
         self._use_cache = getattr(self._config, "use_cache", None)
         if self._use_cache:
             self._config.use_cache = False
-        try:
-            self.fitted: CompiledMemoryFit = fit_memory_compiled(
-                model, batch, memory, optimizer=optimizer, step=step, clock=clock, **compile_options
-            )
-        except BaseException:
-            self._flags_on()
-            raise
-        compiled = self.fitted.compiled
-        self._handle = compiled.handle
-        if self.route == "whole model":
-            # In place, so that the loop keeps calling the model: the backend the fit measured for the budget,
-            # compiled now by one step (gradients and RNG put back), so that the time to plan counts it.
-            begun = time.perf_counter()
-            model.compile(backend=compiled.budgets.backends[compiled.budget], dynamic=compiled.budgets.dynamic)
-            device = model_device(model)
-            with step_aside(model):
-                run_step(model, batch, step.loss_fn, autocast=autocast_spec(step.autocast, device.type),
-                         holds_output=step.holds_output)  # fmt: skip
-            self.fitted.seconds["compiling the model in place"] = time.perf_counter() - begun
+        with in_train_mode(model, "remat.fit"):
+            try:
+                self.fitted: CompiledMemoryFit = fit_memory_compiled(
+                    model, batch, memory, optimizer=optimizer, step=step, clock=clock, **compile_options
+                )
+            except BaseException:
+                self._flags_on()
+                raise
+            compiled = self.fitted.compiled
+            self._handle = compiled.handle
+            if self.route == "whole model":
+                # In place, so that the loop keeps calling the model: the backend the fit measured for the budget,
+                # compiled now by one step (gradients and RNG put back), so that the time to plan counts it.
+                begun = time.perf_counter()
+                model.compile(backend=compiled.budgets.backends[compiled.budget], dynamic=compiled.budgets.dynamic)
+                device = model_device(model)
+                with step_aside(model):
+                    run_step(model, batch, step.loss_fn, autocast=autocast_spec(step.autocast, device.type),
+                             holds_output=step.holds_output)  # fmt: skip
+                self.fitted.seconds["compiling the model in place"] = time.perf_counter() - begun
         self._removed = False
 
     @property

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..chains import megatron_recomputes, profiled_blocks, resolve_blocks
+from ..chains import in_train_mode, megatron_recomputes, profiled_blocks, resolve_blocks
 from ..core import (
     CHECKPOINT,
     AutocastArg,
@@ -274,7 +274,8 @@ class RematSession(OwnsHooks):
                 if costs is None:
                     _refuse_compiled(chain)  # PGAC would profile the first step
                     if batch is not None:
-                        self.costs = profile(model, batch, step=profiled_step)
+                        with in_train_mode(model, "remat"):
+                            self.costs = profile(model, batch, step=profiled_step)
                 self.pgac = PGAC(
                     model,
                     budget,
@@ -292,22 +293,25 @@ class RematSession(OwnsHooks):
                     self._warn_without_optimizer()
 
                     def fitted_with(optimizer: torch.optim.Optimizer | None) -> Plan:
-                        self.fitted = fit_memory(model, batch, memory, optimizer=optimizer, step=profiled_step,
-                                                 through=self._engine_steps, **self.options)  # fmt: skip
-                        self.costs = self.fitted.costs
-                        if shapes:
-                            self.shape_plans = self._plans_per_shape(batch, profiled_step, shapes, on_overflow)
+                        with in_train_mode(model, "remat.fit"):
+                            self.fitted = fit_memory(model, batch, memory, optimizer=optimizer, step=profiled_step,
+                                                     through=self._engine_steps, **self.options)  # fmt: skip
+                            self.costs = self.fitted.costs
+                            if shapes:
+                                self.shape_plans = self._plans_per_shape(batch, profiled_step, shapes, on_overflow)
                         return self._shared_plan(self.fitted.plan)
 
                     plan = fitted_with(optimizer)
                     if optimizer is None:
                         self._refit = fitted_with
                         if self.costs is None:  # the plain step fitted: costs to plan with once the state counts
-                            self.costs = profile(model, batch, step=profiled_step)
+                            with in_train_mode(model, "remat.fit"):
+                                self.costs = profile(model, batch, step=profiled_step)
                 if plan is None:
                     if self.costs is None and batch is not None:
                         _refuse_compiled(chain)
-                        self.costs = profile(model, batch, step=profiled_step)
+                        with in_train_mode(model, "remat"):
+                            self.costs = profile(model, batch, step=profiled_step)
                     if self.costs is not None:
                         self.costs = self._shared(self.costs)
                         plan = self._plan_for(self.costs)
