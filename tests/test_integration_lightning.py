@@ -154,6 +154,38 @@ def test_the_callback_beside_lightnings_weight_averaging_trains_and_averages_as_
     assert callback.session is not None and callback.session.stats.total_calls >= 3
 
 
+@pytest.mark.skipif(LIGHTNING is None, reason="lightning is not installed (pip install lightning)")
+def test_a_run_resumed_from_a_checkpoint_goes_on_with_pgacs_state(tmp_path: Any) -> None:
+    """PGAC's state rides in Lightning's checkpoint: a run resumed from the end of its first epoch goes on with
+    the step count, scores and costs it had (nothing profiled again), and trains the weights of two epochs of
+    plain training."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(epochs: int, callbacks: list[Any], ckpt_path: Any = None) -> nn.Module:
+        torch.manual_seed(0)
+        module = LitNet()
+        L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, callbacks=callbacks, default_root_dir=tmp_path,
+                  enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+                  ).fit(module, ckpt_path=ckpt_path)  # fmt: skip
+        return module
+
+    reference = run(2, [])
+    first = RematCallback("pgac", budget=0.7, alpha=0.5, total_steps=2 * STEPS)
+    run(1, [first, ModelCheckpoint(dirpath=tmp_path, filename="first", save_top_k=-1)])
+    saved = first.session.pgac
+    resumed = RematCallback("pgac", budget=0.7, alpha=0.5, total_steps=2 * STEPS)
+    trained = run(2, [resumed], ckpt_path=tmp_path / "first.ckpt")
+    pgac = resumed.session.pgac
+    assert saved.step_count == STEPS and pgac.step_count == 2 * STEPS
+    assert pgac.costs.to_dict() == saved.costs.to_dict()  # the costs of the first run, not profiled again
+    assert [r.step for r in pgac.history] == list(range(STEPS, 2 * STEPS))  # its updates past the first epoch
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="holds PGAC's state.*resume with the strategy that saved it"):
+        run(2, [RematCallback("optimal", budget=0.6)], ckpt_path=tmp_path / "first.ckpt")
+
+
 class StepMeter(L.Callback if LIGHTNING is not None else object):  # type: ignore[misc]
     """Each training step's whole peak: what is resident when it starts (parameters, gradients, optimizer state)
     plus the live-tensor tracker's peak over the step, optimizer step included."""

@@ -12,7 +12,10 @@ The hooks it uses, in the order Lightning calls them:
 * the first training step runs with every block checkpointed and is profiled (from the forward of that
   module on); ``on_before_optimizer_step`` ends it, before the optimizer runs, and makes the plan used from
   the second step;
-* ``teardown``: the hooks are removed; ``callback.session`` keeps the plan, the costs and the statistics.
+* ``teardown``: the hooks are removed; ``callback.session`` keeps the plan, the costs and the statistics;
+* ``state_dict``/``load_state_dict``: a Lightning checkpoint keeps PGAC's state (scores, step, schedule, costs,
+  budget, plan), and a run resumed from it (``trainer.fit(..., ckpt_path=...)``) goes on with it, after
+  ``setup`` and before the first step: nothing profiled again, the schedule where it was.
 
 With ``compile=True`` (and ``memory=``, ``batch=``) the route is :func:`remat.fit`'s compiled one: at
 ``on_train_start``, once the strategy has put the model on its device and the trainer's optimizer exists (its state
@@ -187,6 +190,29 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
         session = self.session
         if isinstance(session, RematSession) and session.pgac is None and session.profiling:
             session.step()  # the profiled first step ends here, before the optimizer allocates its state
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a Lightning checkpoint keeps of the callback: PGAC's state (:meth:`remat.PGAC.state_dict`), or
+        nothing for a plan (made again, or read from the profile cache, when a run resumes)."""
+        session = self.session
+        if isinstance(session, RematSession) and session.pgac is not None:
+            return {"pgac": session.pgac.state_dict()}
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume PGAC from a checkpoint's :meth:`state_dict`; Lightning calls it after ``setup``, so the session
+        exists."""
+        if "pgac" not in state:
+            return
+        session = self.session
+        if not isinstance(session, RematSession) or session.pgac is None:
+            raise ValueError(
+                "this checkpoint holds PGAC's state from RematCallback('pgac', ...), and this callback runs "
+                f"strategy {self.strategy!r}: resume with the strategy that saved it, or drop the callback's state "
+                "from the checkpoint (checkpoint['callbacks'])"
+            )
+        session.pgac.load_state_dict(state["pgac"])
+        session.costs = session.pgac.costs
 
     def teardown(self, trainer: Any, pl_module: nn.Module, stage: str | None = None) -> None:
         if self.session is not None and stage in (None, "fit"):
