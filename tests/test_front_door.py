@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -311,6 +312,19 @@ def test_a_model_in_eval_mode_is_fitted_as_it_trains_in_train_mode_and_put_back(
         assert peak <= memory * 1.02, (step, peak / memory)
         assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
     session.remove()
+
+
+def test_a_fit_of_a_model_left_on_the_cpu_beside_a_gpu_says_to_move_it_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """remat.fit(model, "22GiB") before model.to("cuda") would measure the host: said where a GPU is present (the
+    CPU machine made to report one), and nothing said where none is."""
+    model = make_model(blocks=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remat.fit(model, "1GiB", batch=BATCH[:64], optimizer=optimizer).remove()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(UserWarning, match=r"on the CPU while a CUDA device is present.*model\.to\('cuda'\)"):
+        remat.fit(model, "1GiB", batch=BATCH[:64], optimizer=optimizer).remove()
 
 
 def test_hugging_face_models_go_through_the_hf_door_flag_off_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:

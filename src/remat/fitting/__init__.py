@@ -33,7 +33,15 @@ from .device_fit import (
 )
 from .measured_fit import PlanFit, fit
 from .trial import Fit, Trial
-from .whole_step import FixedMemory, StepPeak, device_memory, fixed_memory, stepping_optimizer, whole_step_peak
+from .whole_step import (
+    FixedMemory,
+    StepPeak,
+    device_memory,
+    fixed_memory,
+    stepping_optimizer,
+    warn_if_on_host,
+    whole_step_peak,
+)
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -55,6 +63,7 @@ __all__ = [
     "advise_costs",
     "compile_blocks",
     "device_memory",
+    "warn_if_on_host",
     "fit_compile_budget",
     "fit",
     "fit_compiled",

@@ -9,7 +9,9 @@ Invariants, enforced here:
 
 1. A memory figure is bytes, a size string (``"22GiB"``) or a percentage of the device's free memory
    (``"90%"``: ``torch.cuda.mem_get_info`` on CUDA, ``MemAvailable`` of ``/proc/meminfo`` on the CPU). A float is
-   refused: a fraction of activations is ``activations=``.
+   refused: a fraction of activations is ``activations=``. The memory is the device the model is on: a model
+   still on the CPU while a CUDA device is present is warned about (:func:`warn_if_on_host`), as a fit made
+   before ``model.to("cuda")`` measures the host's memory and the CPU's steps.
 2. The fixed memory is measured from the live objects, each storage counted once (tied weights share one):
    parameters, buffers and optimizer state on the model's device, and one gradient per trainable parameter (its
    size and dtype). State an optimizer has not made yet (before its first step) and the temporaries of its step
@@ -34,6 +36,7 @@ Invariants, enforced here:
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +71,17 @@ def device_memory(memory: MemoryArg, device: torch.device) -> int:
     if not 0 < share <= 1:
         raise ValueError(f"memory={memory!r}: a share of the free memory is a percentage in (0, 100]")
     return int(share * free_bytes(device))
+
+
+def warn_if_on_host(device: torch.device, what: str) -> None:
+    """Rule 1: warn where the model is on the CPU while a CUDA device is present."""
+    if device.type == "cpu" and torch.cuda.is_available():
+        warnings.warn(
+            f"{what}: the model is on the CPU while a CUDA device is present, so memory= is the host's and every "
+            "step is measured on the CPU: a model moved to the GPU after the fit runs a plan made for another "
+            "device. Move the model to its device first (model.to('cuda')), then fit",
+            stacklevel=4,
+        )
 
 
 def free_bytes(device: torch.device) -> int:

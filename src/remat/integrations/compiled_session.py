@@ -24,7 +24,7 @@ from torch import nn
 
 from ..chains import in_train_mode, resolve_blocks, run_step
 from ..core import CostTable, StepSpec, autocast_spec
-from ..fitting import CompiledMemoryFit, fit_memory_compiled, uncompile_blocks
+from ..fitting import CompiledMemoryFit, fit_memory_compiled, uncompile_blocks, warn_if_on_host
 from ..meters import model_device
 from ..planning import Plan
 from ..profiling import step_aside
@@ -162,6 +162,7 @@ def compiled_route(
     made plain (the fit compiles the route it chooses), then the :class:`CompiledSession`."""
     clock = given.pop("clock", time.perf_counter)
     check_compile_arguments(memory, batch, strategy, given)
+    warn_if_on_host(model_device(model), "remat.fit")
     compile_options = compile if isinstance(compile, dict) else {}
     model._compiled_call_impl = None
     uncompile_blocks(resolve_blocks(model, step.blocks))

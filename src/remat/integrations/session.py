@@ -59,6 +59,7 @@ from ..fitting import (
     fit_memory,
     fixed_memory,
     stepping_optimizer,
+    warn_if_on_host,
 )
 from ..meters import is_compiled, model_device
 from ..planning import STRATEGIES, Buckets, Plan, ShapePlans, check_plan_options, make_plan
@@ -202,6 +203,7 @@ class RematSession(OwnsHooks):
             if budget is not None:
                 raise ValueError("give memory= (the whole step's device memory) or an activation budget, not both")
             device_memory(memory, model_device(model))  # a malformed memory fails here, not after the first step
+            warn_if_on_host(model_device(model), "remat.fit")
         else:
             check_strategy(strategy, budget)
         # A DeepSpeed engine: plans go on the model it holds, whole steps are measured through it (its buckets).
