@@ -195,6 +195,56 @@ def test_the_front_door_plans_each_shape_within_the_same_memory(make_gpt2) -> No
         remat.fit(model, activations=0.5, shapes=True)
 
 
+def test_the_front_door_without_a_batch_plans_each_shape_from_the_first_training_batch(make_gpt2) -> None:
+    """``remat.fit(model, memory, shapes=True)`` with no batch: the first training step is profiled, its batch is
+    cut to the smaller shapes then (the step's gradients left as they were), and from the second step each shape
+    runs its own plan within the memory, or is refused before its first block; gradients bitwise a plain step's."""
+    model = make_gpt2(n_layer=3, n_embd=64, dropout=0.1, seed=0, n_positions=512)
+    plain = make_gpt2(n_layer=3, n_embd=64, dropout=0.1, seed=0, n_positions=512)
+    with remat.measure() as measured:
+        plain(**_batch(4, 128)).loss.backward()
+    plain.zero_grad(set_to_none=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    session = remat.fit(model, int(measured.activation_bytes * 0.9), optimizer=optimizer, shapes=True,
+                        step=remat.StepSpec(holds_output=False))  # fmt: skip
+    blocks = [m for _, m in remat.find_blocks(model)]
+    calls: list[int] = []
+    hooks = [b.register_forward_pre_hook(lambda *_: calls.append(1)) for b in blocks]
+    ran, refused = 0, 0
+    for step, (rows, positions) in enumerate([(4, 64), (3, 161), (2, 81), (8, 136), (7, 217), (4, 40), (1, 194)]):
+        batch = _batch(rows, positions, seed=step)
+        before = len(calls)
+        torch.manual_seed(step)
+        try:
+            with remat.measure() as measured:
+                model(**batch).loss.backward()
+        except remat.ShapeBudgetError as err:
+            refused += 1
+            assert step > 0 and len(calls) == before and err.shape == (rows, positions)
+            continue
+        ran += 1
+        if step == 0:
+            assert session.shape_plans is None  # made at the end of the first step, from its batch
+        else:
+            assert measured.activation_bytes <= session.shape_plans.budget_bytes * 1.02, (rows, positions)
+        torch.manual_seed(step)
+        plain(**batch).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (rows, positions, name)
+        optimizer.step()
+        plain_optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        plain_optimizer.zero_grad(set_to_none=True)
+        if step == 0:
+            assert session.shape_plans is not None and session.shape_plans.costs.shapes[0] == (4, 64)
+    assert ran >= 5 and refused >= 1, (ran, refused)
+    assert "plans per shape" in session.describe()
+    for hook in hooks:
+        hook.remove()
+    session.remove()
+
+
 def test_pgac_fits_its_mask_to_each_shape_within_the_budget(make_gpt2) -> None:
     model = make_gpt2(n_layer=4, n_embd=64, dropout=0.1, seed=0, n_positions=512)
     plain = make_gpt2(n_layer=4, n_embd=64, dropout=0.1, seed=0, n_positions=512)
@@ -231,14 +281,17 @@ def test_pgac_fits_its_mask_to_each_shape_within_the_budget(make_gpt2) -> None:
     pgac.remove()
 
 
-def test_the_lightning_callback_plans_each_shape_within_memory() -> None:
+@pytest.mark.parametrize("with_batch", [True, False], ids=["batch", "first-step"])
+def test_the_lightning_callback_plans_each_shape_within_memory(with_batch: bool) -> None:
+    """With a sample batch the plans per shape are made at setup; without, from the first training step's
+    batch (profiled, then cut to the smaller shapes). The largest shape comes again last, under its own plan."""
     from remat.integrations.lightning import LIGHTNING, RematCallback
 
     if LIGHTNING is None:
         pytest.skip("lightning is not installed (pip install lightning)")
     import lightning as L
 
-    shapes = [(4, 32), (2, 24), (3, 32), (1, 8), (4, 16), (2, 32)]
+    shapes = [(4, 32), (2, 24), (3, 32), (1, 8), (4, 16), (2, 32), (4, 32)]
     data = [torch.randn(b, s, 8, generator=torch.Generator().manual_seed(i)) for i, (b, s) in enumerate(shapes)]
 
     class Block(torch.nn.Module):
@@ -278,7 +331,8 @@ def test_the_lightning_callback_plans_each_shape_within_memory() -> None:
         reference.model(data[0]).square().mean().backward()
     weights = sum(p.numel() * p.element_size() for p in reference.parameters())
     # parameters and gradients, and 70% of the activations of the largest batch: between the least plan and none
-    callback = RematCallback(memory=int(2 * weights + 0.7 * plain.activation_bytes), batch=data[0], shapes=True)
+    callback = RematCallback(memory=int(2 * weights + 0.7 * plain.activation_bytes),
+                             batch=data[0] if with_batch else None, shapes=True)  # fmt: skip
     trained = train([callback])
     for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

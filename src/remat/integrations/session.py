@@ -63,7 +63,7 @@ from ..fitting import (
 )
 from ..meters import is_compiled, model_device
 from ..planning import STRATEGIES, Buckets, Plan, ShapePlans, check_plan_options, make_plan
-from ..profiling import BlockProfiler, profile, profile_shapes
+from ..profiling import BlockProfiler, profile, profile_shapes, step_aside
 from ..runtime import HandleHook, OwnsHooks, RecomputeStats, RematHandle, apply
 from .deepspeed import EngineSteps
 
@@ -244,11 +244,15 @@ class RematSession(OwnsHooks):
                 fit_own = ("policies", "rounds", "clock") if memory is not None else ()
                 check_plan_options(plan_strategy, self.options, also=fit_own, where="remat.fit")
             self.shape_plans: ShapePlans | None = None  # plans per input shape (shapes=True), docs/shapes.md
-            if shapes and (memory is None or batch is None or plan is not None or costs is not None):
+            if shapes and (memory is None or plan is not None or costs is not None or strategy == "pgac"):
                 raise ValueError(
-                    "shapes=True plans each input shape within memory=: it needs memory= and batch= (the largest "
-                    "batch the run will see, which is profiled and cut to smaller shapes), and no plan= or costs="
+                    "shapes=True plans each input shape within memory=: it needs memory= (with batch=, the largest "
+                    "batch the run will see, which is profiled and cut to smaller shapes; without, the first "
+                    "training batch is), and no plan= or costs="
                 )
+            # Without a batch, the first training batch is kept through its profiled step and cut to shapes then.
+            self._shapes_later = (shapes, on_overflow) if shapes and batch is None else None
+            self._first_batch: Any = None
             self.sync = sync
             self.process_group = process_group
             self.costs: CostTable | None = costs
@@ -265,6 +269,7 @@ class RematSession(OwnsHooks):
             self._warned_eval = False
             self._forwards_before_optimizer = 0  # training forwards seen while a fit awaits its optimizer
             profiled_step, hooked_step = replace(spec, blocks=self._profiled), replace(spec, blocks=chain)
+            self._profiled_step = profiled_step
             self._hooked_step = hooked_step  # what the handle runs; a refit applies its plan with it again
 
             if strategy == "pgac":
@@ -325,7 +330,7 @@ class RematSession(OwnsHooks):
             watching = self._waiting or self.pgac is not None or self._awaiting_optimizer()
             self._global_done = not (auto_step and watching)
             # removed once it has no more to do
-            self._hooks.append(model.register_forward_pre_hook(HandleHook(self._on_forward)))
+            self._hooks.append(model.register_forward_pre_hook(HandleHook(self._on_forward), with_kwargs=True))
             if not self._global_done:
                 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -399,7 +404,7 @@ class RematSession(OwnsHooks):
         if self._profiler is not None:
             self._finish_profiling()
 
-    def _on_forward(self, module: nn.Module, args: Any) -> None:
+    def _on_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if self._global_done and self._global_hooks and not self._awaiting_optimizer():
             # Removed here, outside the optimizer's loop over its hooks, which must not change while it runs.
             self._remove_global_hooks()
@@ -440,6 +445,8 @@ class RematSession(OwnsHooks):
             self._profiler = BlockProfiler(self.model, self._profiled, io=self.handle.io, step_actions=actions)
             if self._engine_steps is not None:
                 self._engine_steps.allocate_bucket()  # DeepSpeed's buffer, not the step's activations
+            if self._shapes_later is not None:
+                self._first_batch = kwargs if kwargs else args if len(args) != 1 else args[0]
             self._profiler.__enter__()
         else:  # a second training forward before any optimizer step: the profiled step has ended
             if self.memory is not None and not self.accumulates:
@@ -503,6 +510,11 @@ class RematSession(OwnsHooks):
         plan = self._plan_for(costs)
         self.handle.set_plan(plan)
         self._waiting = False
+        if self._shapes_later is not None and self._first_batch is not None:
+            (shapes, on_overflow), batch, self._first_batch = self._shapes_later, self._first_batch, None
+            with step_aside(self.model):  # the step's gradients and generators, as they were
+                self.shape_plans = self._plans_per_shape(batch, self._profiled_step, shapes, on_overflow, fresh=True)
+            self.handle.plan_per_shape(self.shape_plans)
         self._global_done = True
         log.info("remat: profiled the first step; from now on\n%s", plan.table(costs))
 
@@ -559,10 +571,14 @@ class RematSession(OwnsHooks):
         self.fitted = MemoryFit(limit, fixed, plan, costs, None, None, budget, non_activation)
         return plan
 
-    def _plans_per_shape(self, batch: Any, step: StepSpec, shapes: bool | Buckets, on_overflow: str) -> ShapePlans:
-        """Plans per input shape within the activation bytes the memory fit leaves (docs/shapes.md)."""
+    def _plans_per_shape(self, batch: Any, step: StepSpec, shapes: bool | Buckets, on_overflow: str,
+                         fresh: bool = False) -> ShapePlans:  # fmt: skip
+        """Plans per input shape within the activation bytes the memory fit leaves (docs/shapes.md); ``fresh``:
+        ``batch`` profiled again (the first training step's profile, run with every block checkpointed, is not
+        one of the shape profiles' kind)."""
         assert self.fitted is not None
-        shape_costs = profile_shapes(self.model, batch, step=step, reference=self.costs, price_segments=False)
+        reference = None if fresh else self.costs
+        shape_costs = profile_shapes(self.model, batch, step=step, reference=reference, price_segments=False)
         budget = activations_within(self.fitted, shape_costs.reference)
         buckets = shapes if isinstance(shapes, Buckets) else Buckets()
         return ShapePlans(shape_costs, budget, buckets=buckets, on_overflow=on_overflow)

@@ -257,7 +257,8 @@ class RematHandle(applied.OwnsHooks):
             f"remat: block {self.fqns[0]!r} gets an input of shape {list(shape)}, {growth:.2f}x the elements of "
             f"the {list(planned)} its plan was made for: the activations grow with it (more than that where "
             f"attention scores grow with the square of the sequence), so the plan's predicted peak and budget"
-            f"{budget} do not hold for this batch. Profile and plan with the largest batch the run will see.",
+            f"{budget} do not hold for this batch. Profile and plan with the largest batch the run will see, or give "
+            "each shape its plan: remat.fit(..., shapes=True) (docs/shapes.md).",
             stacklevel=2,
         )
 
