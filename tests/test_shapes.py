@@ -26,6 +26,20 @@ def _batch(rows: int, positions: int, seed: int = 1) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
+def _step_or_refusal(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                     seed: int) -> tuple[int, remat.ShapeBudgetError | None]:  # fmt: skip
+    """One training step (dropout drawn from ``seed``) under the model's plans per shape: its measured activation
+    bytes, or the refusal of its shape (the gradients then cleared)."""
+    torch.manual_seed(seed)
+    try:
+        with remat.measure() as measured:
+            model(**batch).loss.backward()
+    except remat.ShapeBudgetError as err:
+        model.zero_grad(set_to_none=True)
+        return 0, err
+    return measured.activation_bytes, None
+
+
 def _llama(seed: int = 0) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -215,19 +229,16 @@ def test_the_front_door_without_a_batch_plans_each_shape_from_the_first_training
     for step, (rows, positions) in enumerate([(4, 64), (3, 161), (2, 81), (8, 136), (7, 217), (4, 40), (1, 194)]):
         batch = _batch(rows, positions, seed=step)
         before = len(calls)
-        torch.manual_seed(step)
-        try:
-            with remat.measure() as measured:
-                model(**batch).loss.backward()
-        except remat.ShapeBudgetError as err:
+        activations, refusal = _step_or_refusal(model, batch, step)
+        if refusal is not None:
             refused += 1
-            assert step > 0 and len(calls) == before and err.shape == (rows, positions)
+            assert step > 0 and len(calls) == before and refusal.shape == (rows, positions)
             continue
         ran += 1
         if step == 0:
             assert session.shape_plans is None  # made at the end of the first step, from its batch
         else:
-            assert measured.activation_bytes <= session.shape_plans.budget_bytes * 1.02, (rows, positions)
+            assert activations <= session.shape_plans.budget_bytes * 1.02, (rows, positions)
         torch.manual_seed(step)
         plain(**batch).loss.backward()
         for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
@@ -257,17 +268,13 @@ def test_pgac_fits_its_mask_to_each_shape_within_the_budget(make_gpt2) -> None:
     for step in range(16):
         rows, positions = rng.randint(1, 8), rng.randint(16, 320)
         batch = _batch(rows, positions, seed=step)
-        torch.manual_seed(step)
-        try:
-            with remat.measure() as measured:
-                model(**batch).loss.backward()
-        except remat.ShapeBudgetError as err:
+        activations, refusal = _step_or_refusal(model, batch, step)
+        if refusal is not None:
             refused += 1
-            assert err.shape == (rows, positions)
-            model.zero_grad(set_to_none=True)
+            assert refusal.shape == (rows, positions)
             continue
         ran += 1
-        assert measured.activation_bytes <= budget * 1.02, (rows, positions, measured.activation_bytes, budget)
+        assert activations <= budget * 1.02, (rows, positions, activations, budget)
         assert pgac.handle.plan.options["shape"] == list(per_shape.seen[(rows, positions)])
         torch.manual_seed(step)
         plain(**batch).loss.backward()
