@@ -320,7 +320,7 @@ class Tally:
                 "budget": self.budget}
 
 
-DOORS = ("apply", "fit", "pgac", "lightning")
+DOORS = ("apply", "fit", "fit-first-step", "pgac", "lightning")
 
 
 def fit_memory_for(model: nn.Module) -> int:
@@ -335,20 +335,28 @@ def fit_memory_for(model: nn.Module) -> int:
 
 def run(steps: int, emit: Any, door: str = "apply") -> None:
     """Part 2 through one door: ``remat.apply`` with ``handle.plan_per_shape``, ``remat.fit(..., shapes=True)``
-    (the whole step's memory, with the largest batch, 8 x 512, profiled), PGAC's ``plan_per_shape``, or Lightning's
-    ``RematCallback(memory=..., shapes=True)`` in ``Trainer.fit`` (:func:`lightning_run`)."""
+    (the whole step's memory, with the largest batch, 8 x 512, profiled; ``fit-first-step``: with no batch, the
+    run's first batch profiled in its step and cut to smaller shapes as it ends), PGAC's ``plan_per_shape``, or
+    Lightning's ``RematCallback(memory=..., shapes=True)`` in ``Trainer.fit`` (:func:`lightning_run`)."""
     if door == "lightning":
         lightning_run(steps, emit)
         return
     model = build("gpt2")
     plain = copy.deepcopy(model)
-    pgac = None
-    if door == "fit":
-        largest = make_batch(8, 512, seed=0)
+    pgac = optimizer = None
+    rng = random.Random(0)
+    if door in ("fit", "fit-first-step"):
+        largest = make_batch(8, 512, seed=0) if door == "fit" else None
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # no state; the weights stay as they are
         memory = fit_memory_for(model)
         handle = remat.fit(model, memory, batch=largest, optimizer=optimizer, shapes=True,
                            step=remat.StepSpec(holds_output=False))  # fmt: skip
+        if largest is None:  # the first step is profiled; its plans per shape are made as its optimizer steps
+            first = make_batch(rng.randint(1, 8), rng.randint(32, 512), seed=100)
+            torch.manual_seed(0)
+            with remat.measure() as measured:
+                step(model, first)
+            optimizer.step()
         plans = handle.shape_plans
         budget = plans.budget_bytes
     else:
@@ -362,15 +370,19 @@ def run(steps: int, emit: Any, door: str = "apply") -> None:
             handle = remat.apply(model, remat.plan(shapes.reference, "none"))
             plans = remat.ShapePlans(shapes, budget, buckets=remat.Buckets(seq_multiple=64))
             handle.plan_per_shape(plans)
-    rng = random.Random(0)
     tally = Tally(budget)
     for k in range(steps):
-        rows, positions = rng.randint(1, 8), rng.randint(32, 512)
-        fields = tally.step(model, plain, make_batch(rows, positions, seed=100 + k), seed=k)
+        if k == 0 and door == "fit-first-step":
+            fields = tally.ran_step(model, plain, first, measured.activation_bytes, seed=0)
+        else:
+            rows, positions = rng.randint(1, 8), rng.randint(32, 512)
+            fields = tally.step(model, plain, make_batch(rows, positions, seed=100 + k), seed=k)
         if not fields["refused"]:
             fields["plan"] = "".join(a[0].upper() for a in handle.plan.actions.values())
             if pgac is not None:
                 pgac.step()  # scores from this step's gradients; the next forward fits the mask to its shape
+            if optimizer is not None:
+                optimizer.step()
             model.zero_grad(set_to_none=True)
             plain.zero_grad(set_to_none=True)
         emit({"part": "run", "door": door, "step": k, **fields})
@@ -542,7 +554,8 @@ def summary(records: list[dict[str, Any]], command: str) -> str:
         lines += [f"| {r['model']} | {r['shape'][0]}x{r['shape'][1]} | {1e3 * r['plain_step_s']:.1f} ms "
                   f"({r['spread'][0]:.2f}-{r['spread'][1]:.2f}) | {r['form_over_plain']:.3f} |" for r in forms]
     run_rows = [r for r in records if r["part"] == "run_summary"]
-    doors = {"apply": "remat.apply + handle.plan_per_shape", "fit": "remat.fit(..., shapes=True)",
+    doors = {"apply": "remat.apply + handle.plan_per_shape", "fit": "remat.fit(..., batch=largest, shapes=True)",
+             "fit-first-step": "remat.fit(..., shapes=True) without a batch (the first batch profiled)",
              "pgac": "PGAC + plan_per_shape", "lightning": "Lightning RematCallback(memory=..., shapes=True)"}
     for r in run_rows:
         lines += ["", f"{doors[r.get('door', 'apply')]}: run of {r['steps']} random shapes (batch 1-8, sequence "
@@ -570,7 +583,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,llama,bert,t5")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--doors", default=",".join(DOORS), help="the doors of part 2: apply, fit, pgac, lightning")
+    parser.add_argument("--doors", default=",".join(DOORS),
+                        help="the doors of part 2: apply, fit, fit-first-step, pgac, lightning")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--text-steps", type=int, default=200, help="steps of the dynamic-padding run (0: none)")
     parser.add_argument("--direct", action="store_true",
