@@ -477,3 +477,39 @@ def test_a_model_that_drops_layers_is_profiled_whole_and_planned_without_groups(
     plan = remat.Plan({fqn: "segment:0" for fqn, _ in remat.find_chains(model)[-1]})
     with pytest.raises(ValueError, match="LayerDrop"):
         remat.apply(model, plan, blocks=remat.find_chains(model)[-1])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="the HF Trainer needs accelerate")
+def test_pgac_goes_on_from_a_trainer_checkpoint_with_its_state(tmp_path: Any) -> None:
+    """``hf.pgac_checkpoints(session)`` saves PGAC's state beside the Trainer's checkpoint-2, and a run resumed from
+    it goes on at step 2 with the scores, schedule and costs it had (nothing profiled again); a resume that finds
+    no state says PGAC starts afresh."""
+
+    def run(max_steps: int, resume: bool, folder: str) -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        model = tiny_gpt2(4, n_embd=64, vocab=VOCAB, n_positions=128, use_cache=False)
+        data = [{k: v[0] for k, v in batch(i).items()} for i in range(16)]
+        session = remat.fit(model, strategy="pgac", activations=0.6, alpha=0.5)
+        callback = hf.pgac_checkpoints(session)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / folder), max_steps=max_steps, per_device_train_batch_size=2, use_cpu=True,
+            report_to=[], save_strategy="steps", save_steps=2, disable_tqdm=True,
+        )  # fmt: skip
+        transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train(
+            resume_from_checkpoint=resume or None
+        )
+        return session, callback
+
+    first, _ = run(2, False, "run")
+    saved = first.pgac
+    assert saved.step_count == 2 and (tmp_path / "run" / "checkpoint-2" / "remat_pgac_0.pt").exists()
+    second, callback = run(4, True, "run")
+    pgac = second.pgac
+    assert callback.resumed_from == str(tmp_path / "run" / "checkpoint-2" / "remat_pgac_0.pt")
+    assert pgac.step_count == 4 and pgac.costs.to_dict() == saved.costs.to_dict()
+    assert [r.step for r in pgac.history] == [2, 3]  # its updates past the checkpoint
+    (tmp_path / "run" / "checkpoint-4" / "remat_pgac_0.pt").unlink()
+    with pytest.warns(UserWarning, match="PGAC's state is not at .*PGAC starts afresh"):
+        run(6, True, "run")
+    with pytest.raises(ValueError, match="pgac_checkpoints keeps PGAC's state"):
+        hf.pgac_checkpoints(remat.fit(tiny_gpt2(2), activations=0.5))

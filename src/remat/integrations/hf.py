@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -255,6 +257,72 @@ def trainer_step(args: Any, device_type: str = "cpu") -> StepSpec:
         holds_output=False,
         accumulates=int(getattr(args, "gradient_accumulation_steps", 1) or 1) > 1,
     )
+
+
+PGAC_STATE_FILE = "remat_pgac_{rank}.pt"  # in each of the Trainer's checkpoint-N folders, one per process
+
+
+@functools.cache
+def _pgac_checkpoints_class() -> type:
+    from transformers import TrainerCallback
+
+    class PGACCheckpoints(TrainerCallback):  # type: ignore[misc]
+        """PGAC's state (:meth:`remat.PGAC.state_dict`) beside each of a ``Trainer``'s checkpoints, and read back
+        before the first step of a run resumed from one (``trainer.train(resume_from_checkpoint=...)``); made by
+        :func:`pgac_checkpoints`."""
+
+        def __init__(self, session: RematSession) -> None:
+            if session.pgac is None:
+                raise ValueError(
+                    "pgac_checkpoints keeps PGAC's state: give it the session of remat.fit(model, strategy='pgac', "
+                    "activations=...) or hf.enable(model, 'pgac', budget)"
+                )
+            self.session = session
+            self.resumed_from: str | None = None
+            self._first_step = True
+
+        def _path(self, args: Any, step: int) -> Path:
+            rank = int(getattr(args, "process_index", 0) or 0)
+            return Path(args.output_dir) / f"checkpoint-{step}" / PGAC_STATE_FILE.format(rank=rank)
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            path = self._path(args, state.global_step)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(self.session.pgac.state_dict(), path)
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if not self._first_step:
+                return
+            self._first_step = False
+            if state.global_step == 0:
+                return
+            path = self._path(args, state.global_step)
+            if not path.exists():
+                warnings.warn(
+                    f"remat: this run resumes at step {state.global_step}, and PGAC's state is not at {path} (a "
+                    "checkpoint outside output_dir, or saved without pgac_checkpoints): PGAC starts afresh, its first "
+                    "step profiled and its schedule from step 0",
+                    stacklevel=2,
+                )
+                return
+            pgac = self.session.pgac
+            pgac.load_state_dict(torch.load(path, weights_only=True))
+            self.session.costs = pgac.costs
+            self.resumed_from = str(path)
+
+    return PGACCheckpoints
+
+
+def pgac_checkpoints(session: RematSession) -> Any:
+    """A ``TrainerCallback`` that keeps PGAC's state in the ``Trainer``'s checkpoints: saved beside each one as
+    ``remat_pgac_<process>.pt``, and loaded before the first step of a run resumed from one, so that it goes on
+    with its scores, step, schedule and costs (nothing profiled again). The checkpoint is looked for where the
+    ``Trainer`` writes them, ``output_dir/checkpoint-<step>``.
+
+    >>> session = remat.fit(model, strategy="pgac", activations=0.5)
+    >>> Trainer(model=model, args=args, callbacks=[hf.pgac_checkpoints(session)]).train(resume_from_checkpoint=True)
+    """
+    return _pgac_checkpoints_class()(session)
 
 
 def disable(model: nn.Module) -> None:
