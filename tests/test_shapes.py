@@ -552,6 +552,30 @@ def test_a_peak_that_moves_to_another_moment_at_longer_sequences_is_predicted() 
         assert fitted_whole.bwd_temp_bytes < 0.5 * read.bwd_temp_bytes
 
 
+def test_an_extrapolated_action_never_costs_less_than_keeping() -> None:
+    """Invariant 3 of remat.core.shape_costs: a checkpoint measured to save 0.9 ms of its 1 ms recomputation at the
+    reference (its overhead scaled with the tokens), whose recomputation grows with the square of the sequence, is
+    read at 8 x 16 as costing nothing rather than -0.33 ms, and at the measured shapes as measured."""
+    import dataclasses
+
+    from toy_models import uniform_costs
+
+    shapes = [(4, 64), (4, 32), (2, 64), (2, 32)]
+    tables = []
+    for rows, positions in shapes:
+        recompute = 1e-3 * (rows / 4) * (positions / 64) ** 2
+        overhead = -0.9e-3 if (rows, positions) == (4, 64) else 1e-4
+        table = uniform_costs(["a", "b"])
+        blocks = [dataclasses.replace(b, recompute_s={**b.recompute_s, "checkpoint": recompute},
+                                      overhead_s={"checkpoint": overhead}) for b in table.blocks]  # fmt: skip
+        tables.append(dataclasses.replace(table, blocks=blocks))
+    costs = ShapeCosts(tables, shapes)
+    assert costs.at(4, 64).blocks[0].time_cost("checkpoint") == pytest.approx(1e-4)
+    far = costs.at(8, 16).blocks[0]
+    assert far.recompute_s["checkpoint"] == pytest.approx(1.25e-4)  # on the form
+    assert far.time_cost("checkpoint") == 0.0
+
+
 def _without_summits(table: remat.CostTable) -> remat.CostTable:
     import dataclasses
 

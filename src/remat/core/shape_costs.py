@@ -42,6 +42,11 @@ Invariant 2: where a block's summits line up at every measured shape, its ``fwd_
 and ``bwd_extra_bytes`` at a new shape are :func:`~remat.core.costs.temp_terms` of its summits predicted there,
 as a profile at that shape reads them from the summits it measures.
 
+Invariant 3: at a new shape an action's ``overhead_s`` is never below minus its ``recompute_s``, as the profiler
+keeps it (:mod:`remat.core.costs`): a saving measured at the reference and scaled with the tokens, beside a
+recomputation fitted on the form, would otherwise make the action cheaper than keeping (a step predicted faster
+than keep-all's, and the planner choosing recomputation for nothing).
+
 Where a model's terms do not follow the form (the fit is checked at no fourth shape by itself), the tests and
 ``benchmarks/shapes.py`` compare predicted with measured peaks at shapes not profiled; ``info["shape_form"]`` names
 the form, and a table outside it is profiled at its own shape (:func:`remat.profile` on that batch).
@@ -165,6 +170,9 @@ class ShapeCosts:
                                                  strict=True):  # fmt: skip
             fields = {name: getattr(reference_row, name) for name in _FIXED_BLOCK_FIELDS}
             fields.update({name: _evaluate(term, row, tokens) for name, term in terms.items()})
+            recompute = fields.get("recompute_s") or {}
+            fields["overhead_s"] = {action: max(seconds, -recompute.get(action, 0.0))  # invariant 3
+                                    for action, seconds in (fields.get("overhead_s") or {}).items()}  # fmt: skip
             if summits is not None:
                 fields.update(summits.fields_at(row, fields["saved_bytes"][KEEP]))  # invariant 2
             blocks.append(BlockCost(**fields))
