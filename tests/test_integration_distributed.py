@@ -118,6 +118,11 @@ def wide_data(rank: int, step: int) -> torch.Tensor:
     return torch.randn(512, 8, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
+def shaped_data(rank: int, step: int) -> torch.Tensor:
+    """:func:`wide_data` in batches of 512, 384 and 256 rows: the first, profiled, is the largest."""
+    return wide_data(rank, step)[: 512 - 128 * step]
+
+
 def momentum(parameters: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameters, lr=0.01, momentum=0.9)
 
@@ -138,13 +143,14 @@ def plain_whole_peak(rank: int) -> int:
     return peaks[-1]
 
 
-def _memory_scenario(rank: int, wrapper: str, sample: bool) -> dict[str, Any]:
+def _memory_scenario(rank: int, wrapper: str, sample: bool, shapes: bool = False) -> dict[str, Any]:
     memory = int(plain_whole_peak(0) * MEMORY_SHARE)  # the same figure on every rank
     torch.manual_seed(0)
     model = wide_net()
     batch = (wide_data(rank, 99),) if sample else None
+    data_of = shaped_data if shapes else wide_data
     if wrapper == "ddp":
-        session = distributed.prepare(model, memory=memory, batch=batch)
+        session = distributed.prepare(model, memory=memory, batch=batch, **({"shapes": True} if shapes else {}))
         trained: nn.Module = nn.parallel.DistributedDataParallel(model)
         optimizer = momentum(trained.parameters())
     else:
@@ -158,13 +164,14 @@ def _memory_scenario(rank: int, wrapper: str, sample: bool) -> dict[str, Any]:
         torch.manual_seed(10 * step + rank)
         start = resident_bytes(trained, optimizer)
         with remat.measure() as meter:
-            trained(wide_data(rank, step)).backward()
+            trained(data_of(rank, step)).backward()
             grads.append(distributed.full_gradients(trained))
             optimizer.step()
             optimizer.zero_grad()
         peaks.append(start + meter.peak_bytes)
     result = {"grads": grads, "actions": dict(session.plan.actions), "peaks": peaks, "memory": memory,
-              "profiling": session.profiling, "sync": session.sync}  # fmt: skip
+              "profiling": session.profiling, "sync": session.sync,
+              "shape_plans": session.shape_plans is not None}  # fmt: skip
     session.remove()
     return result
 
@@ -176,6 +183,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     try:
         results = {name: _scenario(rank, *spec) for name, spec in SCENARIOS.items()}
         results |= {name: _memory_scenario(rank, *spec) for name, spec in MEMORY_SCENARIOS.items()}
+        results["ddp-memory-shapes-first-step"] = _memory_scenario(rank, "ddp", sample=False, shapes=True)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -242,6 +250,20 @@ def test_memory_holds_the_whole_step_on_every_rank_with_exact_gradients(runs: li
             for param, g in ref[step].items():
                 torch.testing.assert_close(got["grads"][step][param], g, rtol=1e-5, atol=1e-6, msg=f"{name} {param}")
     assert runs[0][name]["actions"] == runs[1][name]["actions"]
+
+
+def test_plans_per_shape_from_the_first_training_batch_under_ddp(runs: list[dict[str, Any]]) -> None:
+    """``shapes=True`` with no batch under DDP: each rank's first batch is profiled cut to smaller shapes as its
+    optimizer steps (the model already wrapped: DDP's gradient hooks stay idle there), and the smaller batches after
+    it run their own plans within the memory, with the gradients of the unsharded model."""
+    ref = reference(wide_net, shaped_data, momentum)
+    for rank, run in enumerate(runs):
+        got = run["ddp-memory-shapes-first-step"]
+        assert got["shape_plans"] and not got["profiling"]
+        assert max(got["peaks"][1:]) <= got["memory"] * 1.02, (rank, got["peaks"], got["memory"])
+        for step in range(STEPS):
+            for param, g in ref[step].items():
+                torch.testing.assert_close(got["grads"][step][param], g, rtol=1e-5, atol=1e-6, msg=f"{rank} {param}")
 
 
 def test_plans_recompute_what_they_say(runs: list[dict[str, Any]]) -> None:
