@@ -513,3 +513,46 @@ def test_pgac_goes_on_from_a_trainer_checkpoint_with_its_state(tmp_path: Any) ->
         run(6, True, "run")
     with pytest.raises(ValueError, match="pgac_checkpoints keeps PGAC's state"):
         hf.pgac_checkpoints(remat.fit(tiny_gpt2(2), activations=0.5))
+
+
+def padded_to_longest(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A data collator padding each batch to its longest sequence (as ``DataCollatorWithPadding`` does), the pad
+    masked and left out of the loss."""
+    longest = max(len(item["input_ids"]) for item in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    labels, mask = torch.full_like(ids, -100), torch.zeros_like(ids)
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        ids[row, :n], labels[row, :n], mask[row, :n] = item["input_ids"], item["input_ids"], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="the HF Trainer needs accelerate")
+def test_remat_fit_with_shapes_holds_the_memory_over_the_trainers_padded_batches(tmp_path: Any) -> None:
+    """``remat.fit(model, memory, shapes=True)`` with no batch before a ``Trainer`` whose batches are padded to
+    their longest (16 to 120 tokens): the first batch is profiled and cut to smaller shapes, every step's whole
+    peak is within the memory, and the weights are those of training without checkpointing."""
+    lengths = [64, *(16 + (37 * i) % 105 for i in range(1, 24))]
+    data = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(i))}
+            for i, n in enumerate(lengths)]  # fmt: skip
+
+    def run(fit: Callable[[torch.nn.Module], Any] | None) -> tuple[torch.nn.Module, list[int], Any]:
+        torch.manual_seed(0)
+        model = tiny_gpt2(4, n_embd=64, vocab=VOCAB, n_positions=128, use_cache=False)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=2, use_cpu=True, report_to=[],
+            save_strategy="no", disable_tqdm=True,
+        )  # fmt: skip
+        session = fit(model) if fit is not None else None
+        meter = TrainerStepMeter()
+        transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=padded_to_longest,
+                             callbacks=[meter]).train()  # fmt: skip
+        return model, meter.peaks, session
+
+    reference, plain_peaks, _ = run(None)
+    memory = int(max(plain_peaks) * 0.8)
+    trained, peaks, session = run(lambda model: remat.fit(model, memory, shapes=True))
+    assert max(peaks) <= memory * 1.02, [round(p / memory, 3) for p in peaks]
+    assert session.shape_plans is not None and len(session.shape_plans.plans) >= 2
+    same_weights(trained, reference)
+    session.remove()
