@@ -256,6 +256,49 @@ def test_the_front_door_without_a_batch_plans_each_shape_from_the_first_training
     session.remove()
 
 
+def test_a_first_batch_given_positionally_and_by_keyword_is_cut_to_shapes(make_gpt2) -> None:
+    """A loop calling ``model(ids, labels=ids)``: the first batch is kept with ``ids`` bound to ``input_ids``, so
+    its shapes are profiled as ``model(input_ids=..., labels=...)`` runs them; a ``*args`` forward called so is
+    planned for its first shape alone, with a warning saying what to give."""
+    from remat.profiling import batch_of_call
+
+    model = make_gpt2(n_layer=2, n_embd=32, dropout=0.0, seed=0, n_positions=128)
+    plain = make_gpt2(n_layer=2, n_embd=32, dropout=0.0, seed=0, n_positions=128)
+    ids = _batch(4, 64)["input_ids"]
+    assert batch_of_call(model, (ids,), {"labels": ids}).keys() == {"input_ids", "labels"}
+    session = remat.fit(model, "1GiB", optimizer=torch.optim.SGD(model.parameters(), lr=0.0), shapes=True)
+    for rows, positions in [(4, 64), (2, 48), (3, 64)]:
+        ids = _batch(rows, positions, seed=rows)["input_ids"]
+        model(ids, labels=ids).loss.backward()
+        plain(ids, labels=ids).loss.backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+        session.optimizer.step()
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+    assert session.shape_plans is not None and set(session.shape_plans.seen) == {(2, 48), (3, 64)}
+    session.remove()
+
+    class Star(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+
+        def forward(self, *inputs: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            h = inputs[0]
+            for block in self.blocks:
+                h = block(h)
+            return h.sum() * scale
+
+    star = Star()
+    assert batch_of_call(star, (torch.ones(2, 4, 8),), {"scale": 2.0}) is None
+    session = remat.fit(star, "1GiB", optimizer=torch.optim.SGD(star.parameters(), lr=0.0), shapes=True)
+    with pytest.warns(UserWarning, match=r"takes its positional arguments as \*args.*batch=\.\.\."):
+        star(torch.ones(2, 4, 8), scale=2.0).backward()
+    session.optimizer.step()
+    assert session.shape_plans is None and not session.profiling
+    session.remove()
+
+
 def test_pgac_fits_its_mask_to_each_shape_within_the_budget(make_gpt2) -> None:
     model = make_gpt2(n_layer=4, n_embd=64, dropout=0.1, seed=0, n_positions=512)
     plain = make_gpt2(n_layer=4, n_embd=64, dropout=0.1, seed=0, n_positions=512)

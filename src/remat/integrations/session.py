@@ -63,7 +63,7 @@ from ..fitting import (
 )
 from ..meters import is_compiled, model_device
 from ..planning import STRATEGIES, Buckets, Plan, ShapePlans, check_plan_options, make_plan
-from ..profiling import BlockProfiler, profile, profile_shapes, step_aside
+from ..profiling import BlockProfiler, batch_of_call, profile, profile_shapes, step_aside
 from ..runtime import HandleHook, OwnsHooks, RecomputeStats, RematHandle, apply
 from .deepspeed import EngineSteps
 
@@ -446,7 +446,16 @@ class RematSession(OwnsHooks):
             if self._engine_steps is not None:
                 self._engine_steps.allocate_bucket()  # DeepSpeed's buffer, not the step's activations
             if self._shapes_later is not None:
-                self._first_batch = kwargs if kwargs else args if len(args) != 1 else args[0]
+                self._first_batch = batch_of_call(self.model, args, kwargs)
+                if self._first_batch is None:
+                    self._shapes_later = None
+                    warnings.warn(
+                        f"remat: shapes=True needs the first training batch in a form it can run again, and "
+                        f"{type(self.model).__name__}'s forward takes its positional arguments as *args, beside "
+                        "keyword ones: the plan is made for this batch's shape alone. Give remat.fit a sample of the "
+                        "largest batch (batch=...), or call the model with keyword arguments only",
+                        stacklevel=3,
+                    )
             self._profiler.__enter__()
         else:  # a second training forward before any optimizer step: the profiled step has ended
             if self.memory is not None and not self.accumulates:

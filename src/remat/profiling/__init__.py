@@ -31,10 +31,11 @@ from .estimate import (
 )
 from .profile_cache import cache_directory, cached_profile, keep_profile, profile_key
 from .profiler import BlockProfiler, price_segments, profile
-from .shape_profile import batch_at, measure_beyond, profile_shapes
+from .shape_profile import batch_at, batch_of_call, measure_beyond, profile_shapes
 
 __all__ = [
     "batch_at",
+    "batch_of_call",
     "measure_beyond",
     "profile_shapes",
     "cache_directory",

@@ -14,6 +14,7 @@ batch is cut in rows only, to half its rows: the costs then vary with the batch 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import Any
@@ -143,6 +144,32 @@ def _batch_shape(batch: Batch, sequence: bool) -> tuple[int, int] | None:
     return (rows, int(wide[0].shape[1])) if wide else None
 
 
+def batch_of_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Batch | None:
+    """The batch a forward of ``model`` was called with, in a form a profile replays (a tensor, a tuple of
+    positional arguments or a dict of keyword arguments): where a call has both (``model(ids, labels=ids)``), the
+    positional ones bound to their names in ``model.forward``'s signature; None where they cannot be (a
+    ``*args`` forward)."""
+    if not kwargs:
+        return args if len(args) != 1 else args[0]
+    if not args:
+        return kwargs
+    signature = inspect.signature(model.forward)
+    try:
+        bound = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    batch: dict[str, Any] = {}
+    for name, value in bound.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            return None
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            batch.update(value)
+        else:
+            batch[name] = value
+    return batch
+
+
 def measure_beyond(model: nn.Module, plans: ShapePlans, **options: Any) -> RemovableHandle:
     """Where a training batch comes beyond every shape ``plans``' costs were measured at, measure the costs again
     before its forward, at the larger of both in rows and in sequence (the batch's own rows and tokens repeated where
@@ -163,8 +190,8 @@ def measure_beyond(model: nn.Module, plans: ShapePlans, **options: Any) -> Remov
         nonlocal measuring
         if measuring or not torch.is_grad_enabled():
             return
-        batch: Batch = kwargs if kwargs else args if len(args) != 1 else args[0]
-        shape = _batch_shape(batch, sequence)
+        batch = batch_of_call(model, args, kwargs)
+        shape = _batch_shape(batch, sequence) if batch is not None else None
         if shape is None or not plans.beyond(*shape):
             return
         top = plans.costs.largest
@@ -189,4 +216,5 @@ def measure_beyond(model: nn.Module, plans: ShapePlans, **options: Any) -> Remov
     return model.register_forward_pre_hook(before_forward, with_kwargs=True)
 
 
-__all__ = ["batch_at", "batch_resized", "has_sequence", "measure_beyond", "measured_shapes", "profile_shapes"]
+__all__ = ["batch_at", "batch_of_call", "batch_resized", "has_sequence", "measure_beyond", "measured_shapes",
+           "profile_shapes"]
