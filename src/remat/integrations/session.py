@@ -244,11 +244,12 @@ class RematSession(OwnsHooks):
                 fit_own = ("policies", "rounds", "clock") if memory is not None else ()
                 check_plan_options(plan_strategy, self.options, also=fit_own, where="remat.fit")
             self.shape_plans: ShapePlans | None = None  # plans per input shape (shapes=True), docs/shapes.md
-            if shapes and (memory is None or plan is not None or costs is not None or strategy == "pgac"):
+            if shapes and (memory is None or plan is not None or costs is not None):
                 raise ValueError(
                     "shapes=True plans each input shape within memory=: it needs memory= (with batch=, the largest "
                     "batch the run will see, which is profiled and cut to smaller shapes; without, the first "
-                    "training batch is), and no plan= or costs="
+                    "training batch is), and no plan= or costs=. PGAC takes its shapes from "
+                    "pgac.plan_per_shape(remat.profile_shapes(model, batch))"
                 )
             # Without a batch, the first training batch is kept through its profiled step and cut to shapes then.
             self._shapes_later = (shapes, on_overflow) if shapes and batch is None else None
