@@ -260,7 +260,7 @@ def test_remat_fit_on_a_zero1_engine_refuses_what_nothing_fits_naming_deepspeeds
         remat.fit(engine, int(zero1_plain[0] * 0.8), batch=WIDE_BATCH, step=remat.StepSpec(accumulates=True))
 
 
-def gpt2_engine(torch_adam: bool) -> tuple[Any, Any]:
+def gpt2_engine() -> tuple[Any, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -268,7 +268,7 @@ def gpt2_engine(torch_adam: bool) -> tuple[Any, Any]:
                         eos_token_id=0)  # fmt: skip
     model = GPT2LMHeadModel(config)
     model.gradient_checkpointing_enable()
-    adam = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": torch_adam}}
+    adam = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
     ds_config = {**ZERO1, "train_micro_batch_size_per_gpu": 4, "optimizer": adam}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     return engine, model
@@ -294,10 +294,10 @@ def gpt2_steps(engine: Any, steps: int) -> tuple[list[int], list[float]]:
 def test_a_hugging_face_model_under_zero1_goes_through_the_hf_door_within_memory(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    engine, model = gpt2_engine(torch_adam=True)
+    engine, model = gpt2_engine()
     model.gradient_checkpointing_disable()
     plain_peaks, plain_losses = gpt2_steps(engine, 2)
-    engine, model = gpt2_engine(torch_adam=True)
+    engine, model = gpt2_engine()
     memory = int(max(plain_peaks) * 0.85)
     with caplog.at_level("WARNING", logger="remat"):
         session = remat.fit(engine, memory, batch={"input_ids": GPT2_IDS, "labels": GPT2_IDS})
@@ -312,11 +312,19 @@ def test_a_hugging_face_model_under_zero1_goes_through_the_hf_door_within_memory
     assert model.transformer.gradient_checkpointing  # Hugging Face's flag back on
 
 
-def test_deepspeeds_fused_adam_is_measured_once_it_has_state_and_refused_before() -> None:
-    engine, _ = gpt2_engine(torch_adam=False)
-    batch = {"input_ids": GPT2_IDS, "labels": GPT2_IDS}
-    with pytest.raises(RuntimeError, match=r"native kernels .* \"torch_adam\": true"):
-        remat.fit(engine, "1GiB", batch=batch)
+def test_deepspeeds_fused_adam_is_refused_before_its_state_exists_saying_what_to_do() -> None:
+    """DeepSpeed's FusedAdam steps with a native kernel that cannot run on meta tensors: before its first step the
+    fit refuses it and names the two ways out. The optimizer is DeepSpeed's own class, made without loading its
+    kernel (a JIT build of about a minute on a fresh machine), which the refusal never reaches."""
+    from deepspeed.ops.adam import FusedAdam
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), *[Wide() for _ in range(2)], nn.Linear(128, 4))
+    fused = FusedAdam.__new__(FusedAdam)
+    torch.optim.Optimizer.__init__(fused, model.parameters(), {"lr": 1e-3})
+    with pytest.raises(RuntimeError, match=r"deepspeed\.ops\.adam\.fused_adam\.FusedAdam.*native kernels.*Take one "
+                                           r"training step before remat\.fit.*\"torch_adam\": true"):
+        remat.fit(model, "1GiB", batch=torch.randn(8, 32), optimizer=fused, loss_fn=lambda out: out.square().mean())
 
 
 def test_a_first_step_profiled_under_zero1_does_not_count_the_reduce_bucket_as_activations(
