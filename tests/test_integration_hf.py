@@ -253,20 +253,24 @@ class TrainerStepMeter(transformers.TrainerCallback):
 
 
 def trainer_run(tmp_path: Any, fit: Callable[[torch.nn.Module, Any], Any] | None, seq_copies: int = 8,
+                data: list[dict[str, torch.Tensor]] | None = None, data_collator: Any = None,
                 **arguments: Any) -> tuple[torch.nn.Module, list[int], Any]:  # fmt: skip
-    """A 4-layer GPT-2 trained 4 steps by a ``Trainer`` (batches of 2, sequences of ``seq_copies * SEQ``), after
-    ``fit(model, training_arguments)`` where given: the model, each step's whole peak and what ``fit`` returned."""
+    """A 4-layer GPT-2 trained by a ``Trainer`` (4 steps unless ``max_steps=`` says otherwise; batches of 2 of
+    ``data``, by default sequences of ``seq_copies * SEQ``), after ``fit(model, training_arguments)`` where given:
+    the model, each step's whole peak and what ``fit`` returned."""
     torch.manual_seed(0)
     model = tiny_gpt2(4, n_embd=64, vocab=VOCAB, n_positions=128, use_cache=False)
-    data = [{k: v[0] for k, v in batch(i).items()} for i in range(16)]
-    data = [{k: torch.cat([v] * seq_copies) for k, v in item.items()} for item in data]
+    if data is None:
+        data = [{k: v[0] for k, v in batch(i).items()} for i in range(16)]
+        data = [{k: torch.cat([v] * seq_copies) for k, v in item.items()} for item in data]
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, use_cpu=True, report_to=[],
-        save_strategy="no", disable_tqdm=True, **arguments,
+        output_dir=str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[], save_strategy="no",
+        disable_tqdm=True, **{"max_steps": 4, **arguments},
     )  # fmt: skip
     session = fit(model, args) if fit is not None else None
     meter = TrainerStepMeter()
-    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[meter]).train()
+    transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=data_collator,
+                         callbacks=[meter]).train()  # fmt: skip
     return model, meter.peaks, session
 
 
@@ -536,22 +540,11 @@ def test_remat_fit_with_shapes_holds_the_memory_over_the_trainers_padded_batches
     data = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(i))}
             for i, n in enumerate(lengths)]  # fmt: skip
 
-    def run(fit: Callable[[torch.nn.Module], Any] | None) -> tuple[torch.nn.Module, list[int], Any]:
-        torch.manual_seed(0)
-        model = tiny_gpt2(4, n_embd=64, vocab=VOCAB, n_positions=128, use_cache=False)
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=2, use_cpu=True, report_to=[],
-            save_strategy="no", disable_tqdm=True,
-        )  # fmt: skip
-        session = fit(model) if fit is not None else None
-        meter = TrainerStepMeter()
-        transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=padded_to_longest,
-                             callbacks=[meter]).train()  # fmt: skip
-        return model, meter.peaks, session
-
-    reference, plain_peaks, _ = run(None)
+    padded = {"data": data, "data_collator": padded_to_longest, "max_steps": 12}
+    reference, plain_peaks, _ = trainer_run(tmp_path, None, **padded)
     memory = int(max(plain_peaks) * 0.8)
-    trained, peaks, session = run(lambda model: remat.fit(model, memory, shapes=True))
+    trained, peaks, session = trainer_run(tmp_path, lambda model, args: remat.fit(model, memory, shapes=True),
+                                          **padded)  # fmt: skip
     assert max(peaks) <= memory * 1.02, [round(p / memory, 3) for p in peaks]
     assert session.shape_plans is not None and len(session.shape_plans.plans) >= 2
     same_weights(trained, reference)

@@ -407,9 +407,9 @@ def _vision(name: str) -> torch.nn.Module:
     return transformers.ConvNextForImageClassification(config).train()
 
 
-def _images(rows: int, seed: int = 1) -> dict[str, torch.Tensor]:
+def _images(rows: int, seed: int = 1, size: int = 32) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    images, labels = torch.randn(rows, 3, 32, 32, generator=g), torch.randint(0, 5, (rows,), generator=g)
+    images, labels = torch.randn(rows, 3, size, size, generator=g), torch.randint(0, 5, (rows,), generator=g)
     return {"pixel_values": images, "labels": labels}
 
 
@@ -468,12 +468,8 @@ def test_smaller_images_run_within_the_budget_and_a_larger_one_is_refused_before
     the second dimension; for ConvNeXt, a larger feature map past it, which the (batch, channels) key hid."""
 
     def images(rows: int, size: int, seed: int) -> dict[str, Any]:
-        g = torch.Generator().manual_seed(seed)
-        batch: dict[str, Any] = {"pixel_values": torch.randn(rows, 3, size, size, generator=g),
-                                 "labels": torch.randint(0, 5, (rows,), generator=g)}  # fmt: skip
-        if name == "vit":
-            batch["interpolate_pos_encoding"] = True  # Hugging Face's ViT takes other image sizes with it
-        return batch
+        # Hugging Face's ViT takes other image sizes with interpolate_pos_encoding
+        return {**_images(rows, seed, size), **({"interpolate_pos_encoding": True} if name == "vit" else {})}
 
     model, plain = _vision(name), _vision(name)
     shapes = remat.profile_shapes(model, images(8, 32, 0), holds_output=False)

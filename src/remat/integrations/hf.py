@@ -305,9 +305,7 @@ def _pgac_checkpoints_class() -> type:
                     stacklevel=2,
                 )
                 return
-            pgac = self.session.pgac
-            pgac.load_state_dict(torch.load(path, weights_only=True))
-            self.session.costs = pgac.costs
+            self.session.load_pgac_state(torch.load(path, weights_only=True))
             self.resumed_from = str(path)
 
     return PGACCheckpoints

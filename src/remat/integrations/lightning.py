@@ -211,8 +211,7 @@ class RematCallback(_Base):  # type: ignore[misc, valid-type]
                 f"strategy {self.strategy!r}: resume with the strategy that saved it, or drop the callback's state "
                 "from the checkpoint (checkpoint['callbacks'])"
             )
-        session.pgac.load_state_dict(state["pgac"])
-        session.costs = session.pgac.costs
+        session.load_pgac_state(state["pgac"])
 
     def teardown(self, trainer: Any, pl_module: nn.Module, stage: str | None = None) -> None:
         if self.session is not None and stage in (None, "fit"):

@@ -202,8 +202,9 @@ class RematSession(OwnsHooks):
                 )
             if budget is not None:
                 raise ValueError("give memory= (the whole step's device memory) or an activation budget, not both")
-            device_memory(memory, model_device(model))  # a malformed memory fails here, not after the first step
-            warn_if_on_host(model_device(model), "remat.fit")
+            device = model_device(model)
+            device_memory(memory, device)  # a malformed memory fails here, not after the first step
+            warn_if_on_host(device, "remat.fit")
         else:
             check_strategy(strategy, budget)
         # A DeepSpeed engine: plans go on the model it holds, whole steps are measured through it (its buckets).
@@ -400,6 +401,14 @@ class RematSession(OwnsHooks):
             self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._end_of_step()))
         self._global_done = True
         return self
+
+    def load_pgac_state(self, state: dict[str, Any]) -> None:
+        """Resume PGAC from :meth:`remat.PGAC.state_dict` (a training checkpoint's); the session's costs are the
+        loaded ones."""
+        self._check_live()
+        assert self.pgac is not None
+        self.pgac.load_state_dict(state)
+        self.costs = self.pgac.costs
 
     def _end_of_step(self) -> None:
         if self._profiler is not None:
